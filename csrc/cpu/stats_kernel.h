@@ -1,0 +1,499 @@
+// The CPU kernel body: statistics of elements [begin, end) of one tensor, for one instruction
+// set. Each stats_kernel_<isa>.cpp defines FH_ISA_NS (and FH_ISA_AVX where AVX, FMA and F16C
+// conversions may be used), sets `#pragma GCC target`, and includes this file. Everything here
+// has internal linkage except the single entry point FH_ISA_NS::chunk_stats, so code compiled
+// for one ISA never leaks into another. No torch or standard-library header is included here,
+// for the same reason.
+//
+// Reference: fasthealth/reference.py. Method, per block of kBlock elements (it stays in L1):
+//  - fast path: vectorized min/max/zero count and float64 sums of x and x^2 (float64 keeps the
+//    unshifted variance well conditioned: its error is ~kBlock * 1e-16 * (mean/std)^2, far
+//    inside SPEC's 1e-4 for |mean|/std <= 1e3, and squares of float32 cannot overflow it);
+//  - the block's float64 sum is finite iff every element is (for float64 inputs, iff also the
+//    magnitudes are in a range where squares neither overflow nor underflow); otherwise the
+//    block is redone by the exact scalar slow path: counts NaN/+inf/-inf, two-pass moments,
+//    and a power-of-two scaled sum of squares;
+//  - blocks merge into the chunk's Partial with Chan's formula (csrc/stats.h).
+#pragma once
+
+#include "../stats.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#ifndef FH_ISA_NS
+#error "define FH_ISA_NS before including stats_kernel.h"
+#endif
+
+namespace fasthealth {
+namespace FH_ISA_NS {
+namespace {
+
+constexpr int64_t kBlock = 2048;
+
+// Vector width: 256-bit lanes with AVX, 128-bit (SSE2 / NEON) otherwise. GCC vector
+// extensions keep one source for both; the few operations they express badly use intrinsics.
+#if defined(FH_ISA_AVX)
+constexpr int FW = 8;
+typedef float vf __attribute__((vector_size(32)));
+typedef double vd __attribute__((vector_size(32)));
+#else
+constexpr int FW = 4;
+typedef float vf __attribute__((vector_size(16)));
+typedef double vd __attribute__((vector_size(16)));
+#endif
+constexpr int DW = FW / 2;
+
+inline vf splatf(float x) { return vf{} + x; }
+inline vd splatd(double x) { return vd{} + x; }
+inline vf loadf(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vd loadd(const double* p) {
+  vd v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+#if defined(FH_ISA_AVX)
+inline vd lo_d(vf v) { return (vd)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v)); }
+inline vd hi_d(vf v) { return (vd)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1)); }
+inline int count_zero(vf v) {
+  return __builtin_popcount(
+      _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_setzero_ps(), _CMP_EQ_OQ)));
+}
+inline int count_zero(vd v) {
+  return __builtin_popcount(
+      _mm256_movemask_pd(_mm256_cmp_pd((__m256d)v, _mm256_setzero_pd(), _CMP_EQ_OQ)));
+}
+#elif defined(__SSE2__)
+inline vd lo_d(vf v) { return (vd)_mm_cvtps_pd((__m128)v); }
+inline vd hi_d(vf v) { return (vd)_mm_cvtps_pd(_mm_movehl_ps((__m128)v, (__m128)v)); }
+inline int count_zero(vf v) {
+  return __builtin_popcount(_mm_movemask_ps(_mm_cmpeq_ps((__m128)v, _mm_setzero_ps())));
+}
+inline int count_zero(vd v) {
+  return __builtin_popcount(_mm_movemask_pd(_mm_cmpeq_pd((__m128d)v, _mm_setzero_pd())));
+}
+#else
+inline vd lo_d(vf v) { return vd{v[0], v[1]}; }
+inline vd hi_d(vf v) { return vd{v[2], v[3]}; }
+inline int count_zero(vf v) {
+  int c = 0;
+  for (int k = 0; k < FW; ++k) c += v[k] == 0.0f;
+  return c;
+}
+inline int count_zero(vd v) {
+  int c = 0;
+  for (int k = 0; k < DW; ++k) c += v[k] == 0.0;
+  return c;
+}
+#endif
+
+inline bool is_finite(double x) { return __builtin_isfinite(x); }
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  __builtin_memcpy(&f, &b, 4);
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    const float mag = (float)man * 5.9604644775390625e-8f;  // man * 2^-24
+    return sign ? -mag : mag;
+  }
+  return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+inline float f8e4m3fn_to_float(uint8_t b) {
+  const bool neg = b & 0x80u;
+  const uint32_t exp = (b >> 3) & 0xfu;
+  const uint32_t man = b & 0x7u;
+  float mag;
+  if (exp == 0xf && man == 0x7) {
+    mag = __builtin_nanf("");
+  } else if (exp == 0) {
+    mag = (float)man * 0.001953125f;  // man * 2^-9
+  } else {
+    mag = __builtin_ldexpf(1.0f + (float)man * 0.125f, (int)exp - 7);
+  }
+  return neg ? -mag : mag;
+}
+
+// ---- loaders: FW elements as float32 lanes straight from memory (no staging buffer) ----------
+
+struct LoadF32 {
+  using T = float;
+  static vf load(const T* p) { return loadf(p); }
+  static double load1(const T* p) { return *p; }
+};
+
+struct LoadBF16 {  // bfloat16 is the high half of a float32
+  using T = uint16_t;
+  static vf load(const T* p) {
+#if defined(FH_ISA_AVX)
+    const __m128i h = _mm_loadu_si128((const __m128i*)p);
+    const __m128i z = _mm_setzero_si128();
+    const __m128 lo = _mm_castsi128_ps(_mm_unpacklo_epi16(z, h));
+    const __m128 hi = _mm_castsi128_ps(_mm_unpackhi_epi16(z, h));
+    return (vf)_mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+#elif defined(__SSE2__)
+    const __m128i h = _mm_loadl_epi64((const __m128i*)p);
+    return (vf)_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+#else
+    vf v;
+    for (int k = 0; k < FW; ++k) v[k] = bits_to_float((uint32_t)p[k] << 16);
+    return v;
+#endif
+  }
+  static double load1(const T* p) { return bits_to_float((uint32_t)*p << 16); }
+};
+
+struct LoadF16 {
+  using T = uint16_t;
+  static vf load(const T* p) {
+#if defined(FH_ISA_AVX)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    vf v;
+    for (int k = 0; k < FW; ++k) v[k] = half_to_float(p[k]);
+    return v;
+#endif
+  }
+  static double load1(const T* p) { return half_to_float(*p); }
+};
+
+struct LoadF64 {
+  using T = double;
+  static double load1(const T* p) { return *p; }
+};
+
+// 2^-480 .. 2^480: squares of such values, summed kBlock times, neither overflow nor lose
+// precision to underflow in float64.
+constexpr double kSafeLo = 3.2207592638585077e-145;  // 2^-480
+constexpr double kSafeHi = 3.1048466066857303e+144;  // 2^480
+
+// Exact scalar path for a block with non-finite values or extreme magnitudes.
+template <typename L>
+Partial block_slow(const typename L::T* x, int64_t n) {
+  Partial p = partial_empty();
+  p.n = n;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = L::load1(x + i);
+    if (v != v) continue;
+    if (v == __builtin_huge_val()) {
+      ++p.posinf;
+    } else if (v == -__builtin_huge_val()) {
+      ++p.neginf;
+    } else {
+      ++p.finite;
+      p.zero += v == 0.0;
+      if (v < p.fmin) p.fmin = v;
+      if (v > p.fmax) p.fmax = v;
+    }
+  }
+  if (p.finite == 0) return p;
+  const double amax = -p.fmin > p.fmax ? -p.fmin : p.fmax;
+  double scale = 1.0;
+  if (amax != 0.0 && (amax < kSafeLo || amax > kSafeHi)) {
+    int e;
+    __builtin_frexp(amax, &e);
+    scale = __builtin_ldexp(1.0, e);
+  }
+  const double inv = 1.0 / scale;  // a power of two: scaling is exact
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = L::load1(x + i);
+    if (is_finite(v)) sum += v * inv;
+  }
+  const double mean = sum / (double)p.finite;
+  double m2 = 0.0, ssq = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = L::load1(x + i);
+    if (is_finite(v)) {
+      const double y = v * inv;
+      const double d = y - mean;
+      m2 += d * d;
+      ssq += y * y;
+    }
+  }
+  p.mean = mean * scale;
+  p.m2 = m2 * scale * scale;
+  p.scale = scale;
+  p.ssq = ssq;
+  return p;
+}
+
+inline Partial block_from_sums(int64_t n, int64_t zero, double mn, double mx, double s, double q) {
+  Partial p = partial_empty();
+  p.n = n;
+  p.finite = n;
+  p.zero = zero;
+  p.fmin = mn;
+  p.fmax = mx;
+  p.mean = s / (double)n;
+  const double m2 = q - s * p.mean;
+  p.m2 = m2 > 0.0 ? m2 : 0.0;
+  p.ssq = q;
+  return p;
+}
+
+// Wide path for inputs of 32 bits or fewer: float64 lanes for the sums (exact enough whatever
+// the shift or the magnitudes; non-finite blocks go on to block_slow).
+template <typename L>
+Partial block_f32_wide(const typename L::T* x, int64_t n) {
+  if (n == 0) return partial_empty();
+  const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
+  vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
+  vd s0 = splatd(0), s1 = s0, s2 = s0, s3 = s0, q0 = s0, q1 = s0, q2 = s0, q3 = s0;
+  int64_t zero = 0;
+  int64_t i = 0;
+  for (; i + 2 * FW <= n; i += 2 * FW) {
+    const vf a = L::load(x + i), b = L::load(x + i + FW);
+    mn0 = a < mn0 ? a : mn0;
+    mn1 = b < mn1 ? b : mn1;
+    mx0 = a > mx0 ? a : mx0;
+    mx1 = b > mx1 ? b : mx1;
+    zero += count_zero(a) + count_zero(b);
+    const vd a0 = lo_d(a), a1 = hi_d(a), b0 = lo_d(b), b1 = hi_d(b);
+    s0 += a0;
+    s1 += a1;
+    s2 += b0;
+    s3 += b1;
+    q0 += a0 * a0;
+    q1 += a1 * a1;
+    q2 += b0 * b0;
+    q3 += b1 * b1;
+  }
+  mn0 = mn1 < mn0 ? mn1 : mn0;
+  mx0 = mx1 > mx0 ? mx1 : mx0;
+  s0 += s1 + s2 + s3;
+  q0 += q1 + q2 + q3;
+  double mn = __builtin_huge_val(), mx = -mn, s = 0, q = 0;
+  for (int k = 0; k < FW; ++k) {
+    mn = mn0[k] < mn ? mn0[k] : mn;
+    mx = mx0[k] > mx ? mx0[k] : mx;
+  }
+  for (int k = 0; k < DW; ++k) {
+    s += s0[k];
+    q += q0[k];
+  }
+  for (; i < n; ++i) {
+    const double v = L::load1(x + i);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    zero += v == 0.0;
+    s += v;
+    q += v * v;
+  }
+  // Finite float32 values cannot make a float64 sum non-finite: this is the NaN/Inf test.
+  if (!is_finite(s) || !is_finite(q)) return block_slow<L>(x, n);
+  return block_from_sums(n, zero, mn, mx, s, q);
+}
+
+// 2^-40 .. 2^60: float32 squares of such values, 16 to a lane, neither overflow nor lose
+// precision to subnormals.
+constexpr double kF32Lo = 9.094947017729282e-13;   // 2^-40
+constexpr double kF32Hi = 1.152921504606847e+18;   // 2^60
+// Largest sum(d^2) / M2 (d = x - shift) accepted from float32 sums: it bounds the relative error
+// of the variance by ~kMaxCancel * 16 * 2^-24 = 3e-5, inside SPEC's 1e-4 for std.
+constexpr double kMaxCancel = 32.0;
+
+// Fast path for inputs of 32 bits or fewer: float32 lanes throughout, sums of x, (x - K) and
+// (x - K)^2 folded into float64 every 16 elements per lane (so float32 rounding stays ~1e-6
+// relative), K the block's first element. Blocks it cannot serve exactly (non-finite values,
+// extreme magnitudes, a shift far from the mean) go to block_f32_wide.
+template <typename L>
+Partial block_f32(const typename L::T* x, int64_t n) {
+  if (n < 4 * FW) return block_f32_wide<L>(x, n);
+  const float k = (float)L::load1(x);
+  const vf kv = splatf(k);
+  const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
+  const vf zf = splatf(0.0f);
+  vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
+  vd sd = splatd(0), sq = sd, sp = sd;
+  int64_t zero = 0;
+  int64_t i = 0;
+  constexpr int64_t kSub = 16 * 2 * FW;  // elements per float32 sub-block
+  // Streaming from DRAM, the hardware prefetcher alone leaves this loop waiting on memory.
+  constexpr int64_t kPrefetch = 2048 / sizeof(typename L::T);
+  while (i + 2 * FW <= n) {
+    const int64_t stop = i + kSub <= n ? i + kSub : n - (n - i) % (2 * FW);
+    vf d0 = zf, d1 = zf, q0 = zf, q1 = zf, p0 = zf, p1 = zf;
+    for (; i < stop; i += 2 * FW) {
+      __builtin_prefetch(x + i + kPrefetch);
+      const vf a = L::load(x + i), b = L::load(x + i + FW);
+      mn0 = a < mn0 ? a : mn0;
+      mn1 = b < mn1 ? b : mn1;
+      mx0 = a > mx0 ? a : mx0;
+      mx1 = b > mx1 ? b : mx1;
+      zero += count_zero(a) + count_zero(b);
+      const vf da = a - kv, db = b - kv;
+      d0 += da;
+      d1 += db;
+      q0 += da * da;
+      q1 += db * db;
+      p0 += a * a;
+      p1 += b * b;
+    }
+    d0 += d1;
+    q0 += q1;
+    p0 += p1;
+    sd += lo_d(d0) + hi_d(d0);
+    sq += lo_d(q0) + hi_d(q0);
+    sp += lo_d(p0) + hi_d(p0);
+  }
+  mn0 = mn1 < mn0 ? mn1 : mn0;
+  mx0 = mx1 > mx0 ? mx1 : mx0;
+  double mn = __builtin_huge_val(), mx = -mn, s = 0, q = 0, pp = 0;
+  for (int k2 = 0; k2 < FW; ++k2) {
+    mn = mn0[k2] < mn ? mn0[k2] : mn;
+    mx = mx0[k2] > mx ? mx0[k2] : mx;
+  }
+  for (int k2 = 0; k2 < DW; ++k2) {
+    s += sd[k2];
+    q += sq[k2];
+    pp += sp[k2];
+  }
+  for (; i < n; ++i) {
+    const double v = L::load1(x + i);
+    const double d = v - (double)k;
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    zero += v == 0.0;
+    s += d;
+    q += d * d;
+    pp += v * v;
+  }
+  const double amax = -mn > mx ? -mn : mx;
+  if (!(is_finite(s) && is_finite(q) && is_finite(pp)) ||
+      (amax != 0.0 && (amax < kF32Lo || amax > kF32Hi))) {
+    return block_f32_wide<L>(x, n);
+  }
+  const double m2 = q - s * s / (double)n;
+  if (q > kMaxCancel * m2) return block_f32_wide<L>(x, n);
+  Partial p = block_from_sums(n, zero, mn, mx, 0.0, 0.0);
+  p.mean = (double)k + s / (double)n;
+  p.m2 = m2 > 0.0 ? m2 : 0.0;
+  p.ssq = pp;
+  return p;
+}
+
+Partial block_f64(const double* x, int64_t n) {
+  if (n == 0) return partial_empty();
+  const vd pinf = splatd(__builtin_huge_val()), ninf = -pinf, zero_d = splatd(0);
+  vd mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
+  vd s0 = zero_d, s1 = zero_d, q0 = zero_d, q1 = zero_d;
+  int64_t zero = 0;
+  int64_t i = 0;
+  for (; i + 2 * DW <= n; i += 2 * DW) {
+    const vd a = loadd(x + i), b = loadd(x + i + DW);
+    mn0 = a < mn0 ? a : mn0;
+    mn1 = b < mn1 ? b : mn1;
+    mx0 = a > mx0 ? a : mx0;
+    mx1 = b > mx1 ? b : mx1;
+    zero += count_zero(a) + count_zero(b);
+    s0 += a;
+    s1 += b;
+    q0 += a * a;
+    q1 += b * b;
+  }
+  mn0 = mn1 < mn0 ? mn1 : mn0;
+  mx0 = mx1 > mx0 ? mx1 : mx0;
+  s0 += s1;
+  q0 += q1;
+  double mn = __builtin_huge_val(), mx = -mn, s = 0, q = 0;
+  for (int k = 0; k < DW; ++k) {
+    mn = mn0[k] < mn ? mn0[k] : mn;
+    mx = mx0[k] > mx ? mx0[k] : mx;
+    s += s0[k];
+    q += q0[k];
+  }
+  for (; i < n; ++i) {
+    const double v = x[i];
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    zero += v == 0.0;
+    s += v;
+    q += v * v;
+  }
+  const double amax = -mn > mx ? -mn : mx;
+  const bool safe = is_finite(s) && is_finite(q) &&
+                    (amax == 0.0 || (amax >= kSafeLo && amax <= kSafeHi));
+  if (!safe) return block_slow<LoadF64>(x, n);
+  return block_from_sums(n, zero, mn, mx, s, q);
+}
+
+// Rare element types (float8, integers, bool) are widened into an L1-resident buffer first.
+template <typename T>
+void widen(const void* data, int64_t begin, int64_t n, double* out) {
+  const T* p = (const T*)data + begin;
+  for (int64_t i = 0; i < n; ++i) out[i] = (double)p[i];
+}
+
+Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float* fbuf,
+                    double* dbuf) {
+  switch (dtype) {
+    case kF32:
+      return block_f32<LoadF32>((const float*)data + begin, n);
+    case kBF16:
+      return block_f32<LoadBF16>((const uint16_t*)data + begin, n);
+    case kF16:
+      return block_f32<LoadF16>((const uint16_t*)data + begin, n);
+    case kF64:
+      return block_f64((const double*)data + begin, n);
+    case kF8E5M2: {  // the high byte of a float16
+      const uint8_t* p = (const uint8_t*)data + begin;
+      for (int64_t i = 0; i < n; ++i) fbuf[i] = half_to_float((uint16_t)(p[i] << 8));
+      return block_f32<LoadF32>(fbuf, n);
+    }
+    case kF8E4M3: {
+      const uint8_t* p = (const uint8_t*)data + begin;
+      for (int64_t i = 0; i < n; ++i) fbuf[i] = f8e4m3fn_to_float(p[i]);
+      return block_f32<LoadF32>(fbuf, n);
+    }
+    case kI8:
+      widen<int8_t>(data, begin, n, dbuf);
+      break;
+    case kU8:
+    case kBool:
+      widen<uint8_t>(data, begin, n, dbuf);
+      break;
+    case kI16:
+      widen<int16_t>(data, begin, n, dbuf);
+      break;
+    case kI32:
+      widen<int32_t>(data, begin, n, dbuf);
+      break;
+    case kI64:
+      widen<int64_t>(data, begin, n, dbuf);
+      break;
+    default:
+      __builtin_trap();  // the caller validated the dtype
+  }
+  return block_f64(dbuf, n);
+}
+
+}  // namespace
+
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end) {
+  alignas(64) float fbuf[kBlock];
+  alignas(64) double dbuf[kBlock];
+  Partial acc = partial_empty();
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = end - b < kBlock ? end - b : kBlock;
+    acc = partial_merge(acc, block_stats(data, dtype, b, n, fbuf, dbuf));
+  }
+  return acc;
+}
+
+}  // namespace FH_ISA_NS
+}  // namespace fasthealth

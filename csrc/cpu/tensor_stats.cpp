@@ -1,0 +1,112 @@
+// CPU implementation of fasthealth::multi_tensor_stats: one parallel pass over a work list of
+// (tensor, chunk) items covering every input, then a deterministic pairwise merge.
+//   reference: fasthealth/reference.py   kernel: stats_kernel.h   record: ../stats.h
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "../inputs.h"
+
+namespace fasthealth {
+
+namespace avx {
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end);
+}
+namespace base {
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end);
+}
+
+namespace {
+
+using ChunkFn = Partial (*)(const void*, int, int64_t, int64_t);
+
+struct Isa {
+  ChunkFn fn;
+  const char* name;
+};
+
+// FASTHEALTH_CPU_ISA=base forces the portable kernel (the tests run both).
+Isa select_isa() {
+  const char* env = std::getenv("FASTHEALTH_CPU_ISA");
+  const bool want_base = env != nullptr && std::strcmp(env, "base") == 0;
+  TORCH_CHECK(env == nullptr || want_base || std::strcmp(env, "avx") == 0,
+              "fasthealth: FASTHEALTH_CPU_ISA must be 'avx' or 'base', got '", env, "'");
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  const bool has_avx = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma") &&
+                       __builtin_cpu_supports("f16c");
+  TORCH_CHECK(!(env != nullptr && !want_base && !has_avx),
+              "fasthealth: FASTHEALTH_CPU_ISA=avx but this CPU lacks AVX, FMA or F16C");
+  if (has_avx && !want_base) return {&avx::chunk_stats, "avx"};
+#endif
+  return {&base::chunk_stats, "base"};
+}
+
+const Isa& isa() {
+  static const Isa selected = select_isa();
+  return selected;
+}
+
+// 64K elements: large enough that per-chunk overhead vanishes, small enough to balance many
+// tensors over the threads.
+constexpr int64_t kChunk = 64 * 1024;
+
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+}  // namespace
+
+const char* cpu_isa_name() { return isa().name; }
+
+at::Tensor multi_tensor_stats_cpu(at::TensorList tensors) {
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  std::vector<at::Tensor> dense(n);
+  std::vector<int> codes(n);
+  std::vector<int64_t> first_chunk(n + 1, 0);
+  std::vector<Chunk> chunks;
+  for (int64_t i = 0; i < n; ++i) {
+    check_input(tensors[i], i, c10::DeviceType::CPU);
+    codes[i] = dtype_code(tensors[i], i);
+    dense[i] = dense_view(tensors[i]);
+    const int64_t numel = dense[i].numel();
+    first_chunk[i] = static_cast<int64_t>(chunks.size());
+    for (int64_t b = 0; b < numel; b += kChunk) {
+      chunks.push_back({i, b, b + kChunk < numel ? b + kChunk : numel});
+    }
+  }
+  first_chunk[n] = static_cast<int64_t>(chunks.size());
+
+  const ChunkFn fn = isa().fn;
+  std::vector<Partial> parts(chunks.size());
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const Chunk& ch = chunks[c];
+      parts[c] = fn(dense[ch.tensor].data_ptr(), codes[ch.tensor], ch.begin, ch.end);
+    }
+  });
+
+  std::vector<Partial> per_tensor(n);
+  for (int64_t i = 0; i < n; ++i) {
+    per_tensor[i] = partial_merge_range(parts.data() + first_chunk[i],
+                                        first_chunk[i + 1] - first_chunk[i]);
+  }
+  const Partial total = partial_merge_range(per_tensor.data(), n);
+
+  at::Tensor out = at::empty({n + 1, kNumFields}, at::TensorOptions().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) partial_finalize(per_tensor[i], o + i * kNumFields);
+  partial_finalize(total, o + n * kNumFields);
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(fasthealth, CPU, m) {
+  m.impl("multi_tensor_stats", &multi_tensor_stats_cpu);
+}
+
+}  // namespace fasthealth

@@ -1,0 +1,25 @@
+// Op schemas and the Python module fasthealth._C. Kernels register themselves per device:
+// cpu/tensor_stats.cpp (CPU) and cuda/tensor_stats.cu (CUDA); triton_kernels/ adds its own op.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+namespace fasthealth {
+const char* cpu_isa_name();
+}
+
+TORCH_LIBRARY(fasthealth, m) {
+  // Row i < N: statistics of tensors[i]; row N: of all elements together. Columns: the fields of
+  // csrc/stats.h (fasthealth.stats.FIELDS), float64, counts as exact integers.
+  m.def("multi_tensor_stats(Tensor[] tensors) -> Tensor");
+}
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fasthealth compiled kernels (ops live under torch.ops.fasthealth)";
+  m.def("cpu_isa", []() { return std::string(fasthealth::cpu_isa_name()); },
+        "Instruction set of the CPU kernel chosen at first use: 'avx' or 'base'.");
+#ifdef FASTHEALTH_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,48 @@
+// Input validation and element-type codes, shared by the CPU and CUDA launchers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "stats.h"
+
+namespace fasthealth {
+
+// Maps a tensor's dtype to the kernels' DType code, or fails naming the input by its index.
+inline int dtype_code(const at::Tensor& t, size_t index) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    case at::kChar: return kI8;
+    case at::kByte: return kU8;
+    case at::kShort: return kI16;
+    case at::kInt: return kI32;
+    case at::kLong: return kI64;
+    case at::kBool: return kBool;
+    case at::kFloat8_e4m3fn: return kF8E4M3;
+    case at::kFloat8_e5m2: return kF8E5M2;
+    default:
+      TORCH_CHECK_TYPE(false, "fasthealth: input ", index, " has unsupported dtype ",
+                       t.scalar_type(), " (floating, integer, bool and float8 are supported)");
+  }
+  return -1;
+}
+
+// Returns a tensor whose `numel` elements lie densely from data_ptr(), in any order (statistics
+// do not depend on order): the input itself when it is contiguous or merely permuted, else a
+// contiguous copy (expanded and sliced views).
+inline at::Tensor dense_view(const at::Tensor& t) {
+  if (t.is_contiguous() || t.is_non_overlapping_and_dense()) return t;
+  return t.contiguous();
+}
+
+inline void check_input(const at::Tensor& t, size_t index, c10::DeviceType device_type) {
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, "fasthealth: input ", index,
+                   " is a ", t.layout(), " tensor; only strided (dense) tensors are supported");
+  TORCH_CHECK(t.device().type() == device_type, "fasthealth: input ", index, " is on ",
+              t.device(), " but this kernel runs on ", device_type, " tensors");
+  dtype_code(t, index);
+}
+
+}  // namespace fasthealth

@@ -1,0 +1,103 @@
+"""Choosing a backend per device, and running it.
+
+========  ===========================================  ======================================
+name      runs on                                      implementation
+========  ===========================================  ======================================
+torch     any device                                   fasthealth/reference.py (the spec)
+cpu       CPU tensors                                  csrc/cpu/ (C++, threads + SIMD)
+cuda      CUDA tensors                                 csrc/cuda/ (CUDA C++)
+triton    CUDA tensors (CPU under TRITON_INTERPRET=1)  triton_kernels/tensor_stats.py
+========  ===========================================  ======================================
+
+``backend=None`` or ``"auto"`` takes ``FASTHEALTH_BACKEND`` if set, else the fastest available
+for the device: cuda > triton > torch on GPUs, cpu > torch on CPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+
+import torch
+
+from . import _ops, reference
+
+BACKENDS = ("torch", "cpu", "cuda", "triton")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this process, fastest first within each device."""
+    out = []
+    cuda_ok = torch.cuda.is_available()
+    if _ops.has_compiled_cuda() and cuda_ok:
+        out.append("cuda")
+    if _triton_importable() and (cuda_ok or _triton_interpret()):
+        out.append("triton")
+    if _ops.has_compiled():
+        out.append("cpu")
+    out.append("torch")
+    return out
+
+
+def _supports(backend: str, device: torch.device) -> str | None:
+    """None if ``backend`` can run on ``device``, else the reason it cannot."""
+    if backend == "torch":
+        return None
+    if backend == "cpu":
+        if device.type != "cpu":
+            return "the 'cpu' backend runs on CPU tensors only"
+        if not _ops.has_compiled():
+            return f"fasthealth._C is not available ({_ops.load_error})"
+        return None
+    if backend == "cuda":
+        if device.type != "cuda":
+            return "the 'cuda' backend runs on CUDA tensors only"
+        if not _ops.has_compiled_cuda():
+            return "fasthealth._C was built without CUDA kernels"
+        return None
+    if backend == "triton":
+        if not _triton_importable():
+            return "triton is not installed"
+        if device.type == "cuda" or (device.type == "cpu" and _triton_interpret()):
+            return None
+        return "the 'triton' backend runs on CUDA tensors (CPU tensors need TRITON_INTERPRET=1)"
+    return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'"
+
+
+def resolve(backend: str | None, device: torch.device) -> str:
+    """The backend to use for tensors on ``device``; raises ValueError naming the problem."""
+    source = "backend="
+    if backend is None or backend == "auto":
+        env = os.environ.get("FASTHEALTH_BACKEND", "").strip()
+        if env and env != "auto":
+            backend, source = env, "FASTHEALTH_BACKEND="
+        else:
+            order = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
+            for name in order:
+                if _supports(name, device) is None:
+                    return name
+            return "torch"
+    why = _supports(backend, device)
+    if why is not None:
+        raise ValueError(f"fasthealth: {source}{backend!r} cannot run on {device}: {why}")
+    return backend
+
+
+def run(backend: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The FIELDS table ``[len(tensors) + 1, NUM_FIELDS]`` of tensors on one device."""
+    if backend == "torch":
+        return reference.multi_tensor_stats(tensors)
+    if backend == "triton":
+        from triton_kernels import tensor_stats as triton_stats
+
+        return triton_stats.multi_tensor_stats_triton(list(tensors))
+    return torch.ops.fasthealth.multi_tensor_stats(list(tensors))

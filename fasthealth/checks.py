@@ -1,0 +1,210 @@
+"""The public checks of SPEC section 3: tensor_stats, multi_tensor_stats, check_grads,
+check_tensor_health.
+
+One fused pass per device over all inputs; nothing here synchronizes with the device except
+``check_tensor_health`` (it must print) and the explicit host accessors of the results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from . import backends, reference
+from .stats import NUM_FIELDS, MultiTensorStats, TensorStats
+
+
+def _describe(i: int, name: str | None) -> str:
+    return f"input {i}" + (f" ({name!r})" if name is not None else "")
+
+
+def _validate(tensors: Sequence[Any], names: Sequence[str] | None) -> None:
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"fasthealth: {_describe(i, names[i] if names else None)} is a "
+                f"{type(t).__name__}, not a torch.Tensor"
+            )
+        if t.is_complex():
+            raise TypeError(
+                f"fasthealth: {_describe(i, names[i] if names else None)} is complex "
+                f"({t.dtype}); check t.real and t.imag separately"
+            )
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"fasthealth: {_describe(i, names[i] if names else None)} has layout "
+                f"{t.layout}; only dense (strided) tensors are supported, use .to_dense()"
+            )
+        if t.is_meta:
+            raise ValueError(
+                f"fasthealth: {_describe(i, names[i] if names else None)} is a meta tensor "
+                "and has no values to check"
+            )
+
+
+def _table(
+    tensors: list[torch.Tensor], names: list[str] | None, backend: str | None
+) -> torch.Tensor:
+    """The FIELDS table of tensors that may sit on several devices.
+
+    The common case (one device) costs one kernel call and no Python loop over the inputs: the
+    kernels validate every input themselves. Only when that fails does Python look at each input,
+    to name the bad one, or to split a call over several devices.
+    """
+    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
+    if device is None or device.type == "meta":
+        _validate(tensors, names)
+    name = backends.resolve(backend, device)
+    with torch.no_grad():
+        try:
+            return backends.run(name, tensors)
+        except Exception:
+            _validate(tensors, names)  # raises TypeError/ValueError naming the bad input
+            if all(t.device == device for t in tensors):
+                raise
+        return _table_mixed(tensors, backend)
+
+
+def _table_mixed(tensors: list[torch.Tensor], backend: str | None) -> torch.Tensor:
+    """One fused pass per device, rows gathered on the first input's device; the copies between
+    devices are the one place a call may synchronize."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    home = tensors[0].device
+    table = torch.empty((len(tensors) + 1, NUM_FIELDS), dtype=torch.float64, device=home)
+    totals = []
+    for device, idx in groups.items():
+        part = backends.run(backends.resolve(backend, device), [tensors[i] for i in idx])
+        part = part.to(home)
+        table[torch.tensor(idx, device=home)] = part[:-1]
+        totals.append(part[-1])
+    table[-1] = reference.merge_rows(torch.stack(totals))
+    return table
+
+
+def multi_tensor_stats(
+    tensors: Sequence[torch.Tensor],
+    *,
+    names: Sequence[str] | None = None,
+    backend: str | None = None,
+) -> MultiTensorStats:
+    """Statistics of every tensor and of all of them together, in one fused pass.
+
+    Inputs may mix dtypes (floating, integer, bool) and devices; non-contiguous views are read
+    as they are. See SPEC section 2 for each field's NaN/Inf semantics. No host sync.
+    """
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(
+            "fasthealth: multi_tensor_stats takes a sequence of tensors; "
+            "for a single tensor use fasthealth.tensor_stats(t)"
+        )
+    tensors = list(tensors)
+    if names is not None:
+        names = [str(n) for n in names]
+        if len(names) != len(tensors):
+            raise ValueError(
+                f"fasthealth: got {len(names)} names for {len(tensors)} tensors"
+            )
+    if not tensors:
+        empty = torch.empty(0, dtype=torch.float64)
+        return MultiTensorStats(reference.tensor_stats_row(empty)[None], [], [])
+    table = _table(tensors, names, backend)
+    if names is None:
+        names = [str(i) for i in range(len(tensors))]
+    return MultiTensorStats(table, names, [t.dtype for t in tensors])
+
+
+def tensor_stats(t: torch.Tensor, *, backend: str | None = None) -> TensorStats:
+    """Statistics of one tensor (SPEC section 2): 0-dim tensors on ``t``'s device, no sync."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fasthealth: tensor_stats expects a torch.Tensor, got {type(t).__name__}")
+    return multi_tensor_stats([t], names=["t"], backend=backend)[0]
+
+
+def _named_parameters(model_or_params: Any) -> Iterable[tuple[str, Any]]:
+    if isinstance(model_or_params, torch.nn.Module):
+        return model_or_params.named_parameters()  # tied parameters appear once
+    if isinstance(model_or_params, torch.Tensor):
+        return [("0", model_or_params)]
+    try:
+        items = list(model_or_params)
+    except TypeError:
+        raise TypeError(
+            "fasthealth: check_grads expects an nn.Module or an iterable of parameters or of "
+            f"(name, parameter) pairs, got {type(model_or_params).__name__}"
+        ) from None
+    pairs = []
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            pairs.append((str(i), item))
+        elif (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            pairs.append(item)
+        else:
+            raise TypeError(
+                f"fasthealth: check_grads item {i} is a {type(item).__name__}; expected a "
+                "parameter or a (name, parameter) pair"
+            )
+    return pairs
+
+
+def check_grads(
+    model_or_params: Any,
+    *,
+    backend: str | None = None,
+    process_group: Any = None,
+) -> MultiTensorStats:
+    """Statistics of every parameter's ``.grad`` and of all gradients together.
+
+    ``model_or_params``: an ``nn.Module`` (names from ``named_parameters()``), or an iterable of
+    parameters or of ``(name, parameter)`` pairs. Parameters without a gradient are skipped and
+    listed in ``.missing``; a parameter reached twice (tied weights) is counted once.
+    ``total.norm`` is the global gradient norm, ``all_finite`` gates a step without a sync.
+    """
+    if process_group is not None:
+        raise NotImplementedError(
+            "fasthealth: check_grads(process_group=...) is not implemented yet (SPEC section 8)"
+        )
+    grads: list[torch.Tensor] = []
+    names: list[str] = []
+    missing: list[str] = []
+    seen: set[int] = set()
+    for name, p in _named_parameters(model_or_params):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.grad is None:
+            missing.append(name)
+        else:
+            grads.append(p.grad)
+            names.append(name)
+    stats = multi_tensor_stats(grads, names=names, backend=backend)
+    stats.missing = missing
+    return stats
+
+
+def check_tensor_health(tensor: torch.Tensor, name: str = "tensor") -> bool:
+    """Drop-in for the hand-written helper: prints what is wrong and returns False, else True.
+
+    Prints exactly ``Problem detected in tensor '<name>':`` then, when present, the NaN pair
+    (``  - Contains NaN values!`` / ``  - NaN count: <n>``) and the Inf pair. One host sync.
+    """
+    s = tensor_stats(tensor)
+    nan_count, inf_count = torch.stack([s.nan_count, s.inf_count]).tolist()
+    if nan_count == 0 and inf_count == 0:
+        return True
+    print(f"Problem detected in tensor '{name}':")
+    if nan_count:
+        print("  - Contains NaN values!")
+        print(f"  - NaN count: {nan_count}")
+    if inf_count:
+        print("  - Contains Inf values!")
+        print(f"  - Inf count: {inf_count}")
+    return False

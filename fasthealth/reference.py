@@ -1,0 +1,172 @@
+"""The specification in plain torch (SPEC section 2), and the ``torch`` backend.
+
+``tensor_stats_row`` is written as the contract states each field, computed in float64; every
+test compares the compiled and Triton kernels against it. It masks instead of indexing
+(``where(isfinite(d), d, 0)`` rather than ``d[isfinite(d)]``) so that it, too, runs without a
+host sync on the GPU. ``merge_rows`` combines the rows of disjoint groups of elements (tensors,
+devices, ranks) exactly: counts add, extremes combine, moments merge with Chan's formula, norms
+combine scaled by their maximum so they do not overflow.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .stats import COL, NUM_FIELDS
+
+_INF = float("inf")
+_NAN = float("nan")
+
+
+def tensor_stats_row(t: torch.Tensor) -> torch.Tensor:
+    """SPEC section 2 for one tensor: a float64 row of FIELDS on ``t``'s device."""
+    d = t.detach().double()
+    dev = d.device
+    n = d.numel()
+    out = torch.empty(NUM_FIELDS, dtype=torch.float64, device=dev)
+    nan_count = torch.isnan(d).sum()
+    posinf = (d == _INF).sum()
+    neginf = (d == -_INF).sum()
+    finite = torch.isfinite(d)
+    nf = finite.sum()
+    out[COL["numel"]] = n
+    out[COL["nan_count"]] = nan_count
+    out[COL["posinf_count"]] = posinf
+    out[COL["neginf_count"]] = neginf
+    out[COL["inf_count"]] = posinf + neginf
+    out[COL["zero_count"]] = (d == 0).sum()
+    nan = torch.tensor(_NAN, dtype=torch.float64, device=dev)
+    if n == 0:
+        for name in ("min", "max", "mean", "std", "amax"):
+            out[COL[name]] = _NAN
+        for name in ("finite_min", "finite_max", "finite_mean", "finite_std"):
+            out[COL[name]] = _NAN
+        out[COL["norm"]] = 0.0
+        out[COL["finite_norm"]] = 0.0
+        out[COL["all_finite"]] = 1.0
+        return out
+    out[COL["min"]] = d.min()
+    out[COL["max"]] = d.max()
+    out[COL["mean"]] = d.mean()
+    with warnings.catch_warnings():  # numel == 1: torch warns and returns NaN, as specified
+        warnings.simplefilter("ignore")
+        out[COL["std"]] = d.std()
+    out[COL["norm"]] = torch.linalg.vector_norm(d)
+    f0 = torch.where(finite, d, 0.0)
+    has_f = nf > 0
+    fmin = torch.where(finite, d, _INF).min()
+    fmax = torch.where(finite, d, -_INF).max()
+    fmean = f0.sum() / nf
+    fvar = torch.where(finite, d - fmean, 0.0).square().sum() / (nf - 1)
+    out[COL["finite_min"]] = torch.where(has_f, fmin, nan)
+    out[COL["finite_max"]] = torch.where(has_f, fmax, nan)
+    out[COL["finite_mean"]] = torch.where(has_f, fmean, nan)
+    out[COL["finite_std"]] = torch.where(nf > 1, fvar.sqrt(), nan)
+    out[COL["finite_norm"]] = torch.linalg.vector_norm(f0)
+    out[COL["amax"]] = torch.where(has_f, f0.abs().max(), nan)
+    out[COL["all_finite"]] = (nan_count == 0) & (posinf + neginf == 0)
+    return out
+
+
+def finalize(
+    numel: torch.Tensor,
+    nan_count: torch.Tensor,
+    posinf: torch.Tensor,
+    neginf: torch.Tensor,
+    zero: torch.Tensor,
+    fmin: torch.Tensor,
+    fmax: torch.Tensor,
+    fmean: torch.Tensor,
+    fm2: torch.Tensor,
+    fnorm: torch.Tensor,
+) -> torch.Tensor:
+    """Rows of FIELDS from sufficient statistics (float64 tensors of one shape).
+
+    The torch twin of ``partial_finalize`` in csrc/stats.h: ``fmin``/``fmax``/``fmean`` are over
+    the finite elements (any value when there is none), ``fm2`` their sum of squared deviations.
+    """
+    nf = numel - nan_count - posinf - neginf
+    inf_count = posinf + neginf
+    nan = torch.full_like(numel, _NAN)
+    inf = torch.full_like(numel, _INF)
+    has_f = nf > 0
+    f_min = torch.where(has_f, fmin, nan)
+    f_max = torch.where(has_f, fmax, nan)
+    f_mean = torch.where(has_f, fmean, nan)
+    f_std = torch.where(nf > 1, (fm2.clamp(min=0) / (nf - 1).clamp(min=1)).sqrt(), nan)
+    bad = (numel == 0) | (nan_count > 0)
+    mn = torch.where(neginf > 0, -inf, torch.where(has_f, fmin, inf))
+    mx = torch.where(posinf > 0, inf, torch.where(has_f, fmax, -inf))
+    mean = torch.where(
+        (posinf > 0) & (neginf > 0),
+        nan,
+        torch.where(posinf > 0, inf, torch.where(neginf > 0, -inf, f_mean)),
+    )
+    cols = {
+        "numel": numel,
+        "nan_count": nan_count,
+        "posinf_count": posinf,
+        "neginf_count": neginf,
+        "inf_count": inf_count,
+        "zero_count": zero,
+        "min": torch.where(bad, nan, mn),
+        "max": torch.where(bad, nan, mx),
+        "mean": torch.where(bad, nan, mean),
+        "std": torch.where((nan_count > 0) | (inf_count > 0), nan, f_std),
+        "norm": torch.where(nan_count > 0, nan, torch.where(inf_count > 0, inf, fnorm)),
+        "finite_min": f_min,
+        "finite_max": f_max,
+        "finite_mean": f_mean,
+        "finite_std": f_std,
+        "finite_norm": fnorm,
+        "amax": torch.where(has_f, torch.maximum(-fmin, fmax), nan),
+        "all_finite": ((nan_count == 0) & (inf_count == 0)).double(),
+    }
+    return torch.stack([cols[name] for name in COL], dim=-1)
+
+
+def merge_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The FIELDS row of the union of disjoint groups, given their rows ``[G, FIELDS]``."""
+    rows = rows.double()
+    if rows.shape[0] == 0:
+        return tensor_stats_row(torch.empty(0, dtype=torch.float64, device=rows.device))
+
+    def c(name: str) -> torch.Tensor:
+        return rows[:, COL[name]]
+
+    nf_i = c("numel") - c("nan_count") - c("inf_count")
+    has = nf_i > 0
+    nf = nf_i.sum()
+    fmin = torch.where(has, c("finite_min"), _INF).min()
+    fmax = torch.where(has, c("finite_max"), -_INF).max()
+    mean_i = torch.where(has, c("finite_mean"), 0.0)
+    fmean = (nf_i * mean_i).sum() / nf.clamp(min=1)
+    m2_i = torch.where(nf_i > 1, c("finite_std").square() * (nf_i - 1), 0.0)
+    m2 = m2_i.sum() + (nf_i * (mean_i - fmean).square()).sum()
+    norms = c("finite_norm")
+    scale = norms.max()
+    safe = torch.where(scale > 0, scale, 1.0)
+    fnorm = safe * (norms / safe).square().sum().sqrt()
+    return finalize(
+        c("numel").sum(),
+        c("nan_count").sum(),
+        c("posinf_count").sum(),
+        c("neginf_count").sum(),
+        c("zero_count").sum(),
+        fmin,
+        fmax,
+        fmean,
+        m2,
+        fnorm,
+    )
+
+
+def multi_tensor_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ``torch`` backend: a per-tensor loop of reference rows, plus their merge."""
+    if len(tensors) == 0:
+        raise ValueError("fasthealth: reference.multi_tensor_stats needs at least one tensor")
+    per = torch.stack([tensor_stats_row(t) for t in tensors])
+    return torch.cat([per, merge_rows(per)[None]])

@@ -1,0 +1,267 @@
+"""TensorStats and MultiTensorStats: typed views over one float64 table on the device.
+
+Every backend returns the same table: shape ``[N + 1, len(FIELDS)]``, float64, on the inputs'
+device, row ``i < N`` for input ``i`` and row ``N`` for all elements together; the columns are
+``FIELDS`` (the Python twin of ``csrc/stats.h``), counts stored as exact integers (< 2**53).
+Attribute access converts a column lazily (counts to int64, ``all_finite`` to bool, the rest to
+float32, or float64 for 64-bit inputs) and never synchronizes with the device; only ``ok``,
+``to_dict()``, ``nonfinite()`` and ``summary()`` copy to the host, once each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+FIELDS: tuple[str, ...] = (
+    "numel",
+    "nan_count",
+    "posinf_count",
+    "neginf_count",
+    "inf_count",
+    "zero_count",
+    "min",
+    "max",
+    "mean",
+    "std",
+    "norm",
+    "finite_min",
+    "finite_max",
+    "finite_mean",
+    "finite_std",
+    "finite_norm",
+    "amax",
+    "all_finite",
+)
+COUNT_FIELDS: tuple[str, ...] = FIELDS[:6]
+FLOAT_FIELDS: tuple[str, ...] = FIELDS[6:17]
+NUM_FIELDS = len(FIELDS)
+COL: dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
+
+_FIELD_DOCS = {
+    "numel": "number of elements (int64)",
+    "nan_count": "number of NaN elements (int64)",
+    "posinf_count": "number of +inf elements (int64)",
+    "neginf_count": "number of -inf elements (int64)",
+    "inf_count": "posinf_count + neginf_count (int64)",
+    "zero_count": "number of elements equal to zero (int64)",
+    "min": "t.min(): NaN if any NaN, else may be -inf/+inf; NaN when empty",
+    "max": "t.max(): NaN if any NaN, else may be -inf/+inf; NaN when empty",
+    "mean": "mean in float64: NaN if any NaN or both infinities, +/-inf if one sign of inf",
+    "std": "unbiased std (correction 1): NaN if any non-finite element or numel < 2",
+    "norm": "L2 norm: NaN if any NaN, else inf if any inf; 0 when empty; never overflows early",
+    "finite_min": "min over the finite elements; NaN when there is none",
+    "finite_max": "max over the finite elements; NaN when there is none",
+    "finite_mean": "mean over the finite elements; NaN when there is none",
+    "finite_std": "unbiased std over the finite elements; NaN when fewer than 2",
+    "finite_norm": "L2 norm over the finite elements; 0 when there is none",
+    "amax": "max |x| over the finite elements; NaN when there is none",
+    "all_finite": "nan_count == 0 and inf_count == 0 (bool)",
+}
+
+
+def float_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Float fields are float64 for 64-bit inputs (float64, int64), float32 otherwise."""
+    return torch.float64 if dtype.itemsize >= 8 and not dtype.is_complex else torch.float32
+
+
+def _column(row: torch.Tensor, name: str, float_dtype: torch.dtype) -> torch.Tensor:
+    col = row[..., COL[name]]
+    if name in COUNT_FIELDS:
+        return col.to(torch.int64)
+    if name == "all_finite":
+        return col != 0
+    return col.to(float_dtype)
+
+
+class TensorStats:
+    """Statistics of one tensor (0-dim fields) or of N tensors (1-D fields of length N).
+
+    Every field of SPEC section 2 is an attribute holding a tensor on the input's device.
+    """
+
+    __slots__ = ("_row", "_float_dtype")
+
+    def __init__(self, row: torch.Tensor, float_dtype: torch.dtype = torch.float32) -> None:
+        self._row = row
+        self._float_dtype = float_dtype
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The float64 row(s) behind the fields, columns in FIELDS order."""
+        return self._row
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain Python numbers (lists for per-tensor stats); one device-to-host copy."""
+        host = self._row.detach().cpu()
+        out: dict[str, Any] = {}
+        for name in FIELDS:
+            col = _column(host, name, self._float_dtype)
+            out[name] = col.tolist()
+        return out
+
+    def __repr__(self) -> str:
+        if self._row.dim() != 1:
+            return f"TensorStats(per_tensor, n={self._row.shape[0]})"
+        d = self.to_dict()
+        body = ", ".join(f"{k}={_fmt(v)}" for k, v in d.items())
+        return f"TensorStats({body})"
+
+
+def _make_property(name: str) -> property:
+    def get(self: TensorStats) -> torch.Tensor:
+        return _column(self._row, name, self._float_dtype)
+
+    get.__doc__ = _FIELD_DOCS[name]
+    return property(get)
+
+
+for _name in FIELDS:
+    setattr(TensorStats, _name, _make_property(_name))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:.6g}"
+    return str(v)
+
+
+class MultiTensorStats:
+    """Statistics of N tensors from one fused pass: per tensor, and all elements together.
+
+    ``total.norm`` is the global gradient norm (as ``clip_grad_norm_`` computes it, without its
+    float32 overflow); ``all_finite`` is a 0-dim bool tensor that can gate a step without a sync.
+    """
+
+    def __init__(
+        self,
+        table: torch.Tensor,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype],
+        missing: Sequence[str] = (),
+    ) -> None:
+        if tuple(table.shape) != (len(names) + 1, NUM_FIELDS):
+            raise ValueError(
+                f"fasthealth: stats table has shape {tuple(table.shape)}, "
+                f"expected {(len(names) + 1, NUM_FIELDS)}"
+            )
+        self._table = table
+        self.names: list[str] = list(names)
+        self.dtypes: list[torch.dtype] = list(dtypes)
+        self.missing: list[str] = list(missing)
+        wide = any(float_dtype_for(d) == torch.float64 for d in set(self.dtypes))
+        self._float_dtype = torch.float64 if wide else torch.float32
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int | str) -> TensorStats:
+        if isinstance(i, str):
+            try:
+                i = self.names.index(i)
+            except ValueError:
+                raise KeyError(f"fasthealth: no tensor named {i!r} in these stats") from None
+        n = len(self.names)
+        if not -n <= i < n:
+            raise IndexError(f"fasthealth: index {i} out of range for {n} tensors")
+        i %= n
+        return TensorStats(self._table[i], float_dtype_for(self.dtypes[i]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def per_tensor(self) -> TensorStats:
+        """Every field as a 1-D tensor of length N, in input order."""
+        return TensorStats(self._table[:-1], self._float_dtype)
+
+    @property
+    def total(self) -> TensorStats:
+        """All elements together, as if of torch.cat([t.flatten() for t in tensors])."""
+        return TensorStats(self._table[-1], self._float_dtype)
+
+    @property
+    def all_finite(self) -> torch.Tensor:
+        """0-dim bool tensor on the device: no NaN and no Inf anywhere."""
+        return self._table[-1, COL["all_finite"]] != 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every element is finite (one host sync)."""
+        return bool(self.all_finite.item())
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The raw per-tensor table: float64 [N, len(FIELDS)], columns in FIELDS order."""
+        return self._table[:-1]
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """Per-tensor rows and the total row: float64 [N + 1, len(FIELDS)]."""
+        return self._table
+
+    @property
+    def device(self) -> torch.device:
+        return self._table.device
+
+    def to_dict(self) -> dict[str, Any]:
+        """{'total': {field: number}, 'per_tensor': {name: {field: number}}, 'missing': [...]}.
+
+        One device-to-host copy.
+        """
+        host = self._table.detach().cpu()
+        total = TensorStats(host[-1], self._float_dtype).to_dict()
+        per = {
+            name: TensorStats(host[i], float_dtype_for(self.dtypes[i])).to_dict()
+            for i, name in enumerate(self.names)
+        }
+        return {"total": total, "per_tensor": per, "missing": list(self.missing)}
+
+    def nonfinite(self) -> list[str]:
+        """Names of the tensors holding NaN or Inf, in input order (one host copy)."""
+        flags = (self._table[:-1, COL["all_finite"]] == 0).cpu().tolist()
+        return [name for name, bad in zip(self.names, flags, strict=True) if bad]
+
+    def summary(self, k: int = 10) -> str:
+        """A readable table: the total, then tensors with NaN/Inf, then the k largest norms."""
+        host = self._table.detach().cpu()
+        cols = ("numel", "nan_count", "inf_count", "zero_count", "norm", "amax", "mean", "std")
+        heads = ("numel", "nan", "inf", "zeros", "norm", "amax", "mean", "std")
+
+        def cells(row: torch.Tensor) -> list[str]:
+            out = []
+            for c in cols:
+                v = row[COL[c]].item()
+                out.append(str(int(v)) if c in COUNT_FIELDS else _fmt(float(v)))
+            return out
+
+        n = len(self.names)
+        bad = [i for i in range(n) if host[i, COL["all_finite"]] == 0]
+        by_norm = sorted(
+            (i for i in range(n) if i not in set(bad)),
+            key=lambda i: -float(host[i, COL["finite_norm"]]),
+        )[: max(k, 0)]
+        rows: list[tuple[str, list[str]]] = [("TOTAL", cells(host[-1]))]
+        rows += [(f"!{self.names[i]}", cells(host[i])) for i in bad]
+        rows += [(self.names[i], cells(host[i])) for i in by_norm]
+        name_w = max([4] + [len(r[0]) for r in rows])
+        widths = [max(len(h), *(len(r[1][j]) for r in rows)) for j, h in enumerate(heads)]
+        lines = ["  ".join(["name".ljust(name_w)] + [h.rjust(w) for h, w in zip(heads, widths)])]
+        for name, cs in rows:
+            lines.append("  ".join([name.ljust(name_w)] + [c.rjust(w) for c, w in zip(cs, widths)]))
+        status = "all finite" if not bad else f"{len(bad)} tensor(s) with NaN/Inf (marked !)"
+        head = f"fasthealth: {n} tensors, {status}"
+        if self.missing:
+            head += f"; {len(self.missing)} without grad"
+        shown = len(bad) + len(by_norm)
+        if shown < n:
+            head += f"; showing {shown} (non-finite first, then largest norms)"
+        return "\n".join([head, *lines])
+
+    def __repr__(self) -> str:
+        return f"MultiTensorStats(n={len(self)}, device={self.device})"

@@ -1,0 +1,88 @@
+"""Builds fasthealth._C from csrc/: always the CPU kernels, plus the CUDA kernels when torch is a
+CUDA build and nvcc is found (never decided by torch.cuda.is_available(), which is false on
+build machines).
+
+Environment: FASTHEALTH_SKIP_CUDA=1 (CPU only), FASTHEALTH_FORCE_CUDA=1 (fail rather than skip
+CUDA), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (parallel compile jobs, via ninja).
+"""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+from setuptools import setup
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _nvcc_major(cuda_home: str) -> int | None:
+    try:
+        out = subprocess.run(
+            [os.path.join(cuda_home, "bin", "nvcc"), "--version"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
+
+
+def _want_cuda() -> bool:
+    force, skip = _flag("FASTHEALTH_FORCE_CUDA"), _flag("FASTHEALTH_SKIP_CUDA")
+    if skip:
+        print("fasthealth: FASTHEALTH_SKIP_CUDA=1, building the CPU kernels only")
+        return False
+    reasons = []
+    if torch.version.cuda is None:
+        reasons.append(f"torch {torch.__version__} is not a CUDA build")
+    elif cpp_extension.CUDA_HOME is None:
+        reasons.append("nvcc not found (set CUDA_HOME)")
+    elif not glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")):
+        reasons.append("no CUDA sources in csrc/cuda")
+    else:
+        nvcc = _nvcc_major(cpp_extension.CUDA_HOME)
+        torch_major = int(torch.version.cuda.split(".")[0])
+        if nvcc != torch_major:
+            reasons.append(f"nvcc's CUDA {nvcc} does not match torch's CUDA {torch.version.cuda}")
+    if reasons:
+        if force:
+            sys.exit("fasthealth: FASTHEALTH_FORCE_CUDA=1 but " + "; ".join(reasons))
+        print("fasthealth: building the CPU kernels only: " + "; ".join(reasons))
+        return False
+    return True
+
+
+def _extension():
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    if _want_cuda():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        return cpp_extension.CUDAExtension(
+            "fasthealth._C",
+            sources,
+            define_macros=[("FASTHEALTH_WITH_CUDA", "1")],
+            extra_compile_args={
+                "cxx": cxx,
+                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"],
+            },
+            extra_link_args=["-fopenmp"],
+        )
+    return cpp_extension.CppExtension(
+        "fasthealth._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
