@@ -45,4 +45,8 @@ if _C is not None:
     @torch.library.register_fake("fasthealth::multi_tensor_stats")
     def _fake_multi_tensor_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
         # The shape depends only on how many inputs there are: capturable and traceable.
+        device = tensors[0].device
+        for i, t in enumerate(tensors):
+            if t.device != device:
+                raise ValueError(f"fasthealth: input {i} is on {t.device}, input 0 on {device}")
         return tensors[0].new_empty((len(tensors) + 1, NUM_FIELDS), dtype=torch.float64)

@@ -85,6 +85,10 @@ def _table_mixed(tensors: list[torch.Tensor], backend: str | None) -> torch.Tens
     return table
 
 
+def _empty_table() -> torch.Tensor:
+    return reference.tensor_stats_row(torch.empty(0, dtype=torch.float64))[None]
+
+
 def multi_tensor_stats(
     tensors: Sequence[torch.Tensor],
     *,
@@ -109,8 +113,7 @@ def multi_tensor_stats(
                 f"fasthealth: got {len(names)} names for {len(tensors)} tensors"
             )
     if not tensors:
-        empty = torch.empty(0, dtype=torch.float64)
-        return MultiTensorStats(reference.tensor_stats_row(empty)[None], [], [])
+        return MultiTensorStats(_empty_table(), [], [])
     table = _table(tensors, names, backend)
     if names is None:
         names = [str(i) for i in range(len(tensors))]
@@ -176,18 +179,22 @@ def check_grads(
     names: list[str] = []
     missing: list[str] = []
     seen: set[int] = set()
+    unique = isinstance(model_or_params, torch.nn.Module)  # named_parameters() dedups already
     for name, p in _named_parameters(model_or_params):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.grad is None:
+        if not unique:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+        g = p.grad
+        if g is None:
             missing.append(name)
         else:
-            grads.append(p.grad)
+            grads.append(g)
             names.append(name)
-    stats = multi_tensor_stats(grads, names=names, backend=backend)
-    stats.missing = missing
-    return stats
+    if not grads:
+        return MultiTensorStats(_empty_table(), [], [], missing)
+    table = _table(grads, names, backend)
+    return MultiTensorStats(table, names, [g.dtype for g in grads], missing)
 
 
 def check_tensor_health(tensor: torch.Tensor, name: str = "tensor") -> bool:

@@ -151,8 +151,8 @@ class MultiTensorStats:
                 f"expected {(len(names) + 1, NUM_FIELDS)}"
             )
         self._table = table
-        self.names: list[str] = list(names)
-        self.dtypes: list[torch.dtype] = list(dtypes)
+        self.names: list[str] = names if isinstance(names, list) else list(names)
+        self.dtypes: list[torch.dtype] = dtypes if isinstance(dtypes, list) else list(dtypes)
         self.missing: list[str] = list(missing)
         wide = any(float_dtype_for(d) == torch.float64 for d in set(self.dtypes))
         self._float_dtype = torch.float64 if wide else torch.float32

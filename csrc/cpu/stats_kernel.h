@@ -206,6 +206,8 @@ Partial block_slow(const typename L::T* x, int64_t n) {
   if (amax != 0.0 && (amax < kSafeLo || amax > kSafeHi)) {
     int e;
     __builtin_frexp(amax, &e);
+    // Clamped so that both scale and 1/scale are representable (subnormal and near-max inputs).
+    e = e < -1020 ? -1020 : (e > 1023 ? 1023 : e);
     scale = __builtin_ldexp(1.0, e);
   }
   const double inv = 1.0 / scale;  // a power of two: scaling is exact

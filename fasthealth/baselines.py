@@ -1,0 +1,61 @@
+"""What people run instead of fasthealth: the baselines the benchmarks time and the tests check.
+
+Kept in the package so that `bench/`, `fasthealth bench` and `tests/` use the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def naive_loop(tensors: Sequence[torch.Tensor]) -> dict[str, float | bool]:
+    """The usual hand-written check: per tensor isnan().any(), isinf().any(), norm(), .item().
+
+    One host sync per tensor per check, as in the guides this project replaces.
+    """
+    any_nan = any_inf = False
+    sq = 0.0
+    for t in tensors:
+        if torch.isnan(t).any().item():
+            any_nan = True
+        if torch.isinf(t).any().item():
+            any_inf = True
+        sq += t.norm().item() ** 2
+    return {"any_nan": any_nan, "any_inf": any_inf, "total_norm": sq**0.5}
+
+
+def naive_full_loop(tensors: Sequence[torch.Tensor]) -> list[dict[str, float]]:
+    """The same loop computing fasthealth's full statistic set, one .item() per value."""
+    out = []
+    for t in tensors:
+        d = t.double() if t.dtype != torch.float64 else t
+        finite = torch.isfinite(d)
+        out.append({
+            "nan_count": torch.isnan(d).sum().item(),
+            "posinf_count": (d == float("inf")).sum().item(),
+            "neginf_count": (d == float("-inf")).sum().item(),
+            "zero_count": (d == 0).sum().item(),
+            "min": d.min().item(),
+            "max": d.max().item(),
+            "mean": d.mean().item(),
+            "std": d.std().item(),
+            "norm": torch.linalg.vector_norm(d).item(),
+            "finite_count": finite.sum().item(),
+            "amax": d.abs().max().item(),
+        })
+    return out
+
+
+def foreach_norm_isfinite(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch._foreach_norm plus a count of non-finite elements: norms and one flag, no stats."""
+    norms = torch._foreach_norm(list(tensors))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    nonfinite = torch.stack([torch.isfinite(t).logical_not().sum() for t in tensors]).sum()
+    return total, nonfinite
+
+
+def read_limit(flat: torch.Tensor) -> torch.Tensor:
+    """A plain reduction over one flat buffer of the same bytes: how fast memory can be read."""
+    return flat.sum()

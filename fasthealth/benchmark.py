@@ -1,0 +1,255 @@
+"""The CPU benchmark: fasthealth.check_grads against what people run instead.
+
+Providers (fasthealth/baselines.py holds the baselines; tests check they compute what they say):
+  fasthealth   fh.check_grads(model): every statistic of SPEC section 2, per tensor and total
+  naive        per tensor isnan().any(), isinf().any(), norm(), each with .item()
+  naive_full   the same loop computing the full statistic set, one .item() per value
+  foreach      torch._foreach_norm plus a per-tensor non-finite count, one sync at the end
+  read_limit   torch.sum over one flat buffer of the same bytes: the memory read limit
+
+Method: every provider runs once per round, rounds interleave providers (in a rotating order)
+so machine noise hits all alike; a warm-up round first; the median over rounds is reported,
+with GB/s of gradient bytes read. Results go to JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import _ops, baselines
+from .checks import check_grads
+
+GPT2_SMALL = dict(vocab=50257, ctx=1024, d=768, layers=12)
+
+
+def gpt2_shapes(vocab: int, ctx: int, d: int, layers: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a GPT-2 (tied embedding counted once): 148 tensors for GPT-2 small."""
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
+def small_shapes(n: int, lo: int, hi: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """n 1-D shapes with sizes log-uniform in [lo, hi]."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    sizes = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))).round().long()
+    return [(int(s),) for s in sizes]
+
+
+class _GradModel(torch.nn.Module):
+    """A module whose parameters carry random gradients of the given shapes."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.params = torch.nn.ParameterList()
+        for s in shapes:
+            p = torch.nn.Parameter(torch.empty(s, dtype=dtype), requires_grad=True)
+            p.grad = (torch.randn(s, generator=g) * 0.02).to(dtype)
+            self.params.append(p)
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params]
+
+
+def cases(quick: bool) -> list[dict]:
+    out = [
+        dict(name="gpt2-small", dtype=torch.float32, shapes=gpt2_shapes(**GPT2_SMALL)),
+        dict(name="gpt2-small", dtype=torch.bfloat16, shapes=gpt2_shapes(**GPT2_SMALL)),
+        dict(name="4000-small", dtype=torch.float32, shapes=small_shapes(4000, 4096, 65536)),
+        dict(name="4000-tiny", dtype=torch.float32, shapes=small_shapes(4000, 64, 4096)),
+    ]
+    if quick:  # a smoke run: same code paths, small sizes
+        out = [
+            dict(name="gpt2-mini", dtype=torch.float32,
+                 shapes=gpt2_shapes(vocab=2000, ctx=128, d=64, layers=2)),
+            dict(name="400-small", dtype=torch.bfloat16, shapes=small_shapes(400, 64, 4096)),
+        ]
+    return out
+
+
+def providers(model: _GradModel, flat: torch.Tensor) -> dict[str, Callable[[], object]]:
+    grads = model.grads()
+    return {
+        # .ok forces the one host sync fasthealth needs to act on its result
+        "fasthealth": lambda: check_grads(model).ok,
+        "naive": lambda: baselines.naive_loop(grads),
+        "naive_full": lambda: baselines.naive_full_loop(grads),
+        "foreach": lambda: baselines.foreach_norm_isfinite(grads)[1].item(),
+        "read_limit": lambda: baselines.read_limit(flat).item(),
+    }
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="run", leave=False, file=sys.stderr)
+    except ImportError:  # tqdm is optional: a plain counter on stderr
+
+        class _Plain:
+            def __init__(self):
+                self.n = 0
+
+            def update(self, k=1):
+                self.n += k
+                print(f"\r{desc}: {self.n}/{total}", end="", file=sys.stderr, flush=True)
+
+            def close(self):
+                print(file=sys.stderr)
+
+        return _Plain()
+
+
+def run_case(case: dict, rounds: int, slow_rounds: int) -> list[dict]:
+    model = _GradModel(case["shapes"], case["dtype"])
+    grads = model.grads()
+    flat = torch.cat([g.flatten() for g in grads])
+    nbytes = flat.numel() * flat.element_size()
+    provs = providers(model, flat)
+    names = list(provs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    bar = _progress(rounds * len(names), f"{case['name']} {str(case['dtype'])[6:]}")
+    for name in names:  # warm-up
+        provs[name]()
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            if name == "naive_full" and r >= slow_rounds:  # seconds per run: fewer rounds
+                bar.update()
+                continue
+            t0 = time.perf_counter()
+            provs[name]()
+            times[name].append(time.perf_counter() - t0)
+            bar.update()
+    bar.close()
+    rows = []
+    for name in names:
+        ms = statistics.median(times[name]) * 1e3
+        rows.append({
+            "case": case["name"], "dtype": str(case["dtype"]).replace("torch.", ""),
+            "provider": name, "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 3),
+            "runs": len(times[name]), "tensors": len(grads), "elements": flat.numel(),
+        })
+    return rows
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernel_isa": _ops._C.cpu_isa() if _ops._C is not None else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'case':<12} {'dtype':<9} {'provider':<11} {'ms':>10} {'GB/s':>8} "
+             f"{'x read':>8} {'speedup':>8}"]
+    for case in dict.fromkeys((r["case"], r["dtype"]) for r in rows):
+        rs = [r for r in rows if (r["case"], r["dtype"]) == case]
+        by = {r["provider"]: r for r in rs}
+        for r in rs:
+            vs_read = r["ms"] / by["read_limit"]["ms"]
+            speed = r["ms"] / by["fasthealth"]["ms"]
+            lines.append(f"{r['case']:<12} {r['dtype']:<9} {r['provider']:<11} {r['ms']:>10.3f} "
+                         f"{r['gbps']:>8.2f} {vs_read:>8.2f} {speed:>7.1f}x")
+    lines.append("x read: time over the read limit's; speedup: provider time over fasthealth's")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+    groups = list(dict.fromkeys((r["case"], r["dtype"]) for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    colors = {"fasthealth": "#d62728", "read_limit": "#7f7f7f", "naive": "#1f77b4",
+              "naive_full": "#9467bd", "foreach": "#2ca02c"}
+    fig, ax = plt.subplots(figsize=(2.6 * len(groups) + 2, 4.8))
+    width = 0.8 / len(provs)
+    for j, p in enumerate(provs):
+        xs, ys = [], []
+        for i, g in enumerate(groups):
+            r = next((r for r in rows if (r["case"], r["dtype"]) == g and r["provider"] == p),
+                     None)
+            if r:
+                xs.append(i + (j - (len(provs) - 1) / 2) * width)
+                ys.append(r["ms"])
+        bars = ax.bar(xs, ys, width, label=p, color=colors.get(p))
+        for b, y in zip(bars, ys):
+            ax.annotate(f"{y:.3g}", (b.get_x() + b.get_width() / 2, y), ha="center",
+                        va="bottom", fontsize=7, rotation=90, xytext=(0, 2),
+                        textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per check (median, log scale)")
+    ax.set_xticks(range(len(groups)), [f"{c}\n{d}" for c, d in groups])
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, ncol=len(provs), loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fasthealth bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results", help="folder for cpu.json and cpu.png")
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case")
+    ap.add_argument("--slow-rounds", type=int, default=5, help="rounds for naive_full")
+    ap.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
+    args = ap.parse_args(argv)
+    info = machine()
+    print(f"fasthealth CPU benchmark on {info['cpu']} ({info['cores']} cores, "
+          f"{info['torch_threads']} torch threads), torch {info['torch']}, "
+          f"kernel {info['kernel_isa']}")
+    rows: list[dict] = []
+    for case in cases(args.quick):
+        rows += run_case(case, args.rounds, min(args.slow_rounds, args.rounds))
+    print(table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "cpu-quick" if args.quick else "cpu"
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    title = (f"fasthealth check_grads vs baselines, {info['cpu']}, {info['torch_threads']} "
+             f"threads, torch {info['torch']}")
+    plotted = plot(rows, out / f"{stem}.png", title)
+    print(f"wrote {out / f'{stem}.json'}" + (f" and {out / f'{stem}.png'}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

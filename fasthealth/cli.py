@@ -1,0 +1,25 @@
+"""`fasthealth` / `python -m fasthealth`: bench, demo, report (SPEC section 9)."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "bench": "the CPU benchmark against the naive loop (fasthealth/benchmark.py)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: fasthealth COMMAND [ARGS]\n\ncommands:")
+        for name, what in COMMANDS.items():
+            print(f"  {name:<8} {what}")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        from .benchmark import main as bench_main
+
+        return bench_main(rest)
+    print(f"fasthealth: unknown command {cmd!r}; try `fasthealth --help`", file=sys.stderr)
+    return 2

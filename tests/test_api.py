@@ -1,0 +1,246 @@
+"""The public API of SPEC section 3: objects, names, errors, backends, the compiled op."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tolerances import check_multi
+
+import fasthealth as fh
+from fasthealth.stats import COUNT_FIELDS, FIELDS, FLOAT_FIELDS
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_compiled_cpu_backend_present_when_required():
+    # `make test` sets FASTHEALTH_REQUIRE_CPU=1: a broken build must fail, not skip.
+    if os.environ.get("FASTHEALTH_REQUIRE_CPU") == "1":
+        assert "cpu" in fh.available_backends(), fh._ops.load_error
+        want = os.environ.get("FASTHEALTH_CPU_ISA")
+        if want:
+            assert fh._ops._C.cpu_isa() == want
+    assert fh.available_backends()[-1] == "torch"
+
+
+def test_tensor_stats_fields_dtypes_and_device():
+    for dtype, fdt in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                       (torch.float16, torch.float32), (torch.float64, torch.float64),
+                       (torch.int32, torch.float32), (torch.int64, torch.float64)]:
+        s = fh.tensor_stats(torch.arange(10).to(dtype))
+        for name in FIELDS:
+            v = getattr(s, name)
+            assert isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu"
+            if name in COUNT_FIELDS:
+                assert v.dtype == torch.int64
+            elif name in FLOAT_FIELDS:
+                assert v.dtype == fdt, (dtype, name, v.dtype)
+            else:
+                assert v.dtype == torch.bool
+        assert s.max.item() == 9 and s.zero_count.item() == 1
+
+
+def test_multi_tensor_stats_object():
+    a = torch.tensor([1.0, NAN, 3.0])
+    b = torch.tensor([[INF, 0.0], [2.0, -1.0]])
+    c = torch.arange(6, dtype=torch.float64)
+    s = fh.multi_tensor_stats([a, b, c], names=["a", "b", "c"])
+    assert len(s) == 3 and s.names == ["a", "b", "c"]
+    assert s[0].nan_count.item() == 1 and s["b"].posinf_count.item() == 1
+    assert s[-1].numel.item() == 6
+    assert s.per_tensor.numel.tolist() == [3, 4, 6]
+    assert s.per_tensor.norm.dtype == torch.float64  # one float64 input widens the table
+    assert s.total.numel.item() == 13 and s.total.nan_count.item() == 1
+    assert s.all_finite.dtype == torch.bool and s.all_finite.dim() == 0
+    assert s.ok is False
+    assert s.nonfinite() == ["a", "b"]
+    d = s.to_dict()
+    assert d["total"]["inf_count"] == 1 and d["per_tensor"]["c"]["max"] == 5.0
+    assert math.isnan(d["per_tensor"]["a"]["norm"])
+    assert s.table.shape == (3, len(FIELDS))
+    text = s.summary(k=2)
+    assert "TOTAL" in text and "!a" in text and "!b" in text and "c" in text
+    check_multi(s.raw, [a, b, c])
+    with pytest.raises(KeyError):
+        s["nope"]
+    with pytest.raises(IndexError):
+        s[3]
+    assert fh.multi_tensor_stats([torch.ones(3)]).ok is True
+
+
+def test_default_names_and_empty_call():
+    s = fh.multi_tensor_stats([torch.ones(2), torch.ones(3)])
+    assert s.names == ["0", "1"]
+    e = fh.multi_tensor_stats([])
+    assert len(e) == 0 and e.total.numel.item() == 0 and e.total.norm.item() == 0 and e.ok
+
+
+def test_total_norm_matches_clip_grad_norm():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=g) for s in [(100, 30), (30,), (7, 7, 7)]]
+    s = fh.multi_tensor_stats(ts)
+    want = torch.nn.utils.get_total_norm([t.double() for t in ts])
+    assert s.total.norm.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.proj = torch.nn.Linear(8, 20, bias=True)
+        self.proj.weight = self.emb.weight  # tied
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.proj(self.emb(x))
+
+
+def test_check_grads_module_tied_and_missing():
+    torch.manual_seed(0)
+    m = Tied()
+    m(torch.arange(5)).square().mean().backward()
+    s = fh.check_grads(m)
+    assert s.names == ["emb.weight", "proj.bias"]
+    assert s.missing == ["unused.weight", "unused.bias"]
+    grads = [m.emb.weight.grad, m.proj.bias.grad]
+    check_multi(s.raw, grads)
+    total = torch.nn.utils.get_total_norm([g.double() for g in grads])
+    assert s.total.norm.item() == pytest.approx(total.item(), rel=1e-5)
+    # the same through parameters and (name, parameter) pairs; a repeated parameter counts once
+    s2 = fh.check_grads(list(m.parameters()) + [m.emb.weight])
+    assert len(s2) == 2 and s2.total.numel.item() == s.total.numel.item()
+    s3 = fh.check_grads(m.named_parameters())
+    assert s3.names == s.names
+
+
+def test_check_grads_errors_name_the_input():
+    with pytest.raises(TypeError, match="item 1"):
+        fh.check_grads([torch.nn.Parameter(torch.ones(2)), 3])
+    with pytest.raises(TypeError, match="nn.Module"):
+        fh.check_grads(42)
+    with pytest.raises(NotImplementedError):
+        fh.check_grads(Tied(), process_group=object())
+
+
+def test_bad_inputs_raise_naming_the_input():
+    ok = torch.ones(3)
+    with pytest.raises(TypeError, match=r"input 1 \('w'\) is a list"):
+        fh.multi_tensor_stats([ok, [1, 2]], names=["v", "w"])
+    with pytest.raises(TypeError, match="input 1.*complex"):
+        fh.multi_tensor_stats([ok, torch.ones(2, dtype=torch.complex64)])
+    with pytest.raises(TypeError, match="input 0.*layout"):
+        fh.multi_tensor_stats([torch.eye(3).to_sparse()])
+    with pytest.raises(ValueError, match="input 1.*meta"):
+        fh.multi_tensor_stats([ok, torch.ones(2, device="meta")])
+    with pytest.raises(ValueError, match="meta"):
+        fh.tensor_stats(torch.ones(2, device="meta"))
+    with pytest.raises(TypeError, match="sequence of tensors"):
+        fh.multi_tensor_stats(ok)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        fh.tensor_stats([1.0])
+    with pytest.raises(ValueError, match="2 names for 1 tensors"):
+        fh.multi_tensor_stats([ok], names=["a", "b"])
+
+
+def test_backend_selection_and_errors(monkeypatch):
+    t = torch.randn(100)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        fh.tensor_stats(t, backend="nope")
+    with pytest.raises(ValueError, match="'cuda' backend runs on CUDA tensors only"):
+        fh.tensor_stats(t, backend="cuda")
+    monkeypatch.setenv("FASTHEALTH_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="FASTHEALTH_BACKEND='bogus'"):
+        fh.tensor_stats(t)
+    monkeypatch.setenv("FASTHEALTH_BACKEND", "torch")
+    from fasthealth import backends
+    assert backends.resolve(None, t.device) == "torch"
+    assert backends.resolve("auto", t.device) == "torch"
+    monkeypatch.delenv("FASTHEALTH_BACKEND")
+    expected = "cpu" if "cpu" in fh.available_backends() else "torch"
+    assert backends.resolve(None, t.device) == expected
+
+
+def test_requires_grad_inputs_and_views():
+    w = torch.randn(10, 10, requires_grad=True)
+    s = fh.tensor_stats(w)
+    assert not s.norm.requires_grad
+    assert s.norm.item() == pytest.approx(w.detach().double().norm().item(), rel=1e-5)
+
+
+def test_check_tensor_health_output(capsys):
+    assert fh.check_tensor_health(torch.ones(4), "fine") is True
+    assert capsys.readouterr().out == ""
+    t = torch.tensor([1.0, NAN, NAN, INF, -INF, 2.0])
+    assert fh.check_tensor_health(t, "logits") is False
+    assert capsys.readouterr().out == (
+        "Problem detected in tensor 'logits':\n"
+        "  - Contains NaN values!\n"
+        "  - NaN count: 2\n"
+        "  - Contains Inf values!\n"
+        "  - Inf count: 2\n"
+    )
+    assert fh.check_tensor_health(torch.tensor([INF]), "x") is False
+    assert capsys.readouterr().out == (
+        "Problem detected in tensor 'x':\n  - Contains Inf values!\n  - Inf count: 1\n"
+    )
+    assert fh.check_tensor_health(torch.tensor([NAN])) is False
+    assert capsys.readouterr().out == (
+        "Problem detected in tensor 'tensor':\n  - Contains NaN values!\n  - NaN count: 1\n"
+    )
+
+
+def _needs_cpu_op():
+    if "cpu" not in fh.available_backends():
+        pytest.skip(f"compiled op unavailable: {fh._ops.load_error}")
+
+
+def test_opcheck():
+    _needs_cpu_op()
+    op = torch.ops.fasthealth.multi_tensor_stats.default
+    # opcheck compares eager and traced outputs with NaN != NaN, so these samples give tables
+    # without NaN; NaN/Inf under torch.compile is checked by test_torch_compile_fullgraph.
+    samples = [
+        [torch.randn(5), torch.randn(3, 4).t()],
+        [torch.randn(70000).bfloat16(), torch.randn(9).double(), torch.arange(7)],
+        [torch.randn(4, 5)[:, ::2].half()],
+    ]
+    for args in samples:
+        result = torch.library.opcheck(op, (args,))
+        assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_torch_compile_fullgraph():
+    _needs_cpu_op()
+    torch._dynamo.reset()
+
+    def f(a, b):
+        s = fh.multi_tensor_stats([a, b])
+        return s.total.norm, s.all_finite, s.per_tensor.nan_count
+
+    a, b = torch.randn(100), torch.randn(10, 10)
+    b[3, 3] = NAN
+    got = torch.compile(f, fullgraph=True)(a, b)
+    want = f(a, b)
+    assert all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(got, want))
+    assert got[1].item() is False and got[2].tolist() == [0, 1]
+
+
+def test_missing_extension_warns_and_falls_back():
+    code = (
+        "import sys, warnings\n"
+        "sys.modules['fasthealth._C'] = None\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import fasthealth as fh, torch\n"
+        "msgs = [str(x.message) for x in w if 'compiled kernels' in str(x.message)]\n"
+        "assert len(msgs) == 1, msgs\n"
+        "assert fh.available_backends() == ['torch'], fh.available_backends()\n"
+        "s = fh.tensor_stats(torch.tensor([1.0, float('nan')]))\n"
+        "assert s.nan_count.item() == 1\n"
+        "print('fallback-ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "fallback-ok" in out.stdout
