@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case")
     ap.add_argument("--slow-rounds", type=int, default=5, help="rounds for naive_full")
     ap.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
+    ap.add_argument("--case", action="append", help="only these cases (e.g. gpt2-small:bfloat16)")
     args = ap.parse_args(argv)
     info = machine()
     print(f"fasthealth CPU benchmark on {info['cpu']} ({info['cores']} cores, "
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
           f"kernel {info['kernel_isa']}")
     rows: list[dict] = []
     for case in cases(args.quick):
+        key = f"{case['name']}:{str(case['dtype']).replace('torch.', '')}"
+        if args.case and key not in args.case and case["name"] not in args.case:
+            continue
         rows += run_case(case, args.rounds, min(args.slow_rounds, args.rounds))
     print(table(rows))
     out = Path(args.out)
