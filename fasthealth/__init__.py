@@ -3,19 +3,29 @@
 The public names of SPEC.md; see README.md for a tour.
 """
 
+from .activations import ActivationMonitor
 from .backends import available_backends
 from .checks import check_grads, check_tensor_health, multi_tensor_stats, tensor_stats
+from .monitor import Event, Monitor, NonFiniteError, Observation
+from .replay import ReplayResult, replay
 from .stats import FIELDS, MultiTensorStats, TensorStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FIELDS",
+    "ActivationMonitor",
+    "Event",
+    "Monitor",
     "MultiTensorStats",
+    "NonFiniteError",
+    "Observation",
+    "ReplayResult",
     "TensorStats",
     "available_backends",
     "check_grads",
     "check_tensor_health",
     "multi_tensor_stats",
+    "replay",
     "tensor_stats",
 ]

@@ -1,0 +1,353 @@
+"""fh.Monitor (SPEC section 6): each detector fires at the planted step, a clean run raises no
+event, bad steps are skipped (without a sync for fused optimizers), capture and replay."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import fasthealth as fh
+from fasthealth import detectors
+
+NAN = float("nan")
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 8, generator=g)
+    return x, x.sum(1, keepdim=True) * 0.5
+
+
+def loss_fn(model, batch):
+    x, y, w = batch
+    return (w * (model(x) - y) ** 2).mean()
+
+
+def train(model, opt, steps, plant=None, **kw):
+    """A small training loop; plant(step, batch, model, opt) may return a modified batch."""
+    kw.setdefault("flush_every", 10)
+    kw.setdefault("warmup_steps", 10)
+    mon = fh.Monitor(model, opt, **kw)
+    x, y = data()
+    w = torch.ones(64, 1)
+    snapshots = {}
+    for step in range(steps):
+        batch = (x, y, w)
+        if plant is not None:
+            batch = plant(step, batch, model, opt) or batch
+        loss = loss_fn(model, batch)
+        if opt is not None:
+            opt.zero_grad()
+        scaler = kw.get("scaler")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        snapshots[step] = ([p.detach().clone() for p in model.parameters()],
+                           {k: {n: t.clone() for n, t in v.items()}
+                            for k, v in enumerate(opt.state.values())} if opt else None)
+        mon.step(loss, batch=batch, sample_ids=torch.arange(64) + 64 * step)
+    mon.close()
+    return mon, snapshots
+
+
+def kinds_at(mon):
+    return sorted((e.step, e.kind) for e in mon.events)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_clean_run_has_no_events(fused):
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
+    mon, _ = train(m, opt, 120)
+    assert mon.events == []
+    assert mon.steps_seen == 120
+
+
+def nan_batch_at(k):
+    def plant(step, batch, model, opt):
+        if step == k:
+            x, y, w = batch
+            x = x.clone()
+            x[3, 2] = NAN
+            return (x, y, w)
+    return plant
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+    lambda p: torch.optim.Adam(p, lr=1e-2),  # non-fused: one sync per step
+], ids=["adamw_fused", "adam_fused", "sgd_fused", "adam_plain"])
+def test_nonfinite_step_is_skipped_leaving_params_and_state(make_opt):
+    m = make_model()
+    opt = make_opt(m.parameters())
+    k = 25
+    captured = {}
+
+    def plant(step, batch, model, o):
+        if step == k:
+            captured["params"] = [p.detach().clone() for p in model.parameters()]
+            captured["state"] = [{n: (t.clone() if torch.is_tensor(t) else t)
+                                  for n, t in o.state[p].items()} for p in model.parameters()]
+        if step == k + 1:
+            captured["after_params"] = [p.detach().clone() for p in model.parameters()]
+            captured["after_state"] = [{n: (t.clone() if torch.is_tensor(t) else t)
+                                        for n, t in o.state[p].items()}
+                                       for p in model.parameters()]
+        return nan_batch_at(k)(step, batch, model, o)
+
+    mon, _ = train(m, opt, 40, plant=plant)
+    assert kinds_at(mon) == [(k, "nonfinite_grad"), (k, "nonfinite_loss")]
+    for a, b in zip(captured["params"], captured["after_params"]):
+        assert torch.equal(a, b)
+    for sa, sb in zip(captured["state"], captured["after_state"]):
+        assert sa.keys() == sb.keys()
+        for n in sa:
+            assert torch.equal(torch.as_tensor(sa[n]), torch.as_tensor(sb[n])), n
+    ev = next(e for e in mon.events if e.kind == "nonfinite_grad")
+    assert set(ev.details["tensors"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert ev.details["skipped"] is True
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_fused_skip_needs_no_host_sync(monkeypatch):
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    mon = fh.Monitor(m, opt, flush_every=1000)
+    x, y = data()
+    calls = []
+
+    def boom(self, *a, **k):
+        calls.append("sync")
+        raise AssertionError("host sync in Monitor.step")
+
+    for step in range(5):
+        xb = x.clone()
+        if step == 3:
+            xb[0, 0] = NAN
+        loss = loss_fn(m, (xb, y, torch.ones(64, 1)))
+        opt.zero_grad()
+        loss.backward()
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.Tensor, "item", boom)
+            mp.setattr(torch.Tensor, "__bool__", boom)
+            mp.setattr(torch.Tensor, "tolist", boom)
+            mp.setattr(torch.Tensor, "cpu", boom)
+            mon.step(loss)
+    assert calls == []
+    mon.close()
+    assert kinds_at(mon) == [(3, "nonfinite_grad"), (3, "nonfinite_loss")]
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_raise_and_warn_modes():
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    with pytest.raises(fh.NonFiniteError) as info:
+        train(m, opt, 40, plant=nan_batch_at(13), on_nonfinite="raise")
+    assert info.value.events[0].step == 13
+    assert "step 13" in str(info.value)
+    assert all(torch.isfinite(p).all() for p in m.parameters())  # "raise" also protects
+
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    mon, _ = train(m, opt, 20, plant=nan_batch_at(13), on_nonfinite="warn")
+    assert (13, "nonfinite_loss") in kinds_at(mon)
+    assert not all(torch.isfinite(p).all() for p in m.parameters())  # "warn" lets it through
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        fh.Monitor(m, opt, on_nonfinite="ignore")
+
+
+def test_loss_and_grad_norm_spike_at_the_right_step():
+    def plant(step, batch, model, opt):
+        if step == 70:
+            x, y, w = batch
+            return (x, y * 40.0, w)
+
+    m = make_model()
+    mon, _ = train(m, torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True), 90, plant=plant)
+    ks = kinds_at(mon)
+    assert (70, "loss_spike") in ks and (70, "grad_norm_spike") in ks
+    assert all(step == 70 for step, kind in ks if "spike" in kind), ks
+    # (Adam's momentum from that gradient then pushes the loss up for ~20 steps, which the
+    # divergence detector may rightly report; nothing may fire before the spike.)
+    assert all(step >= 70 for step, _ in ks), ks
+    ev = next(e for e in mon.events if e.kind == "loss_spike")
+    assert ev.details["zscore"] > 6
+
+
+def test_divergence_after_lr_jump():
+    def plant(step, batch, model, opt):
+        if step == 60:
+            for g in opt.param_groups:
+                g["lr"] = 2.0
+
+    m = make_model()
+    mon, _ = train(m, torch.optim.SGD(m.parameters(), lr=1e-2), 110, plant=plant)
+    div = [e for e in mon.events if e.kind == "divergence"]
+    assert len(div) == 1 and 60 <= div[0].step <= 80, kinds_at(mon)
+    assert not [e for e in mon.events if e.step < 60], kinds_at(mon)
+
+
+def test_oscillation_detector():
+    def plant(step, batch, model, opt):
+        if step >= 60:
+            x, y, w = batch
+            return (x, y, w * (4.0 if step % 2 else 0.25))
+
+    m = make_model()
+    mon, _ = train(m, torch.optim.SGD(m.parameters(), lr=1e-3), 100, plant=plant,
+                   spike_zscore=1e9)
+    osc = [e for e in mon.events if e.kind == "oscillation"]
+    assert len(osc) == 1 and 60 <= osc[0].step <= 85, kinds_at(mon)
+    # the rule on synthetic sequences: swings without progress fire, a falling zigzag does not
+    d = detectors.OscillationDetector(window=20, warmup=0)
+    fired = [k for k, v in enumerate([1.0 + (0.5 if i % 2 else 0) for i in range(40)])
+             if d.update(v)]
+    assert fired == [19]
+    d = detectors.OscillationDetector(window=20, warmup=0)
+    assert not any(d.update(10.0 - 0.4 * i + (0.1 if i % 2 else 0)) for i in range(40))
+
+
+def test_vanishing_gradients():
+    def plant(step, batch, model, opt):
+        if step >= 50:
+            x, y, w = batch
+            return (x, y, w * 0.0)
+
+    m = make_model()
+    mon, _ = train(m, torch.optim.SGD(m.parameters(), lr=1e-2), 70, plant=plant)
+    van = [e for e in mon.events if e.kind == "vanishing_grad"]
+    assert [e.step for e in van] == [52], kinds_at(mon)
+
+
+def test_optimizer_state_nonfinite():
+    def plant(step, batch, model, opt):
+        if step == 40:
+            p = next(iter(model.parameters()))
+            opt.state[p]["exp_avg_sq"][0, 0] = float("inf")
+
+    m = make_model()
+    mon, _ = train(m, torch.optim.Adam(m.parameters(), lr=1e-3), 45, plant=plant,
+                   optimizer_check_every=10)
+    ev = [e for e in mon.events if e.kind == "optimizer_state_nonfinite"]
+    assert [e.step for e in ev] == [40]
+    assert ev[0].details["tensors"] == ["0.weight.exp_avg_sq"]
+
+
+def test_loss_scale_collapse_with_grad_scaler():
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1000)
+
+    def plant(step, batch, model, opt):
+        if step >= 30:  # every step overflows from here: the scaler halves its scale each time
+            x, y, w = batch
+            return (x, y, w * float("inf"))
+
+    m = make_model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    mon, _ = train(m, opt, 45, plant=plant, scaler=scaler)
+    col = [e for e in mon.events if e.kind == "loss_scale_collapse"]
+    # the scale after each step's update: 8 (step 30), 4, 2, 1, 0.5 (step 34): below 1 at 34
+    assert [e.step for e in col] == [34], kinds_at(mon)
+    assert col[0].details["scale"] == 0.5
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_max_grad_norm_matches_clip_grad_norm():
+    m = make_model()
+    x, y = data()
+    loss = loss_fn(m, (x, y, torch.ones(64, 1))) * 100
+    loss.backward()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in m.parameters()]
+    for r, p in zip(ref, m.parameters()):
+        r.grad = p.grad.clone()
+    total = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    obs = fh.Monitor(m, None, max_grad_norm=0.5).step(loss)
+    assert obs.stats.total.norm.item() == pytest.approx(total.item(), rel=1e-5)
+    for p, r in zip(m.parameters(), ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=0)
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in m.parameters()])) \
+        == pytest.approx(0.5, rel=1e-4)
+
+
+def test_capture_replay_and_logs(tmp_path):
+    fault = {}
+
+    def plant(step, batch, model, opt):
+        if step == 15:
+            return nan_batch_at(15)(step, batch, model, opt)
+        if step == 33:
+            x, y, w = batch
+            return (x, y * 40.0, w)
+
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True)
+    mon = fh.Monitor(m, opt, log_dir=tmp_path, flush_every=10, warmup_steps=10,
+                     per_tensor_every=5)
+    x, y = data()
+    for step in range(40):
+        batch = plant(step, (x, y, torch.ones(64, 1)), m, opt) or (x, y, torch.ones(64, 1))
+        opt.zero_grad()
+        loss = loss_fn(m, batch)
+        loss.backward()
+        if step == 24:  # a transient fault: a bit flip in one gradient, not in the data
+            next(iter(m.parameters())).grad[0, 0] = NAN
+            fault["step"] = 24
+        mon.step(loss, batch=batch, sample_ids=torch.arange(64) + 1000 * step)
+    mon.close()
+    ks = kinds_at(mon)
+    assert (15, "nonfinite_loss") in ks and (24, "nonfinite_grad") in ks
+    assert (24, "nonfinite_loss") not in ks and (33, "loss_spike") in ks
+
+    by_step = {e.step: e for e in mon.events}
+    dump = torch.load(by_step[15].dump, weights_only=False)
+    assert dump["step"] == 15 and dump["params"] is not None
+    assert torch.equal(dump["sample_ids"], torch.arange(64) + 15000)
+    assert torch.isnan(dump["batch"][0][3, 2])
+
+    r = fh.replay(by_step[15].dump, m, loss_fn)
+    assert r.reproduced and r.exact and not math.isfinite(r.loss)
+    assert "batch already holds NaN" in r.verdict
+    r = fh.replay(by_step[24].dump, m, loss_fn)
+    assert not r.reproduced and r.grads.ok and "transient" in r.verdict
+    r = fh.replay(by_step[33].dump, m, loss_fn)
+    assert r.reproduced
+    assert r.loss == pytest.approx(by_step[33].details["step_loss"], rel=1e-6)
+
+    lines = [json.loads(s) for s in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in lines] == list(range(40))
+    assert lines[15]["loss"] is None and lines[15]["loss_finite"] is False
+    assert lines[15]["skipped"] is True and lines[16]["skipped"] is False
+    assert lines[3]["lr"] == pytest.approx(3e-3) and lines[3]["grad_norm"] > 0
+    assert "per_tensor_norms" in lines[5] and "per_tensor_norms" not in lines[6]
+    assert set(lines[5]["per_tensor_norms"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    events = [json.loads(s) for s in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert {(e["step"], e["kind"]) for e in events} == set(ks)
+
+
+def test_explicit_step_numbers_and_context_manager():
+    m = make_model()
+    x, y = data()
+    with fh.Monitor(m, None, flush_every=4) as mon:
+        for step in (100, 101, 102):
+            loss = loss_fn(m, (x, y, torch.ones(64, 1)))
+            m.zero_grad()
+            loss.backward()
+            obs = mon.step(loss * (NAN if step == 101 else 1), step=step)
+            assert obs.step == step
+    assert kinds_at(mon) == [(101, "nonfinite_loss")]
+
+
+def test_monitor_argument_errors():
+    m = make_model()
+    with pytest.raises(TypeError, match="nn.Module"):
+        fh.Monitor([1, 2])
+    with pytest.raises(ValueError, match="flush_every"):
+        fh.Monitor(m, flush_every=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        fh.Monitor(m, max_grad_norm=-1)
