@@ -6,6 +6,8 @@ import sys
 
 COMMANDS = {
     "bench": "the CPU benchmark against the naive loop (fasthealth/benchmark.py)",
+    "demo": "a small GPT-like training run with planted faults that shows every detector",
+    "report": "plots and a summary from a Monitor's log directory: fasthealth report LOG_DIR",
 }
 
 
@@ -21,5 +23,13 @@ def main(argv: list[str] | None = None) -> int:
         from .benchmark import main as bench_main
 
         return bench_main(rest)
+    if cmd == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if cmd == "report":
+        from .report import main as report_main
+
+        return report_main(rest)
     print(f"fasthealth: unknown command {cmd!r}; try `fasthealth --help`", file=sys.stderr)
     return 2

@@ -9,8 +9,8 @@ Defaults and where the rules come from:
   the last ``window`` finite, non-spike values, armed after ``warmup`` such values; a spike is
   not added to the window (OLMo-core's spike detection). Only upward spikes count.
 - ``divergence``: a sustained upward trend: the median of the last 10 losses has stood more
-  than ``ratio`` (50%) above the best such median for ``patience`` (5) steps, and a
-  least-squares line through the last ``window`` (50) losses rises. The median keeps a lone
+  than ``ratio`` (50%) above the median of the ``window`` (50) losses before them for
+  ``patience`` (5) steps, and a least-squares line through all 60 rises. Medians keep a lone
   spike from counting as a trend. Fires once, re-arms when the loss comes back.
 - ``oscillation``: over the last ``window`` losses, at least ``alternation`` (80%) of successive
   differences change sign, their mean size exceeds ``amplitude`` (10%) of the mean loss, and the
@@ -80,16 +80,14 @@ def _slope(ys: list[float]) -> float:
 
 
 class DivergenceDetector:
-    """A sustained rise: the median of the last ``short`` losses stands ``ratio`` above the best
-    such median for ``patience`` steps while the fitted slope over ``window`` losses rises.
-    Medians make a lone spike invisible to it."""
+    """A sustained rise: the median of the last ``short`` losses stands ``ratio`` above the
+    median of the ``window`` losses before them for ``patience`` steps in a row, while a line
+    fitted to those ``window + short`` losses rises. Medians keep lone spikes out of it."""
 
     def __init__(self, window: int = 50, ratio: float = 0.5, warmup: int = 20,
                  patience: int = 5, short: int = 10):
-        self.ratio, self.warmup, self.patience = ratio, warmup, patience
-        self.recent: deque[float] = deque(maxlen=window)
-        self.short: deque[float] = deque(maxlen=short)
-        self.best = math.inf
+        self.ratio, self.warmup, self.patience, self.short = ratio, warmup, patience, short
+        self.history: deque[float] = deque(maxlen=window + short)
         self.seen = 0
         self.above_for = 0
         self.active = False
@@ -98,27 +96,25 @@ class DivergenceDetector:
         if not math.isfinite(loss):
             return []
         self.seen += 1
-        self.recent.append(loss)
-        self.short.append(loss)
-        if len(self.short) < self.short.maxlen:
+        self.history.append(loss)
+        if self.seen <= self.warmup or len(self.history) < self.short + 10:
             return []
-        med = statistics.median(self.short)
-        if self.seen <= self.warmup:
-            self.best = min(self.best, med)
-            return []
-        above = med > self.best + self.ratio * abs(self.best)
+        values = list(self.history)
+        recent = statistics.median(values[-self.short:])
+        ref = statistics.median(values[:-self.short])
+        above = recent > ref + self.ratio * abs(ref)
         self.above_for = self.above_for + 1 if above else 0
         if not above:
-            self.best = min(self.best, med)
             self.active = False
             return []
-        if self.above_for >= self.patience and not self.active and _slope(list(self.recent)) > 0:
+        if self.above_for >= self.patience and not self.active and _slope(values) > 0:
             self.active = True
-            rise = (med / self.best - 1) * 100 if self.best > 0 else math.inf
+            rise = (recent / ref - 1) * 100 if ref > 0 else math.inf
             return [("divergence",
-                     f"loss trending up: the median of the last {len(self.short)} losses, "
-                     f"{med:.4g}, is {rise:.0f}% above its best {self.best:.4g}",
-                     {"median": med, "best_median": self.best, "loss": loss})]
+                     f"loss trending up: the median of the last {self.short} losses, "
+                     f"{recent:.4g}, is {rise:.0f}% above the {len(values) - self.short} "
+                     f"before them ({ref:.4g})",
+                     {"median": recent, "reference_median": ref, "loss": loss})]
         return []
 
 

@@ -198,6 +198,7 @@ class Monitor:
         self._vanishing = VanishingDetector(abs_threshold=vanishing_threshold,
                                             window=spike_window, warmup=warmup_steps)
         self._scale_collapsed = False
+        self._opt_bad = False
         self._rng = self._rng_state()
 
         param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
@@ -423,7 +424,11 @@ class Monitor:
         if v["grads_finite"]:
             found += self._spike_norm.update(v["grad_norm"])
             found += self._vanishing.update(v["grad_norm"])
-        if v["optimizer_nonfinite"] > 0:
+        checked = v["optimizer_nonfinite"] == v["optimizer_nonfinite"]
+        if checked and v["optimizer_nonfinite"] == 0:
+            self._opt_bad = False
+        if checked and v["optimizer_nonfinite"] > 0 and not self._opt_bad:
+            self._opt_bad = True  # reported once until a later check finds the state clean
             names = info["opt_stats"].nonfinite() if info["opt_stats"] is not None else []
             found.append(("optimizer_state_nonfinite",
                           f"{int(v['optimizer_nonfinite'])} NaN/Inf values in optimizer state: "

@@ -1,0 +1,108 @@
+"""Overhead of fh.Monitor on a GPT-2-small-sized CPU training step.
+
+The same model, optimizer and data; steps alternate between the plain loop (backward,
+optimizer.step) and the monitored loop (backward, mon.step, which also steps the optimizer),
+so machine noise hits both alike. Reports the median step time of each and the overhead.
+Writes bench/results/monitor_overhead.json.
+
+    python bench/bench_monitor.py [--steps 8] [--seq 128] [--batch 1]
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import fasthealth as fh
+from fasthealth.demo import TinyGPT
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps of each kind")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--small", action="store_true", help="a small model, for a smoke run")
+    ap.add_argument("--out", default="bench/results/monitor_overhead.json")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    cfg = (dict(vocab=50257, ctx=1024, d=768, layers=12, heads=12) if not args.small
+           else dict(vocab=512, ctx=128, d=64, layers=2, heads=2))
+    model = TinyGPT(**cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    mon = fh.Monitor(model, opt, flush_every=5, max_grad_norm=1.0)
+    ids = torch.randint(0, cfg["vocab"], (args.batch, args.seq + 1))
+
+    def forward_backward():
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    def plain():
+        forward_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    def monitored():
+        loss = forward_backward()
+        mon.step(loss)
+
+    times = {"plain": [], "monitored": []}
+    mon_only = []
+    for fn in (plain, monitored):  # warm-up
+        fn()
+    for i in range(args.steps):
+        for name, fn in (("plain", plain), ("monitored", monitored))[:: 1 if i % 2 else -1]:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        # mon.step alone, on the gradients of a fresh backward
+        loss = forward_backward()
+        t0 = time.perf_counter()
+        mon.step(loss)
+        mon_only.append(time.perf_counter() - t0)
+        print(f"\rstep pair {i + 1}/{args.steps}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    mon.close()
+    plain_ms = statistics.median(times["plain"]) * 1e3
+    mon_ms = statistics.median(times["monitored"]) * 1e3
+    # mon.step replaces clip + optimizer.step: its own cost is what it adds beyond them
+    t_opt = []
+    for _ in range(3):
+        forward_backward()
+        t0 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        t_opt.append(time.perf_counter() - t0)
+    opt_ms = statistics.median(t_opt) * 1e3
+    step_ms = statistics.median(mon_only) * 1e3
+    result = {
+        "model": cfg, "params": n_params, "batch": args.batch, "seq": args.seq,
+        "steps_each": args.steps,
+        "plain_step_ms": round(plain_ms, 2), "monitored_step_ms": round(mon_ms, 2),
+        "overhead_pct_of_step": round((mon_ms - plain_ms) / plain_ms * 100, 2),
+        "mon_step_ms": round(step_ms, 2), "clip_plus_optimizer_ms": round(opt_ms, 2),
+        "mon_step_extra_ms": round(step_ms - opt_ms, 2),
+        "extra_pct_of_step": round((step_ms - opt_ms) / plain_ms * 100, 2),
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+    }
+    print(json.dumps(result, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
