@@ -9,8 +9,9 @@ const char* cpu_isa_name();
 
 TORCH_LIBRARY(fasthealth, m) {
   // Row i < N: statistics of tensors[i]; row N: of all elements together. Columns: the fields of
-  // csrc/stats.h (fasthealth.stats.FIELDS), float64, counts as exact integers.
-  m.def("multi_tensor_stats(Tensor[] tensors) -> Tensor");
+  // csrc/stats.h (fasthealth.stats.TABLE_COLUMNS), float64, counts as exact integers. The range
+  // counts compare |x| with range_hi (overflow) and range_lo (underflow of non-zeros).
+  m.def("multi_tensor_stats(Tensor[] tensors, float range_hi, float range_lo) -> Tensor");
 }
 
 PYBIND11_MODULE(_C, m) {

@@ -45,4 +45,10 @@ inline void check_input(const at::Tensor& t, size_t index, c10::DeviceType devic
   dtype_code(t, index);
 }
 
+inline void check_range(double range_hi, double range_lo) {
+  TORCH_CHECK(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi,
+              "fasthealth: range thresholds must satisfy 0 <= range_lo <= range_hi and "
+              "range_hi > 0, got range_hi=", range_hi, ", range_lo=", range_lo);
+}
+
 }  // namespace fasthealth

@@ -37,7 +37,11 @@ enum Field : int {
   kFiniteNorm,
   kAmax,
   kAllFinite,
-  kNumFields
+  kNumFields,  // the fields of SPEC section 2
+  // Mixed-precision range, against the thresholds of the call (0 when none were given):
+  kOverflowCount = kNumFields,  // finite |x| > range_hi
+  kUnderflowCount,              // 0 < |x| < range_lo
+  kTableWidth
 };
 
 // Input element types the kernels read. Kept separate from c10::ScalarType so that the SIMD
@@ -67,6 +71,8 @@ struct Partial {
   int64_t posinf;
   int64_t neginf;
   int64_t zero;
+  int64_t over;   // finite |x| > range_hi
+  int64_t under;  // 0 < |x| < range_lo
   double fmin;  // +inf when no finite element
   double fmax;  // -inf when no finite element
   double mean;
@@ -80,7 +86,7 @@ static inline FH_HD double fh_nan() { return __builtin_nan(""); }
 
 static inline FH_HD Partial partial_empty() {
   Partial p;
-  p.n = p.finite = p.posinf = p.neginf = p.zero = 0;
+  p.n = p.finite = p.posinf = p.neginf = p.zero = p.over = p.under = 0;
   p.fmin = fh_inf();
   p.fmax = -fh_inf();
   p.mean = p.m2 = 0.0;
@@ -96,6 +102,8 @@ static inline FH_HD Partial partial_merge(const Partial& a, const Partial& b) {
   r.posinf = a.posinf + b.posinf;
   r.neginf = a.neginf + b.neginf;
   r.zero = a.zero + b.zero;
+  r.over = a.over + b.over;
+  r.under = a.under + b.under;
   r.fmin = b.fmin < a.fmin ? b.fmin : a.fmin;
   r.fmax = b.fmax > a.fmax ? b.fmax : a.fmax;
   if (a.finite == 0) {
@@ -128,7 +136,8 @@ static inline FH_HD Partial partial_merge(const Partial& a, const Partial& b) {
   return r;
 }
 
-// Writes the kNumFields columns of SPEC section 2 (counts as exact doubles, all_finite as 0/1).
+// Writes the kTableWidth columns: SPEC section 2's fields (counts as exact doubles, all_finite
+// as 0/1), then the range counts.
 static inline FH_HD void partial_finalize(const Partial& p, double* out) {
   const double nan = fh_nan();
   const double inf = fh_inf();
@@ -177,6 +186,8 @@ static inline FH_HD void partial_finalize(const Partial& p, double* out) {
   out[kFiniteNorm] = fnorm;
   out[kAmax] = any_finite ? (-p.fmin > p.fmax ? -p.fmin : p.fmax) : nan;
   out[kAllFinite] = (nan_count == 0 && inf_count == 0) ? 1.0 : 0.0;
+  out[kOverflowCount] = (double)p.over;
+  out[kUnderflowCount] = (double)p.under;
 }
 
 // Deterministic pairwise merge of parts[0, count): the same tree whatever the thread count,

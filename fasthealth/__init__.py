@@ -5,10 +5,16 @@ The public names of SPEC.md; see README.md for a tour.
 
 from .activations import ActivationMonitor
 from .backends import available_backends
-from .checks import check_grads, check_tensor_health, multi_tensor_stats, tensor_stats
+from .checks import (
+    check_grads,
+    check_params,
+    check_tensor_health,
+    multi_tensor_stats,
+    tensor_stats,
+)
 from .monitor import Event, Monitor, NonFiniteError, Observation
 from .replay import ReplayResult, replay
-from .stats import FIELDS, MultiTensorStats, TensorStats
+from .stats import FIELDS, MultiTensorStats, RangeStats, TensorStats
 
 __version__ = "0.1.0"
 
@@ -20,10 +26,12 @@ __all__ = [
     "MultiTensorStats",
     "NonFiniteError",
     "Observation",
+    "RangeStats",
     "ReplayResult",
     "TensorStats",
     "available_backends",
     "check_grads",
+    "check_params",
     "check_tensor_health",
     "multi_tensor_stats",
     "replay",

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from .stats import NUM_FIELDS
+from .stats import TABLE_WIDTH
 
 _C = None
 load_error: str | None = None
@@ -43,10 +43,11 @@ def has_compiled_cuda() -> bool:
 if _C is not None:
 
     @torch.library.register_fake("fasthealth::multi_tensor_stats")
-    def _fake_multi_tensor_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
+    def _fake_multi_tensor_stats(tensors: list[torch.Tensor], range_hi: float,
+                                 range_lo: float) -> torch.Tensor:
         # The shape depends only on how many inputs there are: capturable and traceable.
         device = tensors[0].device
         for i, t in enumerate(tensors):
             if t.device != device:
                 raise ValueError(f"fasthealth: input {i} is on {t.device}, input 0 on {device}")
-        return tensors[0].new_empty((len(tensors) + 1, NUM_FIELDS), dtype=torch.float64)
+        return tensors[0].new_empty((len(tensors) + 1, TABLE_WIDTH), dtype=torch.float64)

@@ -16,6 +16,7 @@ for the device: cuda > triton > torch on GPUs, cpu > torch on CPUs.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Sequence
 
@@ -92,12 +93,13 @@ def resolve(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def run(backend: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The FIELDS table ``[len(tensors) + 1, NUM_FIELDS]`` of tensors on one device."""
+def run(backend: str, tensors: Sequence[torch.Tensor], range_hi: float = math.inf,
+        range_lo: float = 0.0) -> torch.Tensor:
+    """The table ``[len(tensors) + 1, TABLE_WIDTH]`` of tensors on one device."""
     if backend == "torch":
-        return reference.multi_tensor_stats(tensors)
+        return reference.multi_tensor_stats(tensors, range_hi, range_lo)
     if backend == "triton":
-        from triton_kernels import tensor_stats as triton_stats
+        from .triton_kernels import tensor_stats as triton_stats
 
-        return triton_stats.multi_tensor_stats_triton(list(tensors))
-    return torch.ops.fasthealth.multi_tensor_stats(list(tensors))
+        return triton_stats.multi_tensor_stats_triton(list(tensors), range_hi, range_lo)
+    return torch.ops.fasthealth.multi_tensor_stats(list(tensors), range_hi, range_lo)

@@ -7,13 +7,14 @@ One fused pass per device over all inputs; nothing here synchronizes with the de
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from . import backends, reference
-from .stats import NUM_FIELDS, MultiTensorStats, TensorStats
+from .stats import TABLE_WIDTH, MultiTensorStats, TensorStats, range_thresholds
 
 
 def _describe(i: int, name: str | None) -> str:
@@ -45,7 +46,8 @@ def _validate(tensors: Sequence[Any], names: Sequence[str] | None) -> None:
 
 
 def _table(
-    tensors: list[torch.Tensor], names: list[str] | None, backend: str | None
+    tensors: list[torch.Tensor], names: list[str] | None, backend: str | None,
+    rng: tuple[float, float] = (math.inf, 0.0),
 ) -> torch.Tensor:
     """The FIELDS table of tensors that may sit on several devices.
 
@@ -59,25 +61,26 @@ def _table(
     name = backends.resolve(backend, device)
     with torch.no_grad():
         try:
-            return backends.run(name, tensors)
+            return backends.run(name, tensors, *rng)
         except Exception:
             _validate(tensors, names)  # raises TypeError/ValueError naming the bad input
             if all(t.device == device for t in tensors):
                 raise
-        return _table_mixed(tensors, backend)
+        return _table_mixed(tensors, backend, rng)
 
 
-def _table_mixed(tensors: list[torch.Tensor], backend: str | None) -> torch.Tensor:
+def _table_mixed(tensors: list[torch.Tensor], backend: str | None,
+                 rng: tuple[float, float]) -> torch.Tensor:
     """One fused pass per device, rows gathered on the first input's device; the copies between
     devices are the one place a call may synchronize."""
     groups: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.device, []).append(i)
     home = tensors[0].device
-    table = torch.empty((len(tensors) + 1, NUM_FIELDS), dtype=torch.float64, device=home)
+    table = torch.empty((len(tensors) + 1, TABLE_WIDTH), dtype=torch.float64, device=home)
     totals = []
     for device, idx in groups.items():
-        part = backends.run(backends.resolve(backend, device), [tensors[i] for i in idx])
+        part = backends.run(backends.resolve(backend, device), [tensors[i] for i in idx], *rng)
         part = part.to(home)
         table[torch.tensor(idx, device=home)] = part[:-1]
         totals.append(part[-1])
@@ -94,11 +97,14 @@ def multi_tensor_stats(
     *,
     names: Sequence[str] | None = None,
     backend: str | None = None,
+    range_dtype: torch.dtype | None = None,
 ) -> MultiTensorStats:
     """Statistics of every tensor and of all of them together, in one fused pass.
 
     Inputs may mix dtypes (floating, integer, bool) and devices; non-contiguous views are read
     as they are. See SPEC section 2 for each field's NaN/Inf semantics. No host sync.
+    ``range_dtype`` (float16, bfloat16, float8_e4m3fn, ...) adds, in the same pass, how the
+    values would fare cast to it: ``s.total.range.overflow_frac`` etc. (see RangeStats).
     """
     if isinstance(tensors, torch.Tensor):
         raise TypeError(
@@ -112,19 +118,21 @@ def multi_tensor_stats(
             raise ValueError(
                 f"fasthealth: got {len(names)} names for {len(tensors)} tensors"
             )
+    rng = range_thresholds(range_dtype)
     if not tensors:
-        return MultiTensorStats(_empty_table(), [], [])
-    table = _table(tensors, names, backend)
+        return MultiTensorStats(_empty_table(), [], [], range_dtype=range_dtype)
+    table = _table(tensors, names, backend, rng)
     if names is None:
         names = [str(i) for i in range(len(tensors))]
-    return MultiTensorStats(table, names, [t.dtype for t in tensors])
+    return MultiTensorStats(table, names, [t.dtype for t in tensors], range_dtype=range_dtype)
 
 
-def tensor_stats(t: torch.Tensor, *, backend: str | None = None) -> TensorStats:
+def tensor_stats(t: torch.Tensor, *, backend: str | None = None,
+                 range_dtype: torch.dtype | None = None) -> TensorStats:
     """Statistics of one tensor (SPEC section 2): 0-dim tensors on ``t``'s device, no sync."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fasthealth: tensor_stats expects a torch.Tensor, got {type(t).__name__}")
-    return multi_tensor_stats([t], names=["t"], backend=backend)[0]
+    return multi_tensor_stats([t], names=["t"], backend=backend, range_dtype=range_dtype)[0]
 
 
 def _named_parameters(model_or_params: Any) -> Iterable[tuple[str, Any]]:
@@ -163,6 +171,7 @@ def check_grads(
     *,
     backend: str | None = None,
     process_group: Any = None,
+    range_dtype: torch.dtype | None = None,
 ) -> MultiTensorStats:
     """Statistics of every parameter's ``.grad`` and of all gradients together.
 
@@ -192,9 +201,27 @@ def check_grads(
             grads.append(g)
             names.append(name)
     if not grads:
-        return MultiTensorStats(_empty_table(), [], [], missing)
-    table = _table(grads, names, backend)
-    return MultiTensorStats(table, names, [g.dtype for g in grads], missing)
+        return MultiTensorStats(_empty_table(), [], [], missing, range_dtype)
+    table = _table(grads, names, backend, range_thresholds(range_dtype))
+    return MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
+
+
+def check_params(
+    model_or_params: Any,
+    *,
+    backend: str | None = None,
+    range_dtype: torch.dtype | None = None,
+) -> MultiTensorStats:
+    """Statistics of the parameters themselves (not their gradients), e.g. before casting a
+    model to float16 or float8: ``check_params(model, range_dtype=torch.float16).total.range``.
+    """
+    pairs, seen, names, tensors = _named_parameters(model_or_params), set(), [], []
+    for name, p in pairs:
+        if id(p) not in seen:
+            seen.add(id(p))
+            names.append(name)
+            tensors.append(p.detach())
+    return multi_tensor_stats(tensors, names=names, backend=backend, range_dtype=range_dtype)
 
 
 def check_tensor_health(tensor: torch.Tensor, name: str = "tensor") -> bool:

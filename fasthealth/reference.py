@@ -15,18 +15,27 @@ from collections.abc import Sequence
 
 import torch
 
-from .stats import COL, NUM_FIELDS
+from .stats import COL, TABLE_WIDTH
 
 _INF = float("inf")
 _NAN = float("nan")
 
 
-def tensor_stats_row(t: torch.Tensor) -> torch.Tensor:
-    """SPEC section 2 for one tensor: a float64 row of FIELDS on ``t``'s device."""
+def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 0.0
+                     ) -> torch.Tensor:
+    """SPEC section 2 for one tensor, then the range counts: a float64 row of TABLE_COLUMNS on
+    ``t``'s device. Thresholds apply as float32 to inputs of 32 bits or fewer, as the kernels
+    compare in float32 lanes there."""
     d = t.detach().double()
     dev = d.device
     n = d.numel()
-    out = torch.empty(NUM_FIELDS, dtype=torch.float64, device=dev)
+    out = torch.empty(TABLE_WIDTH, dtype=torch.float64, device=dev)
+    if t.dtype.itemsize <= 4:
+        range_hi = float(torch.tensor(range_hi, dtype=torch.float32))
+        range_lo = float(torch.tensor(range_lo, dtype=torch.float32))
+    a = d.abs()
+    out[COL["overflow_count"]] = ((a > range_hi) & (a < _INF)).sum()
+    out[COL["underflow_count"]] = ((a < range_lo) & (a > 0)).sum()
     nan_count = torch.isnan(d).sum()
     posinf = (d == _INF).sum()
     neginf = (d == -_INF).sum()
@@ -82,8 +91,10 @@ def finalize(
     fmean: torch.Tensor,
     fm2: torch.Tensor,
     fnorm: torch.Tensor,
+    over: torch.Tensor,
+    under: torch.Tensor,
 ) -> torch.Tensor:
-    """Rows of FIELDS from sufficient statistics (float64 tensors of one shape).
+    """Rows of TABLE_COLUMNS from sufficient statistics (float64 tensors of one shape).
 
     The torch twin of ``partial_finalize`` in csrc/stats.h: ``fmin``/``fmax``/``fmean`` are over
     the finite elements (any value when there is none), ``fm2`` their sum of squared deviations.
@@ -124,6 +135,8 @@ def finalize(
         "finite_norm": fnorm,
         "amax": torch.where(has_f, torch.maximum(-fmin, fmax), nan),
         "all_finite": ((nan_count == 0) & (inf_count == 0)).double(),
+        "overflow_count": over,
+        "underflow_count": under,
     }
     return torch.stack([cols[name] for name in COL], dim=-1)
 
@@ -161,12 +174,15 @@ def merge_rows(rows: torch.Tensor) -> torch.Tensor:
         fmean,
         m2,
         fnorm,
+        c("overflow_count").sum(),
+        c("underflow_count").sum(),
     )
 
 
-def multi_tensor_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def multi_tensor_stats(tensors: Sequence[torch.Tensor], range_hi: float = _INF,
+                       range_lo: float = 0.0) -> torch.Tensor:
     """The ``torch`` backend: a per-tensor loop of reference rows, plus their merge."""
     if len(tensors) == 0:
         raise ValueError("fasthealth: reference.multi_tensor_stats needs at least one tensor")
-    per = torch.stack([tensor_stats_row(t) for t in tensors])
+    per = torch.stack([tensor_stats_row(t, range_hi, range_lo) for t in tensors])
     return torch.cat([per, merge_rows(per)[None]])

@@ -1,8 +1,9 @@
 """TensorStats and MultiTensorStats: typed views over one float64 table on the device.
 
-Every backend returns the same table: shape ``[N + 1, len(FIELDS)]``, float64, on the inputs'
+Every backend returns the same table: shape ``[N + 1, TABLE_WIDTH]``, float64, on the inputs'
 device, row ``i < N`` for input ``i`` and row ``N`` for all elements together; the columns are
-``FIELDS`` (the Python twin of ``csrc/stats.h``), counts stored as exact integers (< 2**53).
+``TABLE_COLUMNS`` (the Python twin of ``csrc/stats.h``): the ``FIELDS`` of SPEC section 2, then
+the mixed-precision range counts; counts are stored as exact integers (< 2**53).
 Attribute access converts a column lazily (counts to int64, ``all_finite`` to bool, the rest to
 float32, or float64 for 64-bit inputs) and never synchronizes with the device; only ``ok``,
 ``to_dict()``, ``nonfinite()`` and ``summary()`` copy to the host, once each.
@@ -39,7 +40,12 @@ FIELDS: tuple[str, ...] = (
 COUNT_FIELDS: tuple[str, ...] = FIELDS[:6]
 FLOAT_FIELDS: tuple[str, ...] = FIELDS[6:17]
 NUM_FIELDS = len(FIELDS)
-COL: dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
+# Mixed-precision range counts, after the fields: finite |x| above the call's range_hi, and
+# non-zero |x| below its range_lo (both 0 when no range was asked for).
+RANGE_FIELDS: tuple[str, ...] = ("overflow_count", "underflow_count")
+TABLE_COLUMNS: tuple[str, ...] = FIELDS + RANGE_FIELDS
+TABLE_WIDTH = len(TABLE_COLUMNS)
+COL: dict[str, int] = {name: i for i, name in enumerate(TABLE_COLUMNS)}
 
 _FIELD_DOCS = {
     "numel": "number of elements (int64)",
@@ -83,11 +89,21 @@ class TensorStats:
     Every field of SPEC section 2 is an attribute holding a tensor on the input's device.
     """
 
-    __slots__ = ("_row", "_float_dtype")
+    __slots__ = ("_row", "_float_dtype", "_range_dtype")
 
-    def __init__(self, row: torch.Tensor, float_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, row: torch.Tensor, float_dtype: torch.dtype = torch.float32,
+                 range_dtype: torch.dtype | None = None) -> None:
         self._row = row
         self._float_dtype = float_dtype
+        self._range_dtype = range_dtype
+
+    @property
+    def range(self) -> RangeStats:
+        """Mixed-precision range against the ``range_dtype`` the stats were computed with."""
+        if self._range_dtype is None:
+            raise ValueError("fasthealth: these stats were computed without range_dtype=; "
+                             "pass range_dtype=torch.float16 (or bfloat16, float8_*)")
+        return RangeStats(self._row, self._float_dtype, self._range_dtype)
 
     @property
     def raw(self) -> torch.Tensor:
@@ -109,6 +125,62 @@ class TensorStats:
         d = self.to_dict()
         body = ", ".join(f"{k}={_fmt(v)}" for k, v in d.items())
         return f"TensorStats({body})"
+
+
+def range_thresholds(dtype: torch.dtype | None) -> tuple[float, float]:
+    """(range_hi, range_lo) for a target dtype: its largest finite value and smallest normal."""
+    if dtype is None:
+        return math.inf, 0.0
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"fasthealth: range_dtype must be a floating torch.dtype, got {dtype!r}")
+    fi = torch.finfo(dtype)
+    return float(fi.max), float(fi.tiny)
+
+
+class RangeStats:
+    """How tensors would fare if cast to ``dtype`` (fields are tensors on the device):
+
+    - ``overflow_count`` / ``overflow_frac``: finite values with |x| above dtype's max, over
+      the finite values (they would become inf, or saturate);
+    - ``underflow_count`` / ``underflow_frac``: non-zero values with |x| below dtype's smallest
+      normal, over the non-zero finite values (they would flush to zero or lose precision as
+      subnormals);
+    - ``headroom``: amax / dtype's max (above 1 means overflow; tiny means unused range).
+    """
+
+    def __init__(self, row: torch.Tensor, float_dtype: torch.dtype, dtype: torch.dtype):
+        self._row, self._float_dtype, self.dtype = row, float_dtype, dtype
+        self.max, self.tiny = range_thresholds(dtype)
+
+    def _c(self, name: str) -> torch.Tensor:
+        return self._row[..., COL[name]]
+
+    @property
+    def overflow_count(self) -> torch.Tensor:
+        return self._c("overflow_count").to(torch.int64)
+
+    @property
+    def underflow_count(self) -> torch.Tensor:
+        return self._c("underflow_count").to(torch.int64)
+
+    @property
+    def overflow_frac(self) -> torch.Tensor:
+        finite = self._c("numel") - self._c("nan_count") - self._c("inf_count")
+        return (self._c("overflow_count") / finite).to(self._float_dtype)
+
+    @property
+    def underflow_frac(self) -> torch.Tensor:
+        nonzero = (self._c("numel") - self._c("nan_count") - self._c("inf_count")
+                   - self._c("zero_count"))
+        return (self._c("underflow_count") / nonzero).to(self._float_dtype)
+
+    @property
+    def headroom(self) -> torch.Tensor:
+        return (self._c("amax") / self.max).to(self._float_dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k).detach().cpu().tolist() for k in (
+            "overflow_count", "underflow_count", "overflow_frac", "underflow_frac", "headroom")}
 
 
 def _make_property(name: str) -> property:
@@ -144,16 +216,18 @@ class MultiTensorStats:
         names: Sequence[str],
         dtypes: Sequence[torch.dtype],
         missing: Sequence[str] = (),
+        range_dtype: torch.dtype | None = None,
     ) -> None:
-        if tuple(table.shape) != (len(names) + 1, NUM_FIELDS):
+        if tuple(table.shape) != (len(names) + 1, TABLE_WIDTH):
             raise ValueError(
                 f"fasthealth: stats table has shape {tuple(table.shape)}, "
-                f"expected {(len(names) + 1, NUM_FIELDS)}"
+                f"expected {(len(names) + 1, TABLE_WIDTH)}"
             )
         self._table = table
         self.names: list[str] = names if isinstance(names, list) else list(names)
         self.dtypes: list[torch.dtype] = dtypes if isinstance(dtypes, list) else list(dtypes)
         self.missing: list[str] = list(missing)
+        self.range_dtype = range_dtype
         wide = any(float_dtype_for(d) == torch.float64 for d in set(self.dtypes))
         self._float_dtype = torch.float64 if wide else torch.float32
 
@@ -170,7 +244,7 @@ class MultiTensorStats:
         if not -n <= i < n:
             raise IndexError(f"fasthealth: index {i} out of range for {n} tensors")
         i %= n
-        return TensorStats(self._table[i], float_dtype_for(self.dtypes[i]))
+        return TensorStats(self._table[i], float_dtype_for(self.dtypes[i]), self.range_dtype)
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -178,12 +252,12 @@ class MultiTensorStats:
     @property
     def per_tensor(self) -> TensorStats:
         """Every field as a 1-D tensor of length N, in input order."""
-        return TensorStats(self._table[:-1], self._float_dtype)
+        return TensorStats(self._table[:-1], self._float_dtype, self.range_dtype)
 
     @property
     def total(self) -> TensorStats:
         """All elements together, as if of torch.cat([t.flatten() for t in tensors])."""
-        return TensorStats(self._table[-1], self._float_dtype)
+        return TensorStats(self._table[-1], self._float_dtype, self.range_dtype)
 
     @property
     def all_finite(self) -> torch.Tensor:
@@ -197,12 +271,12 @@ class MultiTensorStats:
 
     @property
     def table(self) -> torch.Tensor:
-        """The raw per-tensor table: float64 [N, len(FIELDS)], columns in FIELDS order."""
+        """The raw per-tensor table: float64 [N, TABLE_WIDTH], columns in TABLE_COLUMNS order."""
         return self._table[:-1]
 
     @property
     def raw(self) -> torch.Tensor:
-        """Per-tensor rows and the total row: float64 [N + 1, len(FIELDS)]."""
+        """Per-tensor rows and the total row: float64 [N + 1, TABLE_WIDTH]."""
         return self._table
 
     @property

@@ -10,7 +10,7 @@ import torch
 from tolerances import check_multi
 
 import fasthealth as fh
-from fasthealth.stats import COUNT_FIELDS, FIELDS, FLOAT_FIELDS
+from fasthealth.stats import COUNT_FIELDS, FIELDS, FLOAT_FIELDS, TABLE_COLUMNS
 
 NAN, INF = float("nan"), float("inf")
 
@@ -59,7 +59,7 @@ def test_multi_tensor_stats_object():
     d = s.to_dict()
     assert d["total"]["inf_count"] == 1 and d["per_tensor"]["c"]["max"] == 5.0
     assert math.isnan(d["per_tensor"]["a"]["norm"])
-    assert s.table.shape == (3, len(FIELDS))
+    assert s.table.shape == (3, len(TABLE_COLUMNS))
     text = s.summary(k=2)
     assert "TOTAL" in text and "!a" in text and "!b" in text and "c" in text
     check_multi(s.raw, [a, b, c])
@@ -206,8 +206,8 @@ def test_opcheck():
         [torch.randn(70000).bfloat16(), torch.randn(9).double(), torch.arange(7)],
         [torch.randn(4, 5)[:, ::2].half()],
     ]
-    for args in samples:
-        result = torch.library.opcheck(op, (args,))
+    for args, hi, lo in [(a, math.inf, 0.0) for a in samples] + [(samples[1], 65504.0, 6e-5)]:
+        result = torch.library.opcheck(op, (args, hi, lo))
         assert all(v == "SUCCESS" for v in result.values()), result
 
 

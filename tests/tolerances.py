@@ -17,7 +17,7 @@ import math
 import torch
 
 from fasthealth.reference import tensor_stats_row
-from fasthealth.stats import COL, FIELDS
+from fasthealth.stats import COL, FIELDS, TABLE_COLUMNS
 
 EXACT = (
     "numel", "nan_count", "posinf_count", "neginf_count", "inf_count", "zero_count",
@@ -83,7 +83,7 @@ def check_tensor(got_row: torch.Tensor, t: torch.Tensor, what: str = "tensor"):
 
 def check_multi(table: torch.Tensor, tensors: list[torch.Tensor], what: str = "call"):
     """Every per-tensor row and the total row (against torch.cat of all elements)."""
-    assert tuple(table.shape) == (len(tensors) + 1, len(FIELDS))
+    assert tuple(table.shape) == (len(tensors) + 1, len(TABLE_COLUMNS))
     for i, t in enumerate(tensors):
         check_tensor(table[i], t, f"{what}, tensor {i} ({t.dtype}, {tuple(t.shape)})")
     flat = torch.cat([t.detach().double().flatten().cpu() for t in tensors])

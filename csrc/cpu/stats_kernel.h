@@ -441,26 +441,93 @@ void widen(const void* data, int64_t begin, int64_t n, double* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = (double)p[i];
 }
 
+// ---- mixed-precision range counts (only when asked: a second look at the L1-resident block,
+// not a second read from memory) -----------------------------------------------------------
+
+typedef int vi __attribute__((vector_size(sizeof(vf))));
+
+// over: finite |x| > hi; under: 0 < |x| < lo. NaN compares false everywhere and +-inf is
+// excluded from over, so only finite values count.
+template <typename L>
+void count_range(const typename L::T* x, int64_t n, double hi, double lo, int64_t* over,
+                 int64_t* under) {
+  const vf vhi = splatf((float)hi), vlo = splatf((float)lo);
+  const vf vinf = splatf(__builtin_huge_valf()), vzero = splatf(0.0f);
+  vi o = vi{}, u = vi{};
+  int64_t i = 0;
+  for (; i + FW <= n; i += FW) {
+    const vf a = L::load(x + i);
+    const vf ax = a < vzero ? -a : a;
+    o -= (vi)((ax > vhi) & (ax < vinf));
+    u -= (vi)((ax < vlo) & (ax > vzero));
+  }
+  int64_t oc = 0, uc = 0;
+  for (int k = 0; k < FW; ++k) {
+    oc += o[k];
+    uc += u[k];
+  }
+  for (; i < n; ++i) {
+    const double v = L::load1(x + i);
+    const double av = v < 0 ? -v : v;
+    oc += av > (float)hi && av < __builtin_huge_val();
+    uc += av < (float)lo && av > 0;
+  }
+  *over = oc;
+  *under = uc;
+}
+
+void count_range_f64(const double* x, int64_t n, double hi, double lo, int64_t* over,
+                     int64_t* under) {
+  int64_t oc = 0, uc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double av = x[i] < 0 ? -x[i] : x[i];
+    oc += av > hi && av < __builtin_huge_val();
+    uc += av < lo && av > 0;
+  }
+  *over = oc;
+  *under = uc;
+}
+
 Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float* fbuf,
-                    double* dbuf) {
+                    double* dbuf, double hi, double lo) {
+  const bool ranged = hi < __builtin_huge_val() || lo > 0.0;
+  Partial p;
   switch (dtype) {
-    case kF32:
-      return block_f32<LoadF32>((const float*)data + begin, n);
-    case kBF16:
-      return block_f32<LoadBF16>((const uint16_t*)data + begin, n);
-    case kF16:
-      return block_f32<LoadF16>((const uint16_t*)data + begin, n);
-    case kF64:
-      return block_f64((const double*)data + begin, n);
-    case kF8E5M2: {  // the high byte of a float16
-      const uint8_t* p = (const uint8_t*)data + begin;
-      for (int64_t i = 0; i < n; ++i) fbuf[i] = half_to_float((uint16_t)(p[i] << 8));
-      return block_f32<LoadF32>(fbuf, n);
+    case kF32: {
+      const float* x = (const float*)data + begin;
+      p = block_f32<LoadF32>(x, n);
+      if (ranged) count_range<LoadF32>(x, n, hi, lo, &p.over, &p.under);
+      return p;
     }
+    case kBF16: {
+      const uint16_t* x = (const uint16_t*)data + begin;
+      p = block_f32<LoadBF16>(x, n);
+      if (ranged) count_range<LoadBF16>(x, n, hi, lo, &p.over, &p.under);
+      return p;
+    }
+    case kF16: {
+      const uint16_t* x = (const uint16_t*)data + begin;
+      p = block_f32<LoadF16>(x, n);
+      if (ranged) count_range<LoadF16>(x, n, hi, lo, &p.over, &p.under);
+      return p;
+    }
+    case kF64: {
+      const double* x = (const double*)data + begin;
+      p = block_f64(x, n);
+      if (ranged) count_range_f64(x, n, hi, lo, &p.over, &p.under);
+      return p;
+    }
+    case kF8E5M2:
     case kF8E4M3: {
-      const uint8_t* p = (const uint8_t*)data + begin;
-      for (int64_t i = 0; i < n; ++i) fbuf[i] = f8e4m3fn_to_float(p[i]);
-      return block_f32<LoadF32>(fbuf, n);
+      const uint8_t* x = (const uint8_t*)data + begin;
+      if (dtype == kF8E5M2) {  // the high byte of a float16
+        for (int64_t i = 0; i < n; ++i) fbuf[i] = half_to_float((uint16_t)(x[i] << 8));
+      } else {
+        for (int64_t i = 0; i < n; ++i) fbuf[i] = f8e4m3fn_to_float(x[i]);
+      }
+      p = block_f32<LoadF32>(fbuf, n);
+      if (ranged) count_range<LoadF32>(fbuf, n, hi, lo, &p.over, &p.under);
+      return p;
     }
     case kI8:
       widen<int8_t>(data, begin, n, dbuf);
@@ -481,18 +548,21 @@ Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float
     default:
       __builtin_trap();  // the caller validated the dtype
   }
-  return block_f64(dbuf, n);
+  p = block_f64(dbuf, n);
+  if (ranged) count_range_f64(dbuf, n, hi, lo, &p.over, &p.under);
+  return p;
 }
 
 }  // namespace
 
-Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end) {
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
+                    double range_lo) {
   alignas(64) float fbuf[kBlock];
   alignas(64) double dbuf[kBlock];
   Partial acc = partial_empty();
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = end - b < kBlock ? end - b : kBlock;
-    acc = partial_merge(acc, block_stats(data, dtype, b, n, fbuf, dbuf));
+    acc = partial_merge(acc, block_stats(data, dtype, b, n, fbuf, dbuf, range_hi, range_lo));
   }
   return acc;
 }

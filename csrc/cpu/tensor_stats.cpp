@@ -13,15 +13,17 @@
 namespace fasthealth {
 
 namespace avx {
-Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end);
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
+                    double range_lo);
 }
 namespace base {
-Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end);
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
+                    double range_lo);
 }
 
 namespace {
 
-using ChunkFn = Partial (*)(const void*, int, int64_t, int64_t);
+using ChunkFn = Partial (*)(const void*, int, int64_t, int64_t, double, double);
 
 struct Isa {
   ChunkFn fn;
@@ -64,7 +66,8 @@ struct Chunk {
 
 const char* cpu_isa_name() { return isa().name; }
 
-at::Tensor multi_tensor_stats_cpu(at::TensorList tensors) {
+at::Tensor multi_tensor_stats_cpu(at::TensorList tensors, double range_hi, double range_lo) {
+  check_range(range_hi, range_lo);
   const int64_t n = static_cast<int64_t>(tensors.size());
   std::vector<at::Tensor> dense(n);
   std::vector<int> codes(n);
@@ -87,7 +90,8 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList tensors) {
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const Chunk& ch = chunks[c];
-      parts[c] = fn(dense[ch.tensor].data_ptr(), codes[ch.tensor], ch.begin, ch.end);
+      parts[c] = fn(dense[ch.tensor].data_ptr(), codes[ch.tensor], ch.begin, ch.end, range_hi,
+                    range_lo);
     }
   });
 
@@ -98,10 +102,10 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList tensors) {
   }
   const Partial total = partial_merge_range(per_tensor.data(), n);
 
-  at::Tensor out = at::empty({n + 1, kNumFields}, at::TensorOptions().dtype(at::kDouble));
+  at::Tensor out = at::empty({n + 1, kTableWidth}, at::TensorOptions().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
-  for (int64_t i = 0; i < n; ++i) partial_finalize(per_tensor[i], o + i * kNumFields);
-  partial_finalize(total, o + n * kNumFields);
+  for (int64_t i = 0; i < n; ++i) partial_finalize(per_tensor[i], o + i * kTableWidth);
+  partial_finalize(total, o + n * kTableWidth);
   return out;
 }
 
