@@ -13,6 +13,7 @@ from .checks import (
     tensor_stats,
 )
 from .monitor import Event, Monitor, NonFiniteError, Observation
+from .optim import OptimizerHealth, check_optimizer
 from .replay import ReplayResult, replay
 from .stats import FIELDS, MultiTensorStats, RangeStats, TensorStats
 
@@ -26,11 +27,13 @@ __all__ = [
     "MultiTensorStats",
     "NonFiniteError",
     "Observation",
+    "OptimizerHealth",
     "RangeStats",
     "ReplayResult",
     "TensorStats",
     "available_backends",
     "check_grads",
+    "check_optimizer",
     "check_params",
     "check_tensor_health",
     "multi_tensor_stats",

@@ -13,13 +13,14 @@ and whose outgoing gradient was not. Modules that only pass a NaN on are not bla
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
 
 from .checks import multi_tensor_stats
 from .reference import merge_rows
-from .stats import COL
+from .stats import COL, RangeStats
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -43,14 +44,16 @@ class ActivationMonitor:
             masks filled with -inf): they are not reported, and infinities downstream of them
             are not held against later modules' inputs (NaN always is).
         grads: also hook the backward pass.
+        range_dtype: also count, in the same pass, values that would overflow or underflow
+            this dtype (``stats()`` then has ``overflow_frac``/``underflow_frac``/``headroom``).
     """
 
     def __init__(self, model: torch.nn.Module, modules: Any = None, every: int = 1, *,
                  allow_inf: str | None = None, grads: bool = True,
-                 backend: str | None = None) -> None:
+                 range_dtype: torch.dtype | None = None, backend: str | None = None) -> None:
         if every < 1:
             raise ValueError(f"fasthealth: every must be >= 1, got {every}")
-        self.every, self.backend = every, backend
+        self.every, self.backend, self.range_dtype = every, backend, range_dtype
         self._allow = re.compile(allow_inf) if allow_inf else None
         named = list(model.named_modules())
         if modules is None:
@@ -74,12 +77,15 @@ class ActivationMonitor:
         self._forward: list[tuple[str, torch.Tensor, int]] = []
         self._backward: list[tuple[str, torch.Tensor, int]] = []
         self._handles = []
+        # torch warns whenever the first hooked module's input needs no grad (the usual case
+        # for a model's input): harmless here, and it would fire on every backward.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
         root = model
+        self._chosen, self._grads = chosen, grads
+        self._backward_handles: list = []
         self._handles.append(root.register_forward_pre_hook(self._start_pass))
         for name, m in chosen:
             self._handles.append(m.register_forward_hook(self._forward_hook(name)))
-            if grads:
-                self._handles.append(m.register_full_backward_hook(self._backward_hook(name)))
 
     # hooks ----------------------------------------------------------------------------------
 
@@ -88,13 +94,23 @@ class ActivationMonitor:
         self._calls += 1
         if self._recording:
             self._forward, self._backward = [], []
+        # Full backward hooks cost an autograd node per module per forward even when idle, so
+        # they are present only on the passes that are recorded.
+        want = self._recording and self._grads
+        if want and not self._backward_handles:
+            self._backward_handles = [m.register_full_backward_hook(self._backward_hook(n))
+                                      for n, m in self._chosen]
+        elif not want and self._backward_handles:
+            for h in self._backward_handles:
+                h.remove()
+            self._backward_handles = []
 
     def _record(self, store: list, name: str, inputs: list[torch.Tensor],
                 outputs: list[torch.Tensor]) -> None:
         if not outputs:
             return
         tensors = [t.detach() for t in inputs + outputs]
-        s = multi_tensor_stats(tensors, backend=self.backend)
+        s = multi_tensor_stats(tensors, backend=self.backend, range_dtype=self.range_dtype)
         store.append((name, s.raw, len(inputs)))
 
     def _forward_hook(self, name: str):
@@ -174,7 +190,13 @@ class ActivationMonitor:
             for name, rows, n_in in self._host(store):
                 outs = rows[n_in:-1]
                 row = outs[0] if outs.shape[0] == 1 else merge_rows(outs)
-                out.setdefault(name, {})[key] = {f: float(row[i]) for f, i in COL.items()}
+                fields = {f: float(row[i]) for f, i in COL.items()}
+                if self.range_dtype is not None:
+                    r = RangeStats(row, torch.float64, self.range_dtype)
+                    fields.update(overflow_frac=float(r.overflow_frac),
+                                  underflow_frac=float(r.underflow_frac),
+                                  headroom=float(r.headroom))
+                out.setdefault(name, {})[key] = fields
         return out
 
     def report(self) -> str:
@@ -207,6 +229,6 @@ class ActivationMonitor:
 
     def remove(self) -> None:
         """Take the hooks away."""
-        for h in self._handles:
+        for h in self._handles + self._backward_handles:
             h.remove()
-        self._handles = []
+        self._handles, self._backward_handles = [], []

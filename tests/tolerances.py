@@ -22,6 +22,7 @@ from fasthealth.stats import COL, FIELDS, TABLE_COLUMNS
 EXACT = (
     "numel", "nan_count", "posinf_count", "neginf_count", "inf_count", "zero_count",
     "min", "max", "finite_min", "finite_max", "amax", "all_finite",
+    "overflow_count", "underflow_count",
 )
 TOLERANCES = {
     "norm": ("rel", 1e-5), "finite_norm": ("rel", 1e-5),
@@ -30,7 +31,7 @@ TOLERANCES = {
 }
 NORM_RTOL_64BIT = 1e-12
 STD_MAX_CONDITION = 1e3
-assert set(EXACT) | set(TOLERANCES) == set(FIELDS)
+assert set(EXACT) | set(TOLERANCES) == set(TABLE_COLUMNS)
 
 
 def _same(a: float, b: float) -> bool:
@@ -77,15 +78,29 @@ def is_wide(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float64, torch.int64)
 
 
-def check_tensor(got_row: torch.Tensor, t: torch.Tensor, what: str = "tensor"):
-    check_row(got_row, tensor_stats_row(t), mean_abs_finite(t), is_wide(t), what)
+def _thresholds(range_dtype):
+    if range_dtype is None:
+        return math.inf, 0.0
+    fi = torch.finfo(range_dtype)
+    return float(fi.max), float(fi.tiny)
 
 
-def check_multi(table: torch.Tensor, tensors: list[torch.Tensor], what: str = "call"):
+def check_tensor(got_row: torch.Tensor, t: torch.Tensor, what: str = "tensor",
+                 range_dtype=None):
+    ref = tensor_stats_row(t, *_thresholds(range_dtype))
+    check_row(got_row, ref, mean_abs_finite(t), is_wide(t), what)
+
+
+def check_multi(table: torch.Tensor, tensors: list[torch.Tensor], what: str = "call",
+                range_dtype=None):
     """Every per-tensor row and the total row (against torch.cat of all elements)."""
     assert tuple(table.shape) == (len(tensors) + 1, len(TABLE_COLUMNS))
     for i, t in enumerate(tensors):
-        check_tensor(table[i], t, f"{what}, tensor {i} ({t.dtype}, {tuple(t.shape)})")
+        check_tensor(table[i], t, f"{what}, tensor {i} ({t.dtype}, {tuple(t.shape)})",
+                     range_dtype)
     flat = torch.cat([t.detach().double().flatten().cpu() for t in tensors])
-    check_row(table[-1], tensor_stats_row(flat), mean_abs_finite(flat),
+    ref = torch.stack([tensor_stats_row(t, *_thresholds(range_dtype)) for t in tensors])
+    total = tensor_stats_row(flat)
+    total[-2:] = ref[:, -2:].sum(0)  # range counts: per input dtype's thresholds, summed
+    check_row(table[-1], total, mean_abs_finite(flat),
               all(is_wide(t) for t in tensors), f"{what}, total")
