@@ -63,10 +63,23 @@ def _table(
         try:
             return backends.run(name, tensors, *rng)
         except Exception:
+            local = _dtensors_to_local(tensors)
+            if local is not None:  # DTensors: the statistics of this rank's shards
+                return _table(local, names, backend, rng)
             _validate(tensors, names)  # raises TypeError/ValueError naming the bad input
             if all(t.device == device for t in tensors):
                 raise
         return _table_mixed(tensors, backend, rng)
+
+
+def _dtensors_to_local(tensors: list[Any]) -> list[torch.Tensor] | None:
+    """The local shards when some inputs are DTensors (None when none is)."""
+    from .distributed import _dtensor_cls
+
+    dtensor = _dtensor_cls()
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+        return None
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 def _table_mixed(tensors: list[torch.Tensor], backend: str | None,
@@ -179,11 +192,10 @@ def check_grads(
     parameters or of ``(name, parameter)`` pairs. Parameters without a gradient are skipped and
     listed in ``.missing``; a parameter reached twice (tied weights) is counted once.
     ``total.norm`` is the global gradient norm, ``all_finite`` gates a step without a sync.
+    With ``process_group``, totals are the whole model's across ranks (FSDP2 shards combined,
+    DDP replicas counted once) from one collective, and ``all_finite`` is False on every rank
+    when anything on any rank is non-finite; per-tensor stats stay those of the local shards.
     """
-    if process_group is not None:
-        raise NotImplementedError(
-            "fasthealth: check_grads(process_group=...) is not implemented yet (SPEC section 8)"
-        )
     grads: list[torch.Tensor] = []
     names: list[str] = []
     missing: list[str] = []
@@ -200,10 +212,45 @@ def check_grads(
         else:
             grads.append(g)
             names.append(name)
-    if not grads:
-        return MultiTensorStats(_empty_table(), [], [], missing, range_dtype)
-    table = _table(grads, names, backend, range_thresholds(range_dtype))
-    return MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
+    return grads_stats(grads, names, missing, backend=backend, process_group=process_group,
+                       range_dtype=range_dtype)
+
+
+def grads_stats(
+    grads: list[torch.Tensor],
+    names: list[str],
+    missing: list[str],
+    *,
+    backend: str | None = None,
+    process_group: Any = None,
+    range_dtype: torch.dtype | None = None,
+    extra_bad: torch.Tensor | None = None,
+) -> MultiTensorStats:
+    """check_grads on collected gradients; with a process group, the total is the whole
+    model's (one collective) and ``extra_bad`` joins the cross-rank non-finite flag."""
+    rng = range_thresholds(range_dtype)
+    if process_group is None:
+        if not grads:
+            return MultiTensorStats(_empty_table(), [], [], missing, range_dtype)
+        table = _table(grads, names, backend, rng)
+        return MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
+    import torch.distributed as dist
+
+    from .distributed import global_total, local_view
+
+    rank0 = dist.get_rank(process_group) == 0
+    local, owned = [], []
+    for g in grads:
+        data, own = local_view(g)
+        local.append(data)
+        owned.append(rank0 if own is None else own)
+    if local:
+        table = _table(local, names, backend, rng)
+    else:
+        table = _empty_table()
+    total = global_total(table, owned, process_group, extra_bad)
+    table = torch.cat([table[:-1], total[None].to(table.device)])
+    return MultiTensorStats(table, names, [g.dtype for g in local], missing, range_dtype)
 
 
 def check_params(

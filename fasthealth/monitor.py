@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .checks import multi_tensor_stats
+from .checks import grads_stats, multi_tensor_stats
 from .detectors import DivergenceDetector, OscillationDetector, SpikeDetector, VanishingDetector
 from .stats import COL, MultiTensorStats
 
@@ -165,15 +165,13 @@ class Monitor:
             raise ValueError(f"fasthealth: flush_every must be >= 1, got {flush_every}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"fasthealth: max_grad_norm must be > 0, got {max_grad_norm}")
-        if process_group is not None:
-            raise NotImplementedError(
-                "fasthealth: Monitor(process_group=...) is not implemented yet (SPEC section 8)")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.flush_every, self.on_nonfinite = flush_every, on_nonfinite
         self.max_grad_norm, self.min_loss_scale = max_grad_norm, min_loss_scale
         self.per_tensor_every = max(1, per_tensor_every)
         self.optimizer_check_every = optimizer_check_every
         self.backend = backend
+        self.process_group = process_group
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("fasthealth: the model has no trainable parameters to monitor")
@@ -249,15 +247,18 @@ class Monitor:
             if p.grad is not None:
                 grads.append(p.grad)
                 rows.append(i)
-        stats = multi_tensor_stats(grads, names=[self.names[i] for i in rows],
-                                   backend=self.backend)
-        table = stats.raw.to(self.device)
         if not torch.is_tensor(loss):
             loss = torch.tensor(float(loss))
         loss_d = loss.detach().reshape(-1)[0].to(self.device, torch.float64)
         loss_ok = torch.isfinite(loss_d)
+        # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
+        stats = grads_stats(grads, [self.names[i] for i in rows], [], backend=self.backend,
+                            process_group=self.process_group, extra_bad=~loss_ok)
+        table = stats.raw.to(self.device)
         grads_ok = table[-1, COL["all_finite"]] != 0
         bad = ~(loss_ok & grads_ok)
+        if self.process_group is not None:
+            bad = ~grads_ok  # the gathered flag already holds every rank's loss check
 
         if self.max_grad_norm is not None and grads:
             # clip_grad_norm_'s rule with the norm already computed: no second pass

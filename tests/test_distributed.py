@@ -1,0 +1,158 @@
+"""SPEC section 8 with Gloo on CPU, 2 and 4 processes: DDP and FSDP2 totals equal the
+single-process statistics of the full gradients, one collective per call, a NaN on one rank is
+seen by every rank, and the Monitor's skip decision agrees on all ranks."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tolerances import check_row, mean_abs_finite
+
+import fasthealth as fh
+from fasthealth.reference import tensor_stats_row
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch without FSDP2
+    fully_shard = None
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 24),
+                               torch.nn.Tanh(), torch.nn.Linear(24, 3))
+
+
+def batch(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(8, 16, generator=g)
+    return x, x[:, :3] * 2
+
+
+COLLECTIVES = ["all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce",
+               "reduce_scatter_tensor", "broadcast", "gather", "all_to_all_single"]
+
+
+def count_collectives(fn):
+    """Runs fn counting every torch.distributed collective it calls."""
+    calls = []
+    real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name):
+        def wrapped(*a, **k):
+            calls.append(name)
+            return real[name](*a, **k)
+        return wrapped
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        out = fn()
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+    return out, len(calls)
+
+
+def check_total(got_row, full_grads, what):
+    flat = torch.cat([g.detach().double().flatten() for g in full_grads])
+    check_row(got_row, tensor_stats_row(flat), mean_abs_finite(flat), False, what)
+
+
+def _ddp(rank, world):
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    x, y = batch(rank)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    s, n_coll = count_collectives(lambda: fh.check_grads(ddp, process_group=dist.group.WORLD))
+    assert n_coll == 1
+    local = fh.check_grads(model)  # the replicated full gradients, counted once
+    check_total(s.raw[-1], [p.grad for p in model.parameters()], f"ddp rank {rank}")
+    assert s.total.numel.item() == local.total.numel.item()  # not world times
+    assert s.ok
+    # a NaN in one rank's copy (after the all-reduce) is seen by every rank
+    if rank == world - 1:
+        model[0].weight.grad[1, 1] = float("nan")
+    s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+    assert not s.all_finite.item(), f"rank {rank} did not see the NaN"
+
+
+def _fsdp(rank, world):
+    model = make_model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    x, y = batch(rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert type(grads[0]).__name__ == "DTensor"
+    s, n_coll = count_collectives(lambda: fh.check_grads(model, process_group=dist.group.WORLD))
+    assert n_coll == 1
+    full = [g.full_tensor() for g in grads]
+    check_total(s.raw[-1], full, f"fsdp2 rank {rank}")
+    assert s.total.numel.item() == sum(f.numel() for f in full)
+    # per-tensor stats are the local shards', under the global names
+    assert s.names == [n for n, _ in model.named_parameters()]
+    assert s[0].numel.item() == grads[0].to_local().numel()
+    # a NaN planted in one rank's shard is reported on every rank
+    if rank == 1:
+        grads[2].to_local().view(-1)[0] = float("nan")
+    s = fh.check_grads(model, process_group=dist.group.WORLD)
+    assert not s.all_finite.item() and s.total.nan_count.item() == 1, rank
+
+    # Monitor: a NaN only in rank 1's shard at step 2 makes every rank skip that step
+    model = make_model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=2, warmup_steps=2)
+    for step in range(4):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if step == 2 and rank == 1:
+            next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("nan")
+        before = [p.to_local().clone() for p in model.parameters()]
+        obs = mon.step(loss)
+        after = [p.to_local() for p in model.parameters()]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+        assert bool(obs.skip) == (step == 2), (rank, step)
+        assert unchanged == (step == 2), (rank, step)
+    mon.close()
+    assert [(e.step, e.kind) for e in mon.events if e.kind == "nonfinite_grad"] == \
+        [(2, "nonfinite_grad")]
+
+
+def _worker(rank, world, init_file, scenario):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.set_num_threads(1)
+        {"ddp": _ddp, "fsdp": _fsdp}[scenario](rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world, scenario):
+    fd, init_file = tempfile.mkstemp(prefix="fh-dist-")
+    os.close(fd)
+    os.unlink(init_file)
+    mp.spawn(_worker, args=(world, init_file, scenario), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp(world):
+    run(world, "ddp")
+
+
+@pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2(world):
+    run(world, "fsdp")
