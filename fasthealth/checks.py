@@ -238,6 +238,13 @@ def grads_stats(
 
     from .distributed import global_total, local_view
 
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("fasthealth: process_group= needs torch.distributed to be initialized "
+                         "(init_process_group)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"fasthealth: process_group must be a torch.distributed ProcessGroup "
+                        f"(e.g. dist.group.WORLD), got {type(process_group).__name__}")
+
     rank0 = dist.get_rank(process_group) == 0
     local, owned = [], []
     for g in grads:

@@ -120,8 +120,10 @@ def test_check_grads_errors_name_the_input():
         fh.check_grads([torch.nn.Parameter(torch.ones(2)), 3])
     with pytest.raises(TypeError, match="nn.Module"):
         fh.check_grads(42)
-    with pytest.raises(NotImplementedError):
-        fh.check_grads(Tied(), process_group=object())
+    m = Tied()
+    m(torch.arange(3)).sum().backward()
+    with pytest.raises(ValueError, match="init_process_group"):
+        fh.check_grads(m, process_group=object())
 
 
 def test_bad_inputs_raise_naming_the_input():
