@@ -1,0 +1,109 @@
+"""The Triton backend against the reference, on CPU tensors through Triton's interpreter.
+
+Run in its own process with TRITON_INTERPRET=1 set before triton is imported (`make test` does
+this); small sizes, since the interpreter runs the kernels in numpy. On a GPU (the `gpu`
+tests) the same kernels run compiled.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from tolerances import check_multi, check_tensor
+
+import fasthealth as fh
+
+NAN, INF = float("nan"), float("inf")
+
+pytestmark = pytest.mark.skipif(
+    "triton" not in fh.available_backends(),
+    reason="triton is not installed, or TRITON_INTERPRET=1 is not set for CPU tensors",
+)
+
+
+def row(t, **kw):
+    return fh.multi_tensor_stats([t], backend="triton", **kw).raw[0]
+
+
+def test_interpreter_really_runs_triton():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    assert ts.CHUNK == 1024 and ts.BLOCK == 256  # small chunks: the multi-chunk merge runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 255, 256, 257, 1023, 1024, 1025, 3001])
+def test_planted_values(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    for plants in ([], [NAN], [INF], [-INF], [0.0], [NAN, INF, -INF], [INF, -INF]):
+        if len(plants) > n:
+            continue
+        for pos in {0, n // 2, n - 1}:
+            t = (torch.randn(n, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
+            for k, v in enumerate(plants):
+                t[(pos + k) % n] = v
+            check_tensor(row(t), t, f"triton {dtype} n={n} {plants}@{pos}")
+
+
+def test_special_tensors_and_dtypes():
+    cases = [torch.empty(0), torch.tensor(3.5), torch.full((300,), NAN),
+             torch.full((2000,), -INF), torch.zeros(1500), torch.arange(-50, 50),
+             torch.randint(-3, 4, (999,), dtype=torch.int8), torch.rand(777) > 0.5,
+             torch.randint(0, 2**31 - 1, (500,), dtype=torch.int32),
+             torch.randint(-2**40, 2**40, (500,), dtype=torch.int64),
+             torch.randn(40, 60).t(), torch.randn(30, 50)[:, ::3], torch.randn(1, 90).expand(20, 90),
+             (torch.randn(2000) * 100).to(torch.float8_e4m3fn)]
+    for t in cases:
+        check_tensor(row(t), t, f"triton {t.dtype} {tuple(t.shape)}")
+
+
+def test_many_tensors_mixed_and_total():
+    g = torch.Generator().manual_seed(4)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int32]
+    ts = []
+    for i in range(300):
+        t = (torch.randn(int(torch.randint(0, 1500, (1,), generator=g)), generator=g) * 5)
+        t = t.to(dtypes[i % len(dtypes)])
+        if t.numel() and i % 31 == 0 and t.dtype.is_floating_point:
+            t[-1] = NAN
+        ts.append(t)
+    check_multi(fh.multi_tensor_stats(ts, backend="triton").raw, ts, "triton 300 tensors")
+
+
+def test_norm_overflow_and_std_accuracy():
+    for dtype, v in [(torch.float32, 1e30), (torch.bfloat16, 1e30), (torch.float16, 65504.0)]:
+        t = torch.full((1000,), v, dtype=dtype)
+        s = fh.tensor_stats(t, backend="triton")
+        assert s.norm.item() == pytest.approx(float(t[0].double()) * math.sqrt(1000), rel=1e-5)
+    for off in (1e3, -1e3):
+        t = off + torch.randn(5000, dtype=torch.float64)
+        check_tensor(row(t.float()), t.float(), "triton mean/std=1e3 f32")
+        check_tensor(row(t), t, "triton mean/std=1e3 f64")
+    t = torch.randn(4000) * 1e-30
+    check_tensor(row(t), t, "tiny")
+    t = torch.full((4,), 1e200, dtype=torch.float64)
+    assert fh.tensor_stats(t, backend="triton").finite_norm.item() == pytest.approx(2e200)
+
+
+@pytest.mark.parametrize("target", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_range_counts(target):
+    g = torch.Generator().manual_seed(9)
+    t = torch.randn(3000, generator=g) * torch.exp(torch.randn(3000, generator=g) * 15)
+    t[::50] = 0.0
+    t[3] = NAN
+    check_multi(fh.multi_tensor_stats([t, t[:77]], backend="triton", range_dtype=target).raw,
+                [t, t[:77]], f"triton range {target}", range_dtype=target)
+
+
+def test_plan_cache_reuses_device_tables():
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    xs = [torch.randn(100), torch.randn(2000)]
+    fh.multi_tensor_stats(xs, backend="triton")
+    before = len(ts._cache)
+    xs[0].add_(1.0)  # new values, same tensors: same plan
+    s = fh.multi_tensor_stats(xs, backend="triton")
+    assert len(ts._cache) == before
+    check_multi(s.raw, xs, "after in-place update")
