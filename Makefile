@@ -11,7 +11,7 @@ ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env build test test-fast bench lint clean
+.PHONY: env build test test-fast bench lint clean cuda-check
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -44,3 +44,28 @@ lint: env
 
 clean:
 	rm -rf build fasthealth/_C*.so *.egg-info $(BUILD_STAMP)
+
+# The CUDA build on a machine without a GPU (CI runs it after `make test`): a separate
+# environment with torch==2.14.1 (CUDA 13.0) and nvcc from CUDA_HOME compiles csrc/ for sm_80
+# and sm_90 in a copy of the tree (so its _C never mixes with .venv's), imports it, checks the
+# CUDA kernel is registered, and runs the CPU suite there too.
+CUDA_VENV ?= .venv-cuda
+CUDA_PY := $(CURDIR)/$(CUDA_VENV)/bin/python
+CUDA_HOME ?= /usr/local/cuda
+CUDA_TORCH ?= 2.14.1
+CUDA_TREE := build/cuda-check
+
+cuda-check:
+	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_PY) -m pip install -q torch==$(CUDA_TORCH) ninja setuptools wheel numpy pytest \
+		hypothesis matplotlib
+	rm -rf $(CUDA_TREE) && mkdir -p $(CUDA_TREE)
+	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(CUDA_TREE)
+	cd $(CUDA_TREE) && CUDA_HOME=$(CUDA_HOME) PATH=$(CUDA_HOME)/bin:$$PATH \
+		TORCH_CUDA_ARCH_LIST="8.0;9.0" FASTHEALTH_FORCE_CUDA=1 \
+		$(CUDA_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	cd $(CUDA_TREE) && $(CUDA_PY) -c "import torch, fasthealth as fh; \
+		assert fh._ops._C is not None and fh._ops._C.with_cuda, fh._ops.load_error; \
+		assert torch._C._dispatch_has_kernel_for_dispatch_key('fasthealth::multi_tensor_stats', 'CUDA'); \
+		print('CUDA extension built for sm_80 and sm_90 with torch', torch.__version__)"
+	cd $(CUDA_TREE) && FASTHEALTH_REQUIRE_CPU=1 $(CUDA_PY) -m pytest -q -m "not slow" tests

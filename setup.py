@@ -61,8 +61,16 @@ def _want_cuda() -> bool:
     return True
 
 
+def _pip_cuda_includes() -> list[str]:
+    """Headers of the CUDA libraries that pip's torch wheels bring (cuSPARSE, cuBLAS...), which
+    torch's own headers include but a bare nvcc install may lack."""
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    return sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+
+
 def _extension():
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+    # No -std flag: torch.utils.cpp_extension picks the standard this torch needs (C++17 or 20).
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     if _want_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -71,10 +79,8 @@ def _extension():
             "fasthealth._C",
             sources,
             define_macros=[("FASTHEALTH_WITH_CUDA", "1")],
-            extra_compile_args={
-                "cxx": cxx,
-                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"],
-            },
+            include_dirs=_pip_cuda_includes(),
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
     return cpp_extension.CppExtension(

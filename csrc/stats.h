@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #if defined(__CUDACC__)
-#define FH_HD __host__ __device__ __forceinline__
+#define FH_HD __host__ __device__
 #else
 #define FH_HD
 #endif

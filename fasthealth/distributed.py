@@ -3,7 +3,8 @@
 Each rank reduces its local data with the fused kernel, as always. Then every rank contributes
 one row: the merge of the local tensors it *owns* (each element of the model is owned by
 exactly one rank), plus a flag that is set when anything local is non-finite. A single
-all-gather (``all_gather_single``, formerly ``all_gather_into_tensor``) of those rows (TABLE_WIDTH + 1 float64 values per rank) lets every
+all-gather (``all_gather_single``, formerly ``all_gather_into_tensor``) of those rows
+(TABLE_WIDTH + 1 float64 values per rank) lets every
 rank merge them exactly (counts add, extremes combine, moments merge with Chan's formula) into
 the same total, and OR the flags, so a NaN on any rank is seen by all of them and all make the
 same skip decision.

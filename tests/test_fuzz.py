@@ -3,13 +3,13 @@ random sizes and dtypes, every CPU backend against the reference."""
 
 import numpy as np
 import torch
+from conftest import CPU_BACKENDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from tolerances import check_multi, check_tensor
 
 import fasthealth as fh
-from conftest import CPU_BACKENDS
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

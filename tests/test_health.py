@@ -200,7 +200,7 @@ def test_range_semantics_on_known_values():
     assert r.underflow_frac.item() == pytest.approx(2 / 5)
     assert r.headroom.item() == pytest.approx(1e5 / 65504)
     with pytest.raises(ValueError, match="range_dtype"):
-        fh.tensor_stats(t).range
+        _ = fh.tensor_stats(t).range
     with pytest.raises(TypeError, match="range_dtype"):
         fh.tensor_stats(t, range_dtype=torch.int8)
 

@@ -53,7 +53,8 @@ def test_special_tensors_and_dtypes():
              torch.randint(-3, 4, (999,), dtype=torch.int8), torch.rand(777) > 0.5,
              torch.randint(0, 2**31 - 1, (500,), dtype=torch.int32),
              torch.randint(-2**40, 2**40, (500,), dtype=torch.int64),
-             torch.randn(40, 60).t(), torch.randn(30, 50)[:, ::3], torch.randn(1, 90).expand(20, 90),
+             torch.randn(40, 60).t(), torch.randn(30, 50)[:, ::3],
+             torch.randn(1, 90).expand(20, 90),
              (torch.randn(2000) * 100).to(torch.float8_e4m3fn)]
     for t in cases:
         check_tensor(row(t), t, f"triton {t.dtype} {tuple(t.shape)}")

@@ -17,7 +17,7 @@ import math
 import torch
 
 from fasthealth.reference import tensor_stats_row
-from fasthealth.stats import COL, FIELDS, TABLE_COLUMNS
+from fasthealth.stats import COL, TABLE_COLUMNS
 
 EXACT = (
     "numel", "nan_count", "posinf_count", "neginf_count", "inf_count", "zero_count",
@@ -64,7 +64,8 @@ def check_row(got: torch.Tensor, ref: torch.Tensor, mean_abs: float, wide: bool,
                 continue
             bound = tol * rv
         if abs(gv - rv) > bound:
-            errors.append(f"{name}: got {gv!r}, want {rv!r} (|err| {abs(gv - rv):.3g} > {bound:.3g})")
+            errors.append(f"{name}: got {gv!r}, want {rv!r} "
+                          f"(|err| {abs(gv - rv):.3g} > {bound:.3g})")
     assert not errors, f"{what}:\n  " + "\n  ".join(errors)
 
 

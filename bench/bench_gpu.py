@@ -1,0 +1,109 @@
+"""GPU benchmark: fasthealth's cuda and triton backends against the naive loop,
+torch._foreach_norm, torch.compile of the reference, and the read limit, on one device.
+
+Cases: GPT-2 small (148 tensors, 124M), GPT-2 XL (1.56B), a 7B-like set of LLaMA shapes, and
+5000 small tensors, in bfloat16 and float32. CUDA-event timing, warm-up, medians of interleaved
+repetitions; inputs smaller than 8x the L2 cache are rotated between two copies so that the L2
+does not flatter. Writes bench/results/h200.json (rows {case, dtype, provider, ms, gbps}) and a
+plot.
+
+    python bench/bench_gpu.py [--out DIR] [--reps 20] [--quick]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fasthealth as fh
+from fasthealth import baselines, reference
+from fasthealth.benchmark import gpt2_shapes, plot, small_shapes
+
+
+def llama7b_shapes():
+    d, f, layers, vocab = 4096, 11008, 32, 32000
+    shapes = [(vocab, d)]
+    for _ in range(layers):
+        shapes += [(d, d)] * 4 + [(f, d), (f, d), (d, f), (d,), (d,)]
+    return shapes + [(d,), (vocab, d)]
+
+
+def cases(quick):
+    if quick:
+        return [("gpt2-small", gpt2_shapes(50257, 1024, 768, 12)),
+                ("5000-small", small_shapes(5000, 1024, 32768))]
+    return [("gpt2-small", gpt2_shapes(50257, 1024, 768, 12)),
+            ("gpt2-xl", gpt2_shapes(50257, 1024, 1600, 48)),
+            ("7b-like", llama7b_shapes()),
+            ("5000-small", small_shapes(5000, 1024, 32768))]
+
+
+def time_ms(fn, arg):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(arg)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    rows = []
+    for case, shapes in cases(args.quick):
+        for dtype in (torch.bfloat16, torch.float32):
+            nbytes = sum(torch.Size(s).numel() for s in shapes) * dtype.itemsize
+            copies = 2 if nbytes < 8 * l2 else 1
+            sets = [[torch.randn(s, device=dev, dtype=dtype) * 0.02 for s in shapes]
+                    for _ in range(copies)]
+            flats = [torch.cat([t.flatten() for t in ts]) for ts in sets]
+            provs = {}
+            for b in ("cuda", "triton"):
+                if b in fh.available_backends():
+                    provs[b] = lambda ts, b=b: fh.multi_tensor_stats(ts, backend=b).raw
+            provs["naive"] = baselines.naive_loop
+            provs["foreach"] = baselines.foreach_norm_isfinite
+            if len(shapes) <= 300 and not args.quick:
+                provs["compile"] = torch.compile(reference.multi_tensor_stats)
+            times = {p: [] for p in provs}
+            times["read_limit"] = []
+            for fn in provs.values():  # warm-up (and compilation)
+                fn(sets[0])
+            torch.cuda.synchronize()
+            for r in range(args.reps):
+                k = r % copies
+                for p, fn in provs.items():
+                    times[p].append(time_ms(fn, sets[k]))
+                times["read_limit"].append(time_ms(baselines.read_limit, flats[k]))
+            for p, ts in times.items():
+                ms = statistics.median(ts)
+                rows.append({"case": case, "dtype": str(dtype).replace("torch.", ""),
+                             "provider": p, "ms": round(ms, 4),
+                             "gbps": round(nbytes / ms / 1e6, 1)})
+                print(f"{case:<11} {str(dtype)[6:]:<9} {p:<11} {ms:9.3f} ms "
+                      f"{nbytes / ms / 1e6:8.1f} GB/s", flush=True)
+            del sets, flats
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"device": props.name, "torch": torch.__version__, "date": time.ctime(),
+            "backends": fh.available_backends()}
+    (out / "h200.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    plot(rows, out / "h200.png", f"fasthealth on {props.name}, torch {torch.__version__}")
+    print(f"wrote {out / 'h200.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

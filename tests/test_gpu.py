@@ -1,0 +1,170 @@
+"""SPEC sections 4 and 5 on a CUDA device: the `cuda` and `triton` backends against the
+reference, and the guarantees (no host sync, O(N) workspace, current stream, CUDA-graph capture
+and replay, torch.compile without graph breaks, a number of launches independent of N).
+
+Marked `gpu`; skipped with a reason where there is no CUDA device. bench/gpu_check.sh runs them
+on the lent GPU.
+"""
+
+import pytest
+import torch
+from tolerances import check_multi
+
+import fasthealth as fh
+
+NAN, INF = float("nan"), float("inf")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def gpu_backends():
+    return [b for b in ("cuda", "triton") if b in fh.available_backends()]
+
+
+@pytest.fixture(params=["cuda", "triton"])
+def gbackend(request):
+    if request.param not in fh.available_backends():
+        pytest.skip(f"backend {request.param!r} not available: {fh._ops.load_error or ''}")
+    return request.param
+
+
+def sample(seed=0, n=300):
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32]
+    ts = []
+    for i in range(n):
+        size = int(torch.randint(0, 200_000 if i % 50 == 0 else 3000, (1,), generator=g))
+        t = (torch.randn(size, generator=g) * 3).to(dtypes[i % len(dtypes)])
+        if size and i % 17 == 0 and t.dtype.is_floating_point:
+            t[size // 2] = NAN if i % 2 else INF
+        ts.append(t)
+    ts.append(torch.randn(300, 200).t())  # non-contiguous
+    ts.append(torch.randn(1, 500).expand(40, 500))  # expanded
+    return ts
+
+
+def test_against_reference(gbackend):
+    cpu = sample()
+    gpu = [t.cuda() for t in cpu]
+    s = fh.multi_tensor_stats(gpu, backend=gbackend)
+    assert s.raw.device.type == "cuda"
+    check_multi(s.raw.cpu(), cpu, f"{gbackend}")
+    s = fh.multi_tensor_stats(gpu, backend=gbackend, range_dtype=torch.float16)
+    check_multi(s.raw.cpu(), cpu, f"{gbackend} range", range_dtype=torch.float16)
+    big = torch.full((1000,), 1e30, device="cuda")
+    assert torch.isfinite(fh.tensor_stats(big, backend=gbackend).norm).item()
+
+
+def test_no_host_sync(gbackend):
+    gpu = [t.cuda() for t in sample(1, 50)]
+    fh.multi_tensor_stats(gpu, backend=gbackend)  # warm-up: builds and caches the work list
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = fh.multi_tensor_stats(gpu, backend=gbackend)
+        _ = s.total.norm, s.all_finite, s.per_tensor.nan_count
+        m = torch.nn.Linear(64, 64).cuda()
+        m(torch.randn(8, 64, device="cuda")).sum().backward()
+        fh.check_grads(m, backend=gbackend)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_workspace_is_small(gbackend):
+    gpu = [torch.randn(1 << 20, device="cuda") for _ in range(64)]  # 256 MB of inputs
+    fh.multi_tensor_stats(gpu, backend=gbackend)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fh.multi_tensor_stats(gpu, backend=gbackend)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 4 << 20, f"{extra} bytes of workspace for 64 tensors"
+
+
+def test_current_stream(gbackend):
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        gpu = [torch.full((100_000,), 2.0, device="cuda") for _ in range(8)]
+        s = fh.multi_tensor_stats(gpu, backend=gbackend)
+        norm = s.total.norm * 1
+    side.synchronize()
+    assert norm.item() == pytest.approx(2.0 * (800_000**0.5), rel=1e-6)
+
+
+def test_cuda_graph_capture_and_replay(gbackend):
+    gpu = [torch.randn(50_000, device="cuda") for _ in range(10)]
+    s = fh.multi_tensor_stats(gpu, backend=gbackend)  # warm-up with the same tensors
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fh.multi_tensor_stats(gpu, backend=gbackend).raw
+    for t in gpu:
+        t.copy_(torch.randn_like(t) * 5)
+    gpu[3][7] = NAN
+    graph.replay()
+    torch.cuda.synchronize()
+    check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} graph replay")
+    assert s is not None
+
+
+def test_launch_count_does_not_grow_with_tensors(gbackend):
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(n):
+        gpu = [torch.randn(1000, device="cuda") for _ in range(n)]
+        fh.multi_tensor_stats(gpu, backend=gbackend)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fh.multi_tensor_stats(gpu, backend=gbackend)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+    assert kernels(10) == kernels(2000)
+
+
+def test_compile_fullgraph_and_opcheck():
+    if "cuda" not in fh.available_backends():
+        pytest.skip("the compiled CUDA op is not available")
+    torch._dynamo.reset()
+
+    def f(a, b):
+        s = fh.multi_tensor_stats([a, b], backend="cuda")
+        return s.total.norm, s.all_finite
+
+    a, b = torch.randn(1000, device="cuda"), torch.randn(30, 30, device="cuda")
+    got = torch.compile(f, fullgraph=True)(a, b)
+    want = f(a, b)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    op = torch.ops.fasthealth.multi_tensor_stats.default
+    res = torch.library.opcheck(op, ([a, b.t(), b.bfloat16()], float("inf"), 0.0))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_monitor_fused_adamw_on_gpu_skips_without_sync():
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 1)).cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    mon = fh.Monitor(m, opt, flush_every=100)
+    x = torch.randn(16, 32, device="cuda")
+    for _ in range(3):  # warm-up: the work list is built and cached on the first call
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        mon.step(loss)
+    opt.zero_grad()
+    loss = m(x).pow(2).mean() * NAN
+    loss.backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        obs = mon.step(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert obs.skip.item()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    mon.close()
