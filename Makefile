@@ -11,7 +11,7 @@ ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env build test test-fast bench lint clean cuda-check
+.PHONY: env build test test-fast bench demo lint clean cuda-check
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -38,6 +38,10 @@ test-fast: build
 
 bench: build
 	$(PY) -m fasthealth bench --out bench/results
+
+# A small GPT-like run with planted faults: every detector fires, a report is written.
+demo: build
+	$(PY) -m fasthealth demo --log-dir bench/results/demo-run
 
 lint: env
 	$(PY) -m ruff check fasthealth tests bench triton_kernels

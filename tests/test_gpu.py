@@ -168,3 +168,42 @@ def test_monitor_fused_adamw_on_gpu_skips_without_sync():
     assert obs.skip.item()
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
     mon.close()
+
+
+def _nccl_worker(rank, world, init_file):
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.cuda.set_device(rank)
+        m = torch.nn.Linear(64, 32).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
+        ddp(torch.randn(8, 64, device="cuda")).sum().backward()
+        s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+        local = fh.check_grads(m)
+        assert s.raw.device.type == "cuda"
+        torch.testing.assert_close(s.total.norm, local.total.norm)
+        assert s.total.numel.item() == local.total.numel.item() and s.ok
+        m.weight.grad[0, 0] = float("nan")
+        assert not fh.check_grads(ddp, process_group=dist.group.WORLD).ok
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_path():
+    """The NCCL path on every GPU of the machine (one rank per GPU; world size 1 on a single
+    GPU still runs the NCCL all-gather on device tensors)."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    fd, init_file = tempfile.mkstemp(prefix="fh-nccl-")
+    os.close(fd)
+    os.unlink(init_file)
+    world = torch.cuda.device_count()
+    mp.spawn(_nccl_worker, args=(world, init_file), nprocs=world, join=True)
