@@ -214,6 +214,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
                         va="bottom", fontsize=7, rotation=90, xytext=(0, 2),
                         textcoords="offset points")
     ax.set_yscale("log")
+    ax.set_ylim(top=max(r["ms"] for r in rows) * 8)  # room for the labels above the bars
     ax.set_ylabel("ms per check (median, log scale)")
     ax.set_xticks(range(len(groups)), [f"{c}\n{d}" for c, d in groups])
     ax.set_title(title, fontsize=9)
