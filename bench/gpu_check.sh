@@ -7,6 +7,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/fasthealth-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 FASTHEALTH_FORCE_CUDA=1
+# (tests and benchmark name their backends explicitly: the automatic choice on CUDA stays the
+# reference until fasthealth/backends.py's GPU_KERNELS_VALIDATED is set after a green run)
 {
   nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"
 } > "$OUT/env.txt" 2>&1

@@ -11,6 +11,10 @@ triton    CUDA tensors (CPU under TRITON_INTERPRET=1)  triton_kernels/tensor_sta
 
 ``backend=None`` or ``"auto"`` takes ``FASTHEALTH_BACKEND`` if set, else the fastest available
 for the device: cuda > triton > torch on GPUs, cpu > torch on CPUs.
+
+Until the GPU kernels have passed tests/test_gpu.py on a real device (``GPU_KERNELS_VALIDATED``),
+the automatic choice on CUDA tensors is the ``torch`` reference: right and sync-free, only
+slower. ``backend="cuda"``/``"triton"`` or ``FASTHEALTH_BACKEND`` select them explicitly.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 from . import _ops, reference
 
 BACKENDS = ("torch", "cpu", "cuda", "triton")
+# Set to True once bench/gpu_check.sh has run tests/test_gpu.py green on a GPU.
+GPU_KERNELS_VALIDATED = False
 
 
 def _triton_importable() -> bool:
@@ -82,7 +88,10 @@ def resolve(backend: str | None, device: torch.device) -> str:
         if env and env != "auto":
             backend, source = env, "FASTHEALTH_BACKEND="
         else:
-            order = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
+            if device.type == "cuda":
+                order = ("cuda", "triton") if GPU_KERNELS_VALIDATED else ()
+            else:
+                order = ("cpu",)
             for name in order:
                 if _supports(name, device) is None:
                     return name
