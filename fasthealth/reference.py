@@ -47,7 +47,7 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
     out[COL["neginf_count"]] = neginf
     out[COL["inf_count"]] = posinf + neginf
     out[COL["zero_count"]] = (d == 0).sum()
-    nan = torch.tensor(_NAN, dtype=torch.float64, device=dev)
+    nan = torch.full((), _NAN, dtype=torch.float64, device=dev)  # a fill, not a host copy
     if n == 0:
         for name in ("min", "max", "mean", "std", "amax"):
             out[COL[name]] = _NAN
