@@ -69,6 +69,10 @@ def main(argv=None):
         "forward_backward_ms": {k: round(v, 2) for k, v in med.items()},
         "overhead_pct": {k: round((med[k] - med["plain"]) / med["plain"] * 100, 2)
                          for k in ("every=1", "every=50")},
+        # each round's time over the same round's plain run: steadier on a noisy machine
+        "overhead_pct_paired_median": {
+            k: round((statistics.median(a / b for a, b in zip(times[k], times["plain"])) - 1)
+                     * 100, 2) for k in ("every=1", "every=50")},
         "threads": torch.get_num_threads(), "torch": torch.__version__,
     }
     print(json.dumps(result, indent=1))
