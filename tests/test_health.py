@@ -140,11 +140,14 @@ def test_every_samples_and_regex_selection():
     am = fh.ActivationMonitor(m, modules=r"^(amp|out)$", every=3)
     assert am.names == ["amp", "out"]
     x = torch.randn(2, 4)
-    recorded = []
-    for i in range(6):
-        m(x)
-        recorded.append(len(am._forward) > 0 and am._calls - 1 == i and i % 3 == 0)
+    recorded, backward_hooked = [], []
+    for _ in range(6):
+        am._forward = []  # a recorded pass starts a new list and fills it; others leave it empty
+        m(x).sum().backward()
+        recorded.append(len(am._forward) > 0)
+        backward_hooked.append(len(am._backward_handles) > 0)
     assert recorded == [True, False, False, True, False, False]
+    assert backward_hooked == recorded  # backward hooks only on the recorded passes
     with pytest.raises(ValueError, match="no module"):
         fh.ActivationMonitor(m, modules=["nope"])
     with pytest.raises(ValueError, match="every"):

@@ -152,13 +152,15 @@ def test_float16_near_max_mixed(backend):
 
 
 def test_float64_extreme_magnitudes_exact_norm():
-    # torch's own float64 norm under/overflows here; ours scales (SPEC: norms must not overflow).
+    # torch's own float64 norm under/overflows here (so the reference cannot be the oracle);
+    # the compiled kernel scales its sums of squares.
+    if "cpu" not in fh.available_backends():
+        pytest.skip(f"needs the compiled CPU kernel: {fh._ops.load_error}")
     for v in (1e200, 1e-200, 1e-310, 1.7e308):
         t = torch.full((4,), v, dtype=torch.float64)
-        s = fh.tensor_stats(t, backend="cpu" if "cpu" in fh.available_backends() else "torch")
-        if "cpu" in fh.available_backends():
-            assert s.finite_norm.item() == pytest.approx(2 * v, rel=1e-12), v
-            assert s.amax.item() == v and s.finite_mean.item() == pytest.approx(v, rel=1e-12)
+        s = fh.tensor_stats(t, backend="cpu")
+        assert s.finite_norm.item() == pytest.approx(2 * v, rel=1e-12), v
+        assert s.amax.item() == v and s.finite_mean.item() == pytest.approx(v, rel=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -36,7 +36,6 @@ def train(model, opt, steps, plant=None, **kw):
     mon = fh.Monitor(model, opt, **kw)
     x, y = data()
     w = torch.ones(64, 1)
-    snapshots = {}
     for step in range(steps):
         batch = (x, y, w)
         if plant is not None:
@@ -46,12 +45,9 @@ def train(model, opt, steps, plant=None, **kw):
             opt.zero_grad()
         scaler = kw.get("scaler")
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        snapshots[step] = ([p.detach().clone() for p in model.parameters()],
-                           {k: {n: t.clone() for n, t in v.items()}
-                            for k, v in enumerate(opt.state.values())} if opt else None)
         mon.step(loss, batch=batch, sample_ids=torch.arange(64) + 64 * step)
     mon.close()
-    return mon, snapshots
+    return mon
 
 
 def kinds_at(mon):
@@ -62,7 +58,7 @@ def kinds_at(mon):
 def test_clean_run_has_no_events(fused):
     m = make_model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
-    mon, _ = train(m, opt, 120)
+    mon = train(m, opt, 120)
     assert mon.events == []
     assert mon.steps_seen == 120
 
@@ -101,7 +97,7 @@ def test_nonfinite_step_is_skipped_leaving_params_and_state(make_opt):
                                        for p in model.parameters()]
         return nan_batch_at(k)(step, batch, model, o)
 
-    mon, _ = train(m, opt, 40, plant=plant)
+    mon = train(m, opt, 40, plant=plant)
     assert kinds_at(mon) == [(k, "nonfinite_grad"), (k, "nonfinite_loss")]
     for a, b in zip(captured["params"], captured["after_params"]):
         assert torch.equal(a, b)
@@ -156,7 +152,7 @@ def test_raise_and_warn_modes():
 
     m = make_model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-    mon, _ = train(m, opt, 20, plant=nan_batch_at(13), on_nonfinite="warn")
+    mon = train(m, opt, 20, plant=nan_batch_at(13), on_nonfinite="warn")
     assert (13, "nonfinite_loss") in kinds_at(mon)
     assert not all(torch.isfinite(p).all() for p in m.parameters())  # "warn" lets it through
     with pytest.raises(ValueError, match="on_nonfinite"):
@@ -170,7 +166,7 @@ def test_loss_and_grad_norm_spike_at_the_right_step():
             return (x, y * 40.0, w)
 
     m = make_model()
-    mon, _ = train(m, torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True), 90, plant=plant)
+    mon = train(m, torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True), 90, plant=plant)
     ks = kinds_at(mon)
     assert (70, "loss_spike") in ks and (70, "grad_norm_spike") in ks
     assert all(step == 70 for step, kind in ks if "spike" in kind), ks
@@ -188,7 +184,7 @@ def test_divergence_after_lr_jump():
                 g["lr"] = 2.0
 
     m = make_model()
-    mon, _ = train(m, torch.optim.SGD(m.parameters(), lr=1e-2), 110, plant=plant)
+    mon = train(m, torch.optim.SGD(m.parameters(), lr=1e-2), 110, plant=plant)
     div = [e for e in mon.events if e.kind == "divergence"]
     assert len(div) == 1 and 60 <= div[0].step <= 80, kinds_at(mon)
     assert not [e for e in mon.events if e.step < 60], kinds_at(mon)
@@ -201,7 +197,7 @@ def test_oscillation_detector():
             return (x, y, w * (4.0 if step % 2 else 0.25))
 
     m = make_model()
-    mon, _ = train(m, torch.optim.SGD(m.parameters(), lr=1e-3), 100, plant=plant,
+    mon = train(m, torch.optim.SGD(m.parameters(), lr=1e-3), 100, plant=plant,
                    spike_zscore=1e9)
     osc = [e for e in mon.events if e.kind == "oscillation"]
     assert len(osc) == 1 and 60 <= osc[0].step <= 85, kinds_at(mon)
@@ -221,7 +217,7 @@ def test_vanishing_gradients():
             return (x, y, w * 0.0)
 
     m = make_model()
-    mon, _ = train(m, torch.optim.SGD(m.parameters(), lr=1e-2), 70, plant=plant)
+    mon = train(m, torch.optim.SGD(m.parameters(), lr=1e-2), 70, plant=plant)
     van = [e for e in mon.events if e.kind == "vanishing_grad"]
     assert [e.step for e in van] == [52], kinds_at(mon)
 
@@ -233,7 +229,7 @@ def test_optimizer_state_nonfinite():
             opt.state[p]["exp_avg_sq"][0, 0] = float("inf")
 
     m = make_model()
-    mon, _ = train(m, torch.optim.Adam(m.parameters(), lr=1e-3), 45, plant=plant,
+    mon = train(m, torch.optim.Adam(m.parameters(), lr=1e-3), 45, plant=plant,
                    optimizer_check_every=10)
     ev = [e for e in mon.events if e.kind == "optimizer_state_nonfinite"]
     assert [e.step for e in ev] == [40]
@@ -250,7 +246,7 @@ def test_loss_scale_collapse_with_grad_scaler():
 
     m = make_model()
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-    mon, _ = train(m, opt, 45, plant=plant, scaler=scaler)
+    mon = train(m, opt, 45, plant=plant, scaler=scaler)
     col = [e for e in mon.events if e.kind == "loss_scale_collapse"]
     # the scale after each step's update: 8 (step 30), 4, 2, 1, 0.5 (step 34): below 1 at 34
     assert [e.step for e in col] == [34], kinds_at(mon)
