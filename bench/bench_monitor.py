@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import fasthealth as fh
-from fasthealth.demo import TinyGPT
+from fasthealth.demo import TinyGPT, gpt2_config
 
 
 def main(argv=None):
@@ -33,8 +33,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results/monitor_overhead.json")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    cfg = (dict(vocab=50257, ctx=1024, d=768, layers=12, heads=12) if not args.small
-           else dict(vocab=512, ctx=128, d=64, layers=2, heads=2))
+    cfg = gpt2_config(args.small)
     model = TinyGPT(**cfg)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

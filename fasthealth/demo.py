@@ -61,6 +61,13 @@ class Block(torch.nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def gpt2_config(small: bool = False) -> dict:
+    """TinyGPT's arguments for GPT-2 small (124M parameters), or a small smoke-test size."""
+    if small:
+        return dict(vocab=512, ctx=128, d=64, layers=2, heads=2)
+    return dict(vocab=50257, ctx=1024, d=768, layers=12, heads=12)
+
+
 class TinyGPT(torch.nn.Module):
     """GPT-2's layout (pre-norm blocks, tied embedding); GPT-2 small is
     TinyGPT(vocab=50257, ctx=1024, d=768, layers=12, heads=12)."""

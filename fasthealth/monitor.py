@@ -197,6 +197,8 @@ class Monitor:
                                             window=spike_window, warmup=warmup_steps)
         self._scale_collapsed = False
         self._opt_bad = False
+        self._last_opt_stats: MultiTensorStats | None = None
+        self._row_index: dict[tuple[int, ...], torch.Tensor] = {}  # when some grads are None
         self._rng = self._rng_state()
 
         param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
@@ -291,7 +293,10 @@ class Monitor:
         else:
             self._buf[slot, n_sc:] = math.nan
             if rows:
-                idx = torch.tensor(rows, device=self.device)
+                idx = self._row_index.get(tuple(rows))
+                if idx is None:  # copied to the device once per pattern of missing grads
+                    idx = self._row_index.setdefault(tuple(rows),
+                                                     torch.tensor(rows, device=self.device))
                 self._buf[slot, n_sc:n_sc + n].index_copy_(0, idx, per_norm)
                 self._buf[slot, n_sc + n:].index_copy_(0, idx, per_bad)
 
@@ -338,8 +343,6 @@ class Monitor:
         if not bool(bad):  # the one host sync per step for optimizers without found_inf
             opt.step()
         return bad
-
-    _last_opt_stats: MultiTensorStats | None = None
 
     def _optimizer_nonfinite(self, t: int) -> torch.Tensor:
         nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)

@@ -39,6 +39,32 @@ P_WIDTH = 13
 
 
 @triton.jit
+def _empty_record():
+    """The record of no elements, in P_* order (extremes at +-inf, scale 0)."""
+    z = tl.zeros((), tl.float64)
+    lo = tl.full((), float("inf"), tl.float64)
+    hi = tl.full((), -float("inf"), tl.float64)
+    return z, z, z, z, z, z, z, lo, hi, z, z, z, z
+
+
+@triton.jit
+def _store_record(row, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq):
+    tl.store(row + 0, n)
+    tl.store(row + 1, fin)
+    tl.store(row + 2, pinf)
+    tl.store(row + 3, ninf)
+    tl.store(row + 4, zero)
+    tl.store(row + 5, over)
+    tl.store(row + 6, under)
+    tl.store(row + 7, fmin)
+    tl.store(row + 8, fmax)
+    tl.store(row + 9, mean)
+    tl.store(row + 10, m2)
+    tl.store(row + 11, scale)
+    tl.store(row + 12, ssq)
+
+
+@triton.jit
 def _chan(na, mean_a, m2_a, nb, mean_b, m2_b):
     """Merge (count, mean, M2) of two disjoint groups; either count may be 0."""
     n = na + nb
@@ -73,18 +99,8 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_start, chunk_slot, par
         start = tl.load(chunk_start + c)
         end = tl.minimum(start + CHUNK, tl.load(numels + t))
         base = tl.load(ptrs + t).to(tl.pointer_type(DTYPE))
-        fin_n = tl.zeros((), tl.float64)
-        pinf_n = tl.zeros((), tl.float64)
-        ninf_n = tl.zeros((), tl.float64)
-        zero_n = tl.zeros((), tl.float64)
-        over_n = tl.zeros((), tl.float64)
-        under_n = tl.zeros((), tl.float64)
-        fmin = tl.full((), inf, tl.float64)
-        fmax = tl.full((), -inf, tl.float64)
-        mean = tl.zeros((), tl.float64)
-        m2 = tl.zeros((), tl.float64)
-        scale = tl.zeros((), tl.float64)
-        ssq = tl.zeros((), tl.float64)
+        _, fin_n, pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq = (
+            _empty_record())
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             m = idx < end
@@ -113,39 +129,15 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_start, chunk_slot, par
             fin_n, mean, m2 = _chan(fin_n, mean, m2, nb, mean_y.to(tl.float64) * s_b,
                                     m2_y.to(tl.float64) * s_b * s_b)
             scale, ssq = _scaled(scale, ssq, s_b, q_b)
-        row = part + tl.load(chunk_slot + c) * 13
-        tl.store(row + 0, (end - start).to(tl.float64))
-        tl.store(row + 1, fin_n)
-        tl.store(row + 2, pinf_n)
-        tl.store(row + 3, ninf_n)
-        tl.store(row + 4, zero_n)
-        tl.store(row + 5, over_n)
-        tl.store(row + 6, under_n)
-        tl.store(row + 7, fmin)
-        tl.store(row + 8, fmax)
-        tl.store(row + 9, mean)
-        tl.store(row + 10, m2)
-        tl.store(row + 11, scale)
-        tl.store(row + 12, ssq)
+        _store_record(part + tl.load(chunk_slot + c) * 13, (end - start).to(tl.float64), fin_n,
+                      pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq)
 
 
 @triton.jit
 def _merge_records(src, first, count, VBLOCK: tl.constexpr):
     """Merge records src[first : first + count] in order: vector blocks in closed form."""
     inf = float("inf")
-    n = tl.zeros((), tl.float64)
-    fin = tl.zeros((), tl.float64)
-    pinf = tl.zeros((), tl.float64)
-    ninf = tl.zeros((), tl.float64)
-    zero = tl.zeros((), tl.float64)
-    over = tl.zeros((), tl.float64)
-    under = tl.zeros((), tl.float64)
-    fmin = tl.full((), inf, tl.float64)
-    fmax = tl.full((), -inf, tl.float64)
-    mean = tl.zeros((), tl.float64)
-    m2 = tl.zeros((), tl.float64)
-    scale = tl.zeros((), tl.float64)
-    ssq = tl.zeros((), tl.float64)
+    n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _empty_record()
     for off in range(0, count, VBLOCK):
         k = off + tl.arange(0, VBLOCK)
         m = k < count
@@ -180,20 +172,8 @@ def _merge_chunks_kernel(part, chunk_first, tensor_part, VBLOCK: tl.constexpr):
     count = tl.load(chunk_first + i + 1) - first
     n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
         part, first, count, VBLOCK)
-    out = tensor_part + i * 13
-    tl.store(out + 0, n)
-    tl.store(out + 1, fin)
-    tl.store(out + 2, pinf)
-    tl.store(out + 3, ninf)
-    tl.store(out + 4, zero)
-    tl.store(out + 5, over)
-    tl.store(out + 6, under)
-    tl.store(out + 7, fmin)
-    tl.store(out + 8, fmax)
-    tl.store(out + 9, mean)
-    tl.store(out + 10, m2)
-    tl.store(out + 11, scale)
-    tl.store(out + 12, ssq)
+    _store_record(tensor_part + i * 13, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean,
+                  m2, scale, ssq)
 
 
 @triton.jit

@@ -514,29 +514,25 @@ void count_range_f64(const double* x, int64_t n, double hi, double lo, int64_t* 
   *under = uc;
 }
 
+// A float-lane block: its statistics, then (when asked) its range counts.
+template <typename L>
+Partial block_lanes(const typename L::T* x, int64_t n, double hi, double lo, bool ranged) {
+  Partial p = block_f32<L>(x, n);
+  if (ranged) count_range<L>(x, n, hi, lo, &p.over, &p.under);
+  return p;
+}
+
 Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float* fbuf,
                     double* dbuf, double hi, double lo) {
   const bool ranged = hi < __builtin_huge_val() || lo > 0.0;
   Partial p;
   switch (dtype) {
-    case kF32: {
-      const float* x = (const float*)data + begin;
-      p = block_f32<LoadF32>(x, n);
-      if (ranged) count_range<LoadF32>(x, n, hi, lo, &p.over, &p.under);
-      return p;
-    }
-    case kBF16: {
-      const uint16_t* x = (const uint16_t*)data + begin;
-      p = block_f32<LoadBF16>(x, n);
-      if (ranged) count_range<LoadBF16>(x, n, hi, lo, &p.over, &p.under);
-      return p;
-    }
-    case kF16: {
-      const uint16_t* x = (const uint16_t*)data + begin;
-      p = block_f32<LoadF16>(x, n);
-      if (ranged) count_range<LoadF16>(x, n, hi, lo, &p.over, &p.under);
-      return p;
-    }
+    case kF32:
+      return block_lanes<LoadF32>((const float*)data + begin, n, hi, lo, ranged);
+    case kBF16:
+      return block_lanes<LoadBF16>((const uint16_t*)data + begin, n, hi, lo, ranged);
+    case kF16:
+      return block_lanes<LoadF16>((const uint16_t*)data + begin, n, hi, lo, ranged);
     case kF64: {
       const double* x = (const double*)data + begin;
       p = block_f64(x, n);
@@ -551,9 +547,7 @@ Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float
       } else {
         for (int64_t i = 0; i < n; ++i) fbuf[i] = f8e4m3fn_to_float(x[i]);
       }
-      p = block_f32<LoadF32>(fbuf, n);
-      if (ranged) count_range<LoadF32>(fbuf, n, hi, lo, &p.over, &p.under);
-      return p;
+      return block_lanes<LoadF32>(fbuf, n, hi, lo, ranged);
     }
     case kI8:
       widen<int8_t>(data, begin, n, dbuf);
