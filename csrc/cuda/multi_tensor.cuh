@@ -10,28 +10,15 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <cstdint>
+#include <cstring>
 #include <list>
 #include <mutex>
 #include <utility>
 #include <vector>
 
+#include "work_items.h"
+
 namespace fasthealth {
-
-constexpr int64_t kCudaChunk = 64 * 1024;  // elements per work item
-
-struct TensorMeta {
-  const void* ptr;
-  int64_t numel;
-  int32_t dtype;    // DType code (stats.h)
-  int32_t aligned;  // 16-byte aligned: vector loads allowed
-};
-
-struct ChunkItem {
-  int32_t tensor;
-  int32_t pad;
-  int64_t begin;
-};
 
 struct WorkList {
   at::Tensor buffer;  // uint8 on the device: [TensorMeta x n][ChunkItem x c][int64 first x n+1]
@@ -59,7 +46,7 @@ inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devi
   Key key{device.index(), {}};
   key.second.reserve(metas.size());
   for (const auto& m : metas) {
-    key.second.emplace_back(m.ptr, (m.numel << 8) | (m.dtype << 1) | m.aligned);
+    key.second.emplace_back(m.ptr, (m.numel << 8) | m.dtype);
   }
   std::lock_guard<std::mutex> lock(mu);
   for (auto it = cache.begin(); it != cache.end(); ++it) {
@@ -69,16 +56,8 @@ inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devi
     }
   }
   std::vector<ChunkItem> chunks;
-  std::vector<int64_t> first(metas.size() + 1, 0);
-  for (size_t i = 0; i < metas.size(); ++i) {
-    first[i] = static_cast<int64_t>(chunks.size());
-    const int64_t n = metas[i].numel;
-    const int64_t count = n == 0 ? 1 : (n + kCudaChunk - 1) / kCudaChunk;
-    for (int64_t c = 0; c < count; ++c) {
-      chunks.push_back({static_cast<int32_t>(i), 0, c * kCudaChunk});
-    }
-  }
-  first[metas.size()] = static_cast<int64_t>(chunks.size());
+  std::vector<int64_t> first;
+  plan_chunks(metas, &chunks, &first);
   const size_t bytes = metas.size() * sizeof(TensorMeta) + chunks.size() * sizeof(ChunkItem) +
                        first.size() * sizeof(int64_t);
   at::Tensor host = at::empty({static_cast<int64_t>(bytes)},

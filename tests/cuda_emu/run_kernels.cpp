@@ -1,0 +1,99 @@
+// Runs the CUDA backend's kernels (csrc/cuda/stats_kernels.cuh) on the host through emu.h, the
+// way csrc/cuda/tensor_stats.cu launches them: tests/test_cuda_emu.py builds and drives it.
+//
+//   run_kernels IN OUT
+// IN:  int64 n; float64 range_hi, range_lo; then per tensor: int32 dtype code (stats.h),
+//      int64 numel, int64 misalignment in bytes, numel elements' raw bytes.
+// OUT: float64 table [(n + 1) x kTableWidth], then int64 chunks finished by each path
+//      (fast, shifted, slow).
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+
+#include "emu.h"
+
+inline std::atomic<int64_t> path_count[3];
+#define FH_COUNT_PATH(path) (path_count[(path)]++)
+
+#include "cuda/stats_kernels.cuh"
+
+using namespace fasthealth;
+
+static size_t elem_size(int dtype) {
+  switch (dtype) {
+    case kF64: case kI64: return 8;
+    case kF32: case kI32: return 4;
+    case kF16: case kBF16: case kI16: return 2;
+    default: return 1;
+  }
+}
+
+template <class T>
+static T get(FILE* f) {
+  T v;
+  if (std::fread(&v, sizeof(T), 1, f) != 1) {
+    std::fprintf(stderr, "run_kernels: truncated input\n");
+    std::exit(2);
+  }
+  return v;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: run_kernels IN OUT\n");
+    return 2;
+  }
+  FILE* in = std::fopen(argv[1], "rb");
+  if (!in) return 2;
+  const int64_t n = get<int64_t>(in);
+  const double hi = get<double>(in), lo = get<double>(in);
+  std::vector<std::vector<unsigned char>> storage(n);
+  std::vector<TensorMeta> metas(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t dtype = get<int32_t>(in);
+    const int64_t numel = get<int64_t>(in), skew = get<int64_t>(in);
+    const size_t bytes = numel * elem_size(dtype);
+    storage[i].resize(bytes + skew + 32);
+    // an address that is `skew` bytes past a 16-byte boundary
+    unsigned char* p = storage[i].data();
+    p += (16 - reinterpret_cast<uintptr_t>(p) % 16) % 16 + skew;
+    if (bytes && std::fread(p, 1, bytes, in) != bytes) return 2;
+    metas[i] = {p, numel, dtype, 0};
+  }
+  std::fclose(in);
+
+  std::vector<ChunkItem> chunks;
+  std::vector<int64_t> first;
+  plan_chunks(metas, &chunks, &first);
+  const int64_t n_chunks = first[n];
+  std::vector<Partial> parts(n_chunks), per_tensor(n);
+  std::vector<double> table((n + 1) * kTableWidth);
+  const bool ranged = hi < fh_inf() || lo > 0.0;
+  // a small persistent grid, so that blocks take several chunks each
+  const unsigned grid = n_chunks < 3 ? static_cast<unsigned>(n_chunks) : 3u;
+  emu::launch(grid, kernels::kThreads, [&] {
+    if (ranged) {
+      kernels::chunk_stats_kernel<true>(metas.data(), chunks.data(), n_chunks, parts.data(), hi,
+                                        lo);
+    } else {
+      kernels::chunk_stats_kernel<false>(metas.data(), chunks.data(), n_chunks, parts.data(),
+                                         hi, lo);
+    }
+  });
+  emu::launch(static_cast<unsigned>(n), kernels::kThreads, [&] {
+    kernels::merge_chunks_kernel(parts.data(), first.data(), per_tensor.data());
+  });
+  emu::launch(static_cast<unsigned>(n + 1), kernels::kThreads, [&] {
+    kernels::finalize_kernel(per_tensor.data(), n, table.data());
+  });
+
+  FILE* out = std::fopen(argv[2], "wb");
+  if (!out) return 2;
+  std::fwrite(table.data(), sizeof(double), table.size(), out);
+  for (auto& c : path_count) {
+    const int64_t v = c.load();
+    std::fwrite(&v, sizeof(v), 1, out);
+  }
+  std::fclose(out);
+  return 0;
+}

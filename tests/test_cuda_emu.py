@@ -1,0 +1,218 @@
+"""The CUDA backend's kernels, run on the host through tests/cuda_emu/ (no GPU needed).
+
+`csrc/cuda/stats_kernels.cuh` is compiled with g++ against a small CUDA emulation (one OS
+thread per CUDA thread, real barriers for __syncthreads and warp shuffles) and a chunk of 4096
+elements instead of 65536, so small tensors cross many chunks. This checks the kernels' logic
+against the reference with SPEC's tolerances, and which path (fast, shifted, slow) finished each
+chunk; nvcc's compilation is checked by `make cuda-check`, speed and the GPU guarantees by the
+`gpu` tests on a device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from tolerances import check_multi
+
+from fasthealth.stats import TABLE_WIDTH
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp",
+           ROOT / "csrc/cuda/stats_kernels.cuh", ROOT / "csrc/cuda/work_items.h",
+           ROOT / "csrc/stats.h"]
+CHUNK = 4096
+NAN, INF = float("nan"), float("inf")
+CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+         torch.int8: 4, torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8,
+         torch.bool: 9}
+FAST, SHIFTED, SLOW = 0, 1, 2
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+
+
+@pytest.fixture(scope="module")
+def exe() -> Path:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    out = ROOT / "build" / "cuda-emu" / f"run_kernels-{digest}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={CHUNK}",
+                        "-Wall", "-Werror", "-Wno-unknown-pragmas",
+                        f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'tests/cuda_emu'}", "-o", str(tmp),
+                        str(ROOT / "tests/cuda_emu/run_kernels.cpp")], check=True)
+        tmp.rename(out)
+    return out
+
+
+def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0)):
+    """(table [N + 1, TABLE_WIDTH], chunks finished by each path)."""
+    skews = skews or [0] * len(tensors)
+    buf = [struct.pack("<qdd", len(tensors), *rng)]
+    for t, skew in zip(tensors, skews):
+        t = t.contiguous()
+        raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+        buf.append(struct.pack("<iqq", CODES[t.dtype], t.numel(), skew))
+        buf.append(raw.numpy().tobytes())
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = Path(d, "in"), Path(d, "out")
+        src.write_bytes(b"".join(buf))
+        subprocess.run([str(exe), str(src), str(dst)], check=True, timeout=300)
+        data = dst.read_bytes()
+    n = len(tensors)
+    table = torch.frombuffer(bytearray(data[: (n + 1) * TABLE_WIDTH * 8]), dtype=torch.float64)
+    paths = struct.unpack("<3q", data[(n + 1) * TABLE_WIDTH * 8:])
+    return table.view(n + 1, TABLE_WIDTH).clone(), paths
+
+
+def chunks_of(tensors):
+    return sum(max(1, math.ceil(t.numel() / CHUNK)) for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fast_path_all_sizes_and_alignments(exe, dtype):
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 3, 7, 8, 9, 31, 255, 1024, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 20011]
+    ts = [(torch.randn(n, generator=g, dtype=torch.float64) * 0.02 + 1e-3).to(dtype)
+          for n in sizes]
+    esize = ts[0].element_size()
+    skews = [(i * esize) % 16 for i in range(len(ts))]  # heads of 0..7 elements
+    table, paths = run(exe, ts, skews)
+    check_multi(table, ts, f"emulated cuda {dtype}")
+    # (a tensor of 1 or 3 elements may well take the shifted pass: its M2 is ~0)
+    assert paths[FAST] >= chunks_of(ts) - 2 and paths[SLOW] == 0, paths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_planted_values(exe, dtype):
+    g = torch.Generator().manual_seed(2)
+    ts = []
+    for n in (1, 9, CHUNK + 3, 2 * CHUNK + 17):
+        for plants in ([NAN], [INF], [-INF], [0.0, -0.0], [NAN, INF, -INF], [INF, -INF]):
+            if len(plants) > n:
+                continue
+            for pos in sorted({0, n // 2, n - 1}):
+                t = (torch.randn(n, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
+                for k, v in enumerate(plants):
+                    t[(pos + k) % n] = v
+                ts.append(t)
+    table, paths = run(exe, ts, [4 * (i % 4) for i in range(len(ts))])
+    check_multi(table, ts, f"emulated cuda planted {dtype}")
+    assert sum(paths) == chunks_of(ts)
+
+
+def test_special_tensors_and_integer_dtypes(exe):
+    ts = [torch.empty(0), torch.tensor([3.5]), torch.full((300,), NAN),
+          torch.full((2 * CHUNK,), -INF), torch.zeros(CHUNK + 1), torch.arange(-50.0, 50.0),
+          torch.empty(0, dtype=torch.bfloat16),
+          torch.randint(-3, 4, (999,), dtype=torch.int8), torch.rand(777) > 0.5,
+          torch.randint(0, 255, (5000,), dtype=torch.uint8),
+          torch.randint(-2**15, 2**15 - 1, (300,), dtype=torch.int16),
+          torch.randint(0, 2**31 - 1, (500,), dtype=torch.int32),
+          torch.randint(-2**40, 2**40, (500,), dtype=torch.int64)]
+    table, _ = run(exe, ts)
+    check_multi(table, ts, "emulated cuda special")
+
+
+def test_paths_taken(exe):
+    """Each fallback is taken exactly where it should be, and only there."""
+    g = torch.Generator().manual_seed(3)
+    normal = torch.randn(4 * CHUNK, generator=g)
+    _, paths = run(exe, [normal])
+    assert paths == (4, 0, 0)
+    offset = 1000 + torch.randn(2 * CHUNK, generator=g)  # mean/std = 1e3: the variance cancels
+    table, paths = run(exe, [offset])
+    check_multi(table, [offset], "offset")
+    assert paths == (0, 2, 0)
+    one_nan = torch.randn(3 * CHUNK, generator=g)
+    one_nan[CHUNK + 5] = NAN
+    table, paths = run(exe, [one_nan])
+    check_multi(table, [one_nan], "one NaN")
+    assert paths == (2, 0, 1)
+    tiny = torch.randn(CHUNK, generator=g) * 1e-20  # squares below float32's normal range
+    table, paths = run(exe, [tiny])
+    check_multi(table, [tiny], "tiny")
+    assert paths == (0, 0, 1)
+    huge = torch.randn(CHUNK, generator=g) * 1e25  # squares above float32's range
+    table, paths = run(exe, [huge])
+    check_multi(table, [huge], "huge")
+    assert paths == (0, 0, 1)
+    wide = torch.randn(CHUNK + 1, generator=g, dtype=torch.float64)
+    _, paths = run(exe, [wide])
+    assert paths == (0, 0, 2)
+
+
+def test_far_apart_extremes_leave_the_shifted_pass(exe):
+    # mean-dominated (shifted pass), but (x - mean)^2 overflows float32: the slow path
+    t = torch.full((CHUNK,), -1.5e19)
+    t[7] = 1.5e19
+    table, paths = run(exe, [t])
+    check_multi(table, [t], "far apart")
+    assert paths == (0, 0, 1)
+
+
+def test_accuracy_limits(exe):
+    g = torch.Generator().manual_seed(5)
+    ts = [torch.full((1000,), 1e30), torch.full((1000,), 1e30, dtype=torch.bfloat16),
+          torch.full((3000,), 65504.0, dtype=torch.float16),
+          (torch.randn(3 * CHUNK, generator=g) * 1e-3 + 1.0),  # mean/std = 1e3
+          torch.distributions.StudentT(1.5).sample((5 * CHUNK,)),  # heavy tails
+          (torch.rand(2 * CHUNK, generator=g) * 2**-30),  # small but above 2^-40
+          torch.randn(CHUNK, generator=g).to(torch.bfloat16) * 3e38]
+    table, _ = run(exe, ts)
+    check_multi(table, ts, "emulated cuda accuracy")
+
+
+@pytest.mark.parametrize("range_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_range_counts(exe, range_dtype):
+    g = torch.Generator().manual_seed(6)
+    t = torch.randn(3 * CHUNK + 11, generator=g, dtype=torch.float64)
+    t = (t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 88 - 44))
+    ts = [t.float(), t.bfloat16(), t, t[:100].half(), (t * 1e-40).float()]
+    fi = torch.finfo(range_dtype)
+    table, _ = run(exe, ts, rng=(float(fi.max), float(fi.tiny)))
+    check_multi(table, ts, f"emulated cuda range {range_dtype}", range_dtype=range_dtype)
+    assert table[2, -2] > 0 and table[2, -1] > 0  # both counts are exercised
+
+
+def test_many_mixed_tensors_and_determinism(exe):
+    g = torch.Generator().manual_seed(7)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int32]
+    ts = []
+    for i in range(120):
+        n = int(torch.randint(0, 3 * CHUNK, (1,), generator=g))
+        t = (torch.randn(n, generator=g) * 5).to(dtypes[i % len(dtypes)])
+        if n and i % 13 == 0 and t.dtype.is_floating_point:
+            t[-1] = NAN
+        ts.append(t)
+    table, paths = run(exe, ts)
+    check_multi(table, ts, "emulated cuda 120 tensors")
+    again, _ = run(exe, ts)
+    assert torch.equal(table.nan_to_num(7.0), again.nan_to_num(7.0))  # bitwise, NaNs aside
+    assert paths[FAST] > 0 and paths[SLOW] > 0
+
+
+def test_emulation_catches_a_planted_bug(exe, tmp_path):
+    """Sanity of the harness itself: a kernel with a wrong tail loop must fail the checks."""
+    bad = (ROOT / "csrc/cuda/stats_kernels.cuh").read_text().replace(
+        "const int64_t rest = head + (end - tail);", "const int64_t rest = head;")
+    assert "rest = head;" in bad
+    tree = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", tree)
+    (tree / "cuda/stats_kernels.cuh").write_text(bad)
+    out = tmp_path / "bad"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={CHUNK}",
+                    f"-I{tree}", f"-I{ROOT / 'tests/cuda_emu'}", "-o", str(out),
+                    str(ROOT / "tests/cuda_emu/run_kernels.cpp")], check=True)
+    t = torch.randn(CHUNK + 3)
+    table, _ = run(out, [t])
+    with pytest.raises(AssertionError):
+        check_multi(table, [t], "planted bug")
