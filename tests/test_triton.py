@@ -16,10 +16,13 @@ import fasthealth as fh
 
 NAN, INF = float("nan"), float("inf")
 
-pytestmark = pytest.mark.skipif(
-    "triton" not in fh.available_backends(),
-    reason="triton is not installed, or TRITON_INTERPRET=1 is not set for CPU tensors",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        "triton" not in fh.available_backends(),
+        reason="triton is not installed, or TRITON_INTERPRET=1 is not set for CPU tensors"),
+    # numpy's overflow warnings from inside the interpreter (inf and NaN inputs are planted)
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
 
 
 def row(t, **kw):
@@ -108,3 +111,27 @@ def test_plan_cache_reuses_device_tables():
     s = fh.multi_tensor_stats(xs, backend="triton")
     assert len(ts._cache) == before
     check_multi(s.raw, xs, "after in-place update")
+
+
+def test_paths_taken():
+    """The float32 fast path finishes ordinary chunks; each fallback only where it must."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    g = torch.Generator().manual_seed(11)
+    chunk = ts.CHUNK
+    assert ts.chunk_paths([torch.randn(3 * chunk, generator=g)]) == [0, 0, 0]
+    assert ts.chunk_paths([torch.randn(2 * chunk, generator=g).bfloat16()]) == [0, 0]
+    assert ts.chunk_paths([torch.randn(chunk + 5, generator=g).half()[1:]]) == [0, 0]  # unaligned
+    offset = 1000 + torch.randn(2 * chunk, generator=g)
+    assert ts.chunk_paths([offset]) == [1, 1]
+    check_tensor(row(offset), offset, "offset (shifted pass)")
+    one_nan = torch.randn(3 * chunk, generator=g)
+    one_nan[chunk + 5] = NAN
+    assert ts.chunk_paths([one_nan]) == [0, 2, 0]
+    assert ts.chunk_paths([torch.randn(chunk, generator=g) * 1e-20]) == [2]  # tiny squares
+    assert ts.chunk_paths([torch.randn(chunk, generator=g) * 1e25]) == [2]  # huge squares
+    far = torch.full((chunk,), -1.5e19)
+    far[7] = 1.5e19  # the shifted pass overflows: exact
+    assert ts.chunk_paths([far]) == [2]
+    check_tensor(row(far), far, "far apart extremes")
+    assert ts.chunk_paths([torch.randn(chunk, dtype=torch.float64)]) == [2]

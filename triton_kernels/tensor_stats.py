@@ -4,12 +4,18 @@ Reference: ``fasthealth/reference.py`` (SPEC section 2); record and finalisation
 same as ``csrc/stats.h``. Read top to bottom: the partial record, the three kernels, the
 launcher.
 
-1. ``_chunk_stats_kernel``: one persistent launch per dtype group over a flat work list of
-   (tensor, chunk) items, the tensors reached through an int64 pointer table. Each program
-   reduces whole chunks, BLOCK elements at a time, every statistic from the same load: counts,
-   finite min/max, block moments by two passes over registers merged with Chan's formula, a
-   power-of-two scaled sum of squares (no overflow, no underflow), range counts. It writes one
-   partial record per chunk: partials are sized by the number of chunks.
+1. ``_chunk_stats_kernel``: one persistent launch per (dtype, 16-byte alignment) group over a
+   flat work list of (tensor, chunk) items, the tensors reached through an int64 pointer table
+   (aligned groups tell the compiler so: vector loads). Each program reduces whole chunks to
+   one partial record (partials are sized by the number of chunks). float32/16/bfloat16 chunks
+   take the fast path, the method of the CUDA and CPU kernels: per-lane float32 sums of x and
+   x^2 (at most CHUNK / BLOCK terms a lane), min/max and counts, reduced in float64; then
+     - a shifted second pass around the chunk's mean when the variance cancels
+       (sum x^2 > MAX_CANCEL * M2), and
+     - the exact path when a sum is not finite (NaN, inf, squares beyond float32) or the
+       largest |x| is below 2^-40 (squares that float32 underflows).
+   The exact path (also float64 and integer inputs): per BLOCK, two passes over registers
+   merged with Chan's formula and a power-of-two scaled sum of squares.
 2. ``_merge_chunks_kernel``: one program per tensor merges that tensor's chunk records in a
    fixed order (vector blocks in closed form, then Chan), so results are deterministic.
 3. ``_finalize_kernel``: program i < N turns tensor i's record into its table row; program N
@@ -35,7 +41,15 @@ from fasthealth.stats import COL, TABLE_WIDTH
 # partial record layout (float64): counts as exact integers
 P_N, P_FIN, P_PINF, P_NINF, P_ZERO, P_OVER, P_UNDER = 0, 1, 2, 3, 4, 5, 6
 P_FMIN, P_FMAX, P_MEAN, P_M2, P_SCALE, P_SSQ = 7, 8, 9, 10, 11, 12
-P_WIDTH = 13
+# column 13: which path finished a chunk (0 fast, 1 shifted, 2 exact), for tests and tuning
+P_PATH = tl.constexpr(13)
+P_WIDTH = tl.constexpr(14)
+_PW = 14
+# fast path limits (see _chunk_stats_kernel): smallest |x| max for float32 squares; largest
+# sum x^2 / M2 before the shifted pass (lanes sum <= 32 terms: M2 within 16 * 6e-6)
+INF = tl.constexpr(float("inf"))
+TINY_AMAX = tl.constexpr(2.0 ** -40)
+MAX_CANCEL = tl.constexpr(16.0)
 
 
 @triton.jit
@@ -86,51 +100,156 @@ def _scaled(sa, qa, sb, qb):
 
 
 @triton.jit
-def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_start, chunk_slot, part, n_chunks,
+def _exact_chunk(base, start, end, hi, lo, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """The record of elements [start, end): exact for any input. Per BLOCK: counts, finite
+    min/max, moments by two passes over registers merged with Chan's formula, a power-of-two
+    scaled sum of squares (no overflow, no underflow), range counts."""
+    inf = float("inf")
+    _, fin_n, pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq = (
+        _empty_record())
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        m = idx < end
+        x = tl.load(base + idx, mask=m, other=0).to(ACC)
+        ax = tl.abs(x)
+        fin = m & (x == x) & (ax < inf)
+        xf = tl.where(fin, x, 0.0)
+        nb = tl.sum(fin.to(tl.int32), axis=0).to(tl.float64)
+        pinf_n += tl.sum((m & (x == inf)).to(tl.int32), axis=0).to(tl.float64)
+        ninf_n += tl.sum((m & (x == -inf)).to(tl.int32), axis=0).to(tl.float64)
+        zero_n += tl.sum((fin & (x == 0)).to(tl.int32), axis=0).to(tl.float64)
+        over_n += tl.sum((fin & (ax > hi)).to(tl.int32), axis=0).to(tl.float64)
+        under_n += tl.sum((fin & (ax < lo) & (x != 0)).to(tl.int32), axis=0).to(tl.float64)
+        fmin = tl.minimum(fmin, tl.min(tl.where(fin, x, inf), axis=0).to(tl.float64))
+        fmax = tl.maximum(fmax, tl.max(tl.where(fin, x, -inf), axis=0).to(tl.float64))
+        amax = tl.max(tl.abs(xf), axis=0)
+        sb = tl.where(amax > 0, tl.exp2(tl.floor(tl.log2(tl.where(amax > 0, amax, 1.0)))),
+                      0.0)
+        y = xf / tl.where(sb > 0, sb, 1.0)
+        mean_y = tl.sum(y, axis=0) / tl.maximum(nb.to(ACC), 1.0)
+        d = tl.where(fin, y - mean_y, 0.0)
+        m2_y = tl.sum(d * d, axis=0)
+        q_b = tl.sum(y * y, axis=0).to(tl.float64)
+        s_b = sb.to(tl.float64)
+        fin_n, mean, m2 = _chan(fin_n, mean, m2, nb, mean_y.to(tl.float64) * s_b,
+                                m2_y.to(tl.float64) * s_b * s_b)
+        scale, ssq = _scaled(scale, ssq, s_b, q_b)
+    return fin_n, pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq
+
+
+@triton.jit
+def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
+               RANGE: tl.constexpr):
+    """Per-lane float32 sums of (x - c) and (x - c)^2 over [start, end) (c = 0 unless SHIFT),
+    with min/max and counts; whole tiles unmasked, then one masked tile. Reduced to float64."""
+    inf = float("inf")
+    s = tl.zeros((BLOCK,), tl.float32)
+    q = tl.zeros((BLOCK,), tl.float32)
+    mn = tl.full((BLOCK,), inf, tl.float32)
+    mx = tl.full((BLOCK,), -inf, tl.float32)
+    zero = tl.zeros((BLOCK,), tl.int32)
+    over = tl.zeros((BLOCK,), tl.int32)
+    under = tl.zeros((BLOCK,), tl.int32)
+    n_full = (end - start) // BLOCK
+    for k in range(0, n_full):
+        x = tl.load(base + (start + k * BLOCK + tl.arange(0, BLOCK))).to(tl.float32)
+        if SHIFT:
+            d = x - c
+        else:
+            d = x
+        s += d
+        q += d * d
+        if not SHIFT:
+            mn = tl.minimum(mn, x)
+            mx = tl.maximum(mx, x)
+            zero += (x == 0).to(tl.int32)
+            if RANGE:
+                ax = tl.abs(x)
+                over += (ax > hi).to(tl.int32)
+                under += ((ax < lo) & (x != 0)).to(tl.int32)
+    off = start + n_full * BLOCK
+    if off < end:
+        idx = off + tl.arange(0, BLOCK)
+        m = idx < end
+        x = tl.load(base + idx, mask=m, other=0).to(tl.float32)
+        if SHIFT:
+            d = tl.where(m, x - c, 0.0)
+        else:
+            d = x
+        s += d
+        q += d * d
+        if not SHIFT:
+            mn = tl.minimum(mn, tl.where(m, x, inf))
+            mx = tl.maximum(mx, tl.where(m, x, -inf))
+            zero += (m & (x == 0)).to(tl.int32)
+            if RANGE:
+                ax = tl.abs(x)
+                over += (m & (ax > hi)).to(tl.int32)
+                under += (m & (ax < lo) & (x != 0)).to(tl.int32)
+    return (tl.sum(s.to(tl.float64), axis=0), tl.sum(q.to(tl.float64), axis=0),
+            tl.min(mn, axis=0).to(tl.float64), tl.max(mx, axis=0).to(tl.float64),
+            tl.sum(zero, axis=0).to(tl.float64), tl.sum(over, axis=0).to(tl.float64),
+            tl.sum(under, axis=0).to(tl.float64))
+
+
+@triton.jit
+def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, part, n_chunks,
                         thresholds, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        DTYPE: tl.constexpr, ACC: tl.constexpr):
+                        DTYPE: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
+                        ALIGNED: tl.constexpr, RANGE: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    inf = float("inf")
     hi = tl.load(thresholds).to(ACC)
     lo = tl.load(thresholds + 1).to(ACC)
     for c in range(pid, n_chunks, nprog):
         t = tl.load(chunk_tensor + c)
-        start = tl.load(chunk_start + c)
+        start = tl.load(chunk_index + c) * CHUNK
         end = tl.minimum(start + CHUNK, tl.load(numels + t))
         base = tl.load(ptrs + t).to(tl.pointer_type(DTYPE))
-        _, fin_n, pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq = (
-            _empty_record())
-        for off in range(start, end, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            m = idx < end
-            x = tl.load(base + idx, mask=m, other=0).to(ACC)
-            ax = tl.abs(x)
-            fin = m & (x == x) & (ax < inf)
-            xf = tl.where(fin, x, 0.0)
-            nb = tl.sum(fin.to(tl.int32), axis=0).to(tl.float64)
-            pinf_n += tl.sum((m & (x == inf)).to(tl.int32), axis=0).to(tl.float64)
-            ninf_n += tl.sum((m & (x == -inf)).to(tl.int32), axis=0).to(tl.float64)
-            zero_n += tl.sum((fin & (x == 0)).to(tl.int32), axis=0).to(tl.float64)
-            over_n += tl.sum((fin & (ax > hi)).to(tl.int32), axis=0).to(tl.float64)
-            under_n += tl.sum((fin & (ax < lo) & (x != 0)).to(tl.int32), axis=0).to(tl.float64)
-            fmin = tl.minimum(fmin, tl.min(tl.where(fin, x, inf), axis=0).to(tl.float64))
-            fmax = tl.maximum(fmax, tl.max(tl.where(fin, x, -inf), axis=0).to(tl.float64))
-            # moments of the block by two passes over registers, then Chan into the chunk
-            amax = tl.max(tl.abs(xf), axis=0)
-            sb = tl.where(amax > 0, tl.exp2(tl.floor(tl.log2(tl.where(amax > 0, amax, 1.0)))),
-                          0.0)
-            y = xf / tl.where(sb > 0, sb, 1.0)
-            mean_y = tl.sum(y, axis=0) / tl.maximum(nb.to(ACC), 1.0)
-            d = tl.where(fin, y - mean_y, 0.0)
-            m2_y = tl.sum(d * d, axis=0)
-            q_b = tl.sum(y * y, axis=0).to(tl.float64)
-            s_b = sb.to(tl.float64)
-            fin_n, mean, m2 = _chan(fin_n, mean, m2, nb, mean_y.to(tl.float64) * s_b,
-                                    m2_y.to(tl.float64) * s_b * s_b)
-            scale, ssq = _scaled(scale, ssq, s_b, q_b)
-        _store_record(part + tl.load(chunk_slot + c) * 13, (end - start).to(tl.float64), fin_n,
-                      pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq)
+        if ALIGNED:
+            base = tl.multiple_of(base, 16)  # bytes: 16-byte vector loads
+        n = (end - start).to(tl.float64)
+        path = tl.full((), 2.0, tl.float64)
+        if FAST:
+            # float32 lanes (at most CHUNK / BLOCK terms each), float64 across lanes; exact
+            # fallbacks as in the CUDA kernel (csrc/cuda/stats_kernels.cuh)
+            s, q, fmin, fmax, zero, over, under = _lane_sums(
+                base, start, end, 0.0, hi, lo, BLOCK, False, RANGE)
+            nn = tl.maximum(n, 1.0)
+            amax = tl.maximum(-fmin, fmax)
+            # a NaN or inf, a square beyond float32, or squares that float32 underflow
+            ok = (tl.abs(s) < INF) & (tl.abs(q) < INF) & ((amax <= 0) | (amax >= TINY_AMAX))
+            mean = s / nn
+            m2 = q - s * mean
+            path = tl.zeros((), tl.float64)
+            if ok & (q > MAX_CANCEL * m2):  # the mean dominates: sums around it
+                path = tl.full((), 1.0, tl.float64)
+                cf = mean.to(tl.float32)
+                s2, q2, _, _, _, _, _ = _lane_sums(base, start, end, cf, hi, lo, BLOCK, True,
+                                                   False)
+                ok = (tl.abs(s2) < INF) & (tl.abs(q2) < INF)
+                mean = cf.to(tl.float64) + s2 / nn
+                m2 = q2 - s2 * (s2 / nn)
+            fin = n
+            pinf = tl.zeros((), tl.float64)
+            ninf = tl.zeros((), tl.float64)
+            m2 = tl.maximum(m2, 0.0)
+            scale = tl.where(q > 0, 1.0, 0.0).to(tl.float64)
+            ssq = q
+            if not RANGE:
+                over = tl.zeros((), tl.float64)
+                under = tl.zeros((), tl.float64)
+            if ~ok:
+                path = tl.full((), 2.0, tl.float64)
+                fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
+                    _exact_chunk(base, start, end, hi, lo, BLOCK, ACC))
+        else:
+            fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
+                _exact_chunk(base, start, end, hi, lo, BLOCK, ACC))
+        row = part + tl.load(chunk_slot + c) * P_WIDTH
+        tl.store(row + P_PATH, path)
+        _store_record(row, n, fin, pinf, ninf, zero, over,
+                      under, fmin, fmax, mean, m2, scale, ssq)
 
 
 @triton.jit
@@ -141,7 +260,7 @@ def _merge_records(src, first, count, VBLOCK: tl.constexpr):
     for off in range(0, count, VBLOCK):
         k = off + tl.arange(0, VBLOCK)
         m = k < count
-        rows = src + (first + k) * 13
+        rows = src + (first + k) * P_WIDTH
         f_i = tl.load(rows + 1, mask=m, other=0.0)
         mean_i = tl.where(f_i > 0, tl.load(rows + 9, mask=m, other=0.0), 0.0)
         s_i = tl.load(rows + 11, mask=m, other=0.0)
@@ -172,8 +291,8 @@ def _merge_chunks_kernel(part, chunk_first, tensor_part, VBLOCK: tl.constexpr):
     count = tl.load(chunk_first + i + 1) - first
     n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
         part, first, count, VBLOCK)
-    _store_record(tensor_part + i * 13, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean,
-                  m2, scale, ssq)
+    _store_record(tensor_part + i * P_WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax,
+                  mean, m2, scale, ssq)
 
 
 @triton.jit
@@ -236,6 +355,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CHUNK = int(os.environ.get("FASTHEALTH_TRITON_CHUNK", 1024 if _INTERPRET else 65536))
 BLOCK = int(os.environ.get("FASTHEALTH_TRITON_BLOCK", 256 if _INTERPRET else 2048))
 VBLOCK = 128
+NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16-byte loads
+_FAST = (torch.float32, torch.float16, torch.bfloat16)  # float32 lanes with exact fallbacks
 _cache: OrderedDict = OrderedDict()
 assert TABLE_WIDTH == 20 and COL["underflow_count"] == 19
 
@@ -262,23 +383,24 @@ def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, f
     for t in tensors:
         first.append(first[-1] + max(1, math.ceil(t.numel() / CHUNK)))
     groups = []
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        tensor_ix, starts, slots = [], [], []
+    kinds = [(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]  # aligned: vector loads
+    for dtype, aligned in dict.fromkeys(kinds):
+        members = [i for i, k in enumerate(kinds) if k == (dtype, aligned)]
+        tensor_ix, index, slots = [], [], []
         for j, i in enumerate(members):
             for k in range(first[i + 1] - first[i]):
                 tensor_ix.append(j)
-                starts.append(k * CHUNK)
+                index.append(k)
                 slots.append(first[i] + k)
 
         def dev(xs, dt):
             return torch.tensor(xs, dtype=dt).to(device, non_blocking=True)
 
         groups.append(dict(
-            dtype=dtype, members=members,
+            dtype=dtype, aligned=aligned, members=members,
             ptrs=dev([tensors[i].data_ptr() for i in members], torch.int64),
             numels=dev([tensors[i].numel() for i in members], torch.int64),
-            chunk_tensor=dev(tensor_ix, torch.int32), chunk_start=dev(starts, torch.int64),
+            chunk_tensor=dev(tensor_ix, torch.int32), chunk_index=dev(index, torch.int64),
             chunk_slot=dev(slots, torch.int64), n_chunks=len(slots)))
     plan = dict(groups=groups, n_chunks=first[-1],
                 chunk_first=torch.tensor(first, dtype=torch.int64).to(device),
@@ -289,9 +411,7 @@ def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, f
     return plan
 
 
-def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = math.inf,
-                              range_lo: float = 0.0) -> torch.Tensor:
-    """The table [N + 1, TABLE_WIDTH] (float64) of tensors on one device."""
+def _inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     if not tensors:
         raise ValueError("fasthealth: the triton backend needs at least one tensor")
     device = tensors[0].device
@@ -303,8 +423,15 @@ def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = mat
         if d.dtype not in _TL:
             raise TypeError(f"fasthealth: input {i} has unsupported dtype {t.dtype}")
         dense.append(d)
+    return dense
+
+
+def _chunk_records(dense: list[torch.Tensor], range_hi: float, range_lo: float):
+    """(plan, the chunk records [chunks, _PW]): one launch per (dtype, alignment) group."""
+    device = dense[0].device
     plan = _plan(dense, device, (float(range_hi), float(range_lo)))
-    part = torch.empty((plan["n_chunks"], P_WIDTH), dtype=torch.float64, device=device)
+    part = torch.empty((plan["n_chunks"], _PW), dtype=torch.float64, device=device)
+    ranged = not (math.isinf(range_hi) and range_lo == 0.0)
     for g in plan["groups"]:
         dtype, acc = _TL[g["dtype"]]
         if device.type == "cuda":
@@ -312,11 +439,30 @@ def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = mat
             grid = (min(g["n_chunks"], sms * 4),)
         else:
             grid = (min(g["n_chunks"], 4),)
-        _chunk_stats_kernel[grid](g["ptrs"], g["numels"], g["chunk_tensor"], g["chunk_start"],
+        _chunk_stats_kernel[grid](g["ptrs"], g["numels"], g["chunk_tensor"], g["chunk_index"],
                                   g["chunk_slot"], part, g["n_chunks"], plan["thresholds"],
-                                  CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype, ACC=acc)
+                                  CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype, ACC=acc,
+                                  FAST=g["dtype"] in _FAST, ALIGNED=g["aligned"],
+                                  RANGE=ranged, num_warps=NUM_WARPS)
+    return plan, part
+
+
+def chunk_paths(tensors: list[torch.Tensor], range_hi: float = math.inf,
+                range_lo: float = 0.0) -> list[int]:
+    """Which path finished each chunk (0 fast, 1 shifted, 2 exact), in input order: for tests
+    and tuning (one sync)."""
+    _, part = _chunk_records(_inputs(tensors), range_hi, range_lo)
+    return [int(p) for p in part[:, 13].tolist()]
+
+
+def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = math.inf,
+                              range_lo: float = 0.0) -> torch.Tensor:
+    """The table [N + 1, TABLE_WIDTH] (float64) of tensors on one device."""
+    dense = _inputs(tensors)
+    device = dense[0].device
+    plan, part = _chunk_records(dense, range_hi, range_lo)
     n = len(dense)
-    tensor_part = torch.empty((n, P_WIDTH), dtype=torch.float64, device=device)
+    tensor_part = torch.empty((n, _PW), dtype=torch.float64, device=device)
     _merge_chunks_kernel[(n,)](part, plan["chunk_first"], tensor_part, VBLOCK=VBLOCK)
     table = torch.empty((n + 1, TABLE_WIDTH), dtype=torch.float64, device=device)
     _finalize_kernel[(n + 1,)](tensor_part, table, n, VBLOCK=VBLOCK, WIDTH=TABLE_WIDTH)
