@@ -4,8 +4,10 @@ torch._foreach_norm, torch.compile of the reference, and the read limit, on one 
 Cases: GPT-2 small (148 tensors, 124M), GPT-2 XL (1.56B), a 7B-like set of LLaMA shapes, and
 5000 small tensors, in bfloat16 and float32. CUDA-event timing, warm-up, medians of interleaved
 repetitions; inputs smaller than 8x the L2 cache are rotated between two copies so that the L2
-does not flatter. Writes bench/results/h200.json (rows {case, dtype, provider, ms, gbps}) and a
-plot.
+does not flatter. Writes bench/results/h200.json (a list of rows {case, dtype, provider, ms,
+gbps}), h200_machine.json (device, versions, the issue's goals checked against the rows) and a
+plot. `compile` (torch.compile of the reference) runs on GPT-2 small only: compiling the
+reference over hundreds of tensors takes minutes of device time.
 
     python bench/bench_gpu.py [--out DIR] [--reps 20] [--quick]
 """
@@ -13,7 +15,6 @@ plot.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -51,58 +52,103 @@ def time_ms(fn, arg):
     return start.elapsed_time(end)
 
 
+def measure(case, shapes, dtype, reps, l2, with_compile):
+    """Rows of one (case, dtype): every provider, interleaved, medians."""
+    dev = torch.device("cuda")
+    nbytes = sum(torch.Size(s).numel() for s in shapes) * dtype.itemsize
+    copies = 2 if nbytes < 8 * l2 else 1
+    sets = [[torch.randn(s, device=dev, dtype=dtype) * 0.02 for s in shapes]
+            for _ in range(copies)]
+    flats = [torch.cat([t.flatten() for t in ts]) for ts in sets]
+    provs = {}
+    for b in ("cuda", "triton"):
+        if b in fh.available_backends():
+            provs[b] = lambda ts, b=b: fh.multi_tensor_stats(ts, backend=b).raw
+    provs["naive"] = baselines.naive_loop
+    provs["foreach"] = baselines.foreach_norm_isfinite
+    if with_compile:
+        provs["compile"] = torch.compile(reference.multi_tensor_stats)
+    times = {p: [] for p in provs}
+    times["read_limit"] = []
+    for fn in provs.values():  # warm-up (and compilation)
+        fn(sets[0])
+    torch.cuda.synchronize()
+    for r in range(reps):
+        k = r % copies
+        for p, fn in provs.items():
+            times[p].append(time_ms(fn, sets[k]))
+        times["read_limit"].append(time_ms(baselines.read_limit, flats[k]))
+    rows = []
+    for p, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"case": case, "dtype": str(dtype).replace("torch.", ""), "provider": p,
+                     "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)})
+        print(f"{case:<11} {str(dtype)[6:]:<9} {p:<11} {ms:9.3f} ms "
+              f"{nbytes / ms / 1e6:8.1f} GB/s", flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    props = torch.cuda.get_device_properties(torch.device("cuda"))
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     rows = []
+    # results are written after every case: a run cut short by a time limit keeps what it did
     for case, shapes in cases(args.quick):
         for dtype in (torch.bfloat16, torch.float32):
-            nbytes = sum(torch.Size(s).numel() for s in shapes) * dtype.itemsize
-            copies = 2 if nbytes < 8 * l2 else 1
-            sets = [[torch.randn(s, device=dev, dtype=dtype) * 0.02 for s in shapes]
-                    for _ in range(copies)]
-            flats = [torch.cat([t.flatten() for t in ts]) for ts in sets]
-            provs = {}
-            for b in ("cuda", "triton"):
-                if b in fh.available_backends():
-                    provs[b] = lambda ts, b=b: fh.multi_tensor_stats(ts, backend=b).raw
-            provs["naive"] = baselines.naive_loop
-            provs["foreach"] = baselines.foreach_norm_isfinite
-            if len(shapes) <= 300 and not args.quick:
-                provs["compile"] = torch.compile(reference.multi_tensor_stats)
-            times = {p: [] for p in provs}
-            times["read_limit"] = []
-            for fn in provs.values():  # warm-up (and compilation)
-                fn(sets[0])
-            torch.cuda.synchronize()
-            for r in range(args.reps):
-                k = r % copies
-                for p, fn in provs.items():
-                    times[p].append(time_ms(fn, sets[k]))
-                times["read_limit"].append(time_ms(baselines.read_limit, flats[k]))
-            for p, ts in times.items():
-                ms = statistics.median(ts)
-                rows.append({"case": case, "dtype": str(dtype).replace("torch.", ""),
-                             "provider": p, "ms": round(ms, 4),
-                             "gbps": round(nbytes / ms / 1e6, 1)})
-                print(f"{case:<11} {str(dtype)[6:]:<9} {p:<11} {ms:9.3f} ms "
-                      f"{nbytes / ms / 1e6:8.1f} GB/s", flush=True)
-            del sets, flats
+            rows += measure(case, shapes, dtype, args.reps, l2, with_compile=False)
             torch.cuda.empty_cache()
+            write(rows, props, args)
+    if not (args.quick or args.no_compile):  # last: compiling takes a minute or more
+        shapes = dict(cases(False))["gpt2-small"]
+        for dtype in (torch.bfloat16, torch.float32):
+            got = measure("gpt2-small", shapes, dtype, args.reps, l2, with_compile=True)
+            rows += [r for r in got if r["provider"] == "compile"]
+            write(rows, props, args)
+    for g in goals(rows):
+        print(f"goal: {g['goal']:<58} {g['value']:>8} {'met' if g['met'] else 'NOT MET'}")
+
+
+def write(rows, props, args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {"device": props.name, "torch": torch.__version__, "date": time.ctime(),
-            "backends": fh.available_backends()}
-    (out / "h200.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+            "backends": fh.available_backends(), "reps": args.reps, "goals": goals(rows)}
+    (out / "h200.json").write_text(json.dumps(rows, indent=1))
+    (out / "h200_machine.json").write_text(json.dumps(info, indent=1))
     plot(rows, out / "h200.png", f"fasthealth on {props.name}, torch {torch.__version__}")
-    print(f"wrote {out / 'h200.json'}", file=sys.stderr)
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Issue 3's goals, read off the rows: share of the read limit on the largest case, speedup
+    over the naive loop on GPT-2 small bf16, and speed against torch._foreach_norm alone."""
+    ms = {(r["case"], r["dtype"], r["provider"]): r["ms"] for r in rows}
+    out = []
+    limits = [(r["ms"], r["case"], r["dtype"]) for r in rows if r["provider"] == "read_limit"]
+    if not limits:
+        return out
+    largest = max(limits)[1:]
+    for b in ("cuda", "triton"):
+        if (*largest, b) not in ms:
+            continue
+        share = ms[(*largest, "read_limit")] / ms[(*largest, b)]
+        out.append({"goal": f"{b}: share of read bandwidth, {' '.join(largest)}",
+                    "value": round(share, 3), "met": share >= 0.85})
+        if ("gpt2-small", "bfloat16", b) in ms and ("gpt2-small", "bfloat16", "naive") in ms:
+            x = ms[("gpt2-small", "bfloat16", "naive")] / ms[("gpt2-small", "bfloat16", b)]
+            out.append({"goal": f"{b}: times faster than naive, gpt2-small bfloat16",
+                        "value": round(x, 1), "met": x >= 50})
+        slower = [f"{c} {d}" for (c, d, p) in ms if p == b and ms[(c, d, b)] >= ms[(c, d,
+                  "foreach")]]
+        out.append({"goal": f"{b}: faster than _foreach_norm in every case",
+                    "value": len(slower), "met": not slower, "slower_in": slower})
+    return out
 
 
 if __name__ == "__main__":

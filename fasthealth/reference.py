@@ -10,7 +10,6 @@ combine scaled by their maximum so they do not overflow.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +18,17 @@ from .stats import COL, TABLE_WIDTH
 
 _INF = float("inf")
 _NAN = float("nan")
+
+
+_F32_MAX = 3.4028234663852886e38
+_F32_ROUNDS_TO_INF = 3.4028235677973366e38  # float32 max + half an ulp (the tie goes to inf)
+
+
+def _as_float32(x: float, dev: torch.device) -> torch.Tensor:
+    """A threshold rounded to float32, as a float64 0-dim tensor: a fill (no host copy, traced
+    by torch.compile without a graph break)."""
+    x = _INF if x >= _F32_ROUNDS_TO_INF else min(x, _F32_MAX)
+    return torch.full((), x, dtype=torch.float32, device=dev).double()
 
 
 def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 0.0
@@ -31,8 +41,7 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
     n = d.numel()
     out = torch.empty(TABLE_WIDTH, dtype=torch.float64, device=dev)
     if t.dtype.itemsize <= 4:
-        range_hi = float(torch.tensor(range_hi, dtype=torch.float32))
-        range_lo = float(torch.tensor(range_lo, dtype=torch.float32))
+        range_hi, range_lo = _as_float32(range_hi, dev), _as_float32(range_lo, dev)
     a = d.abs()
     out[COL["overflow_count"]] = ((a > range_hi) & (a < _INF)).sum()
     out[COL["underflow_count"]] = ((a < range_lo) & (a > 0)).sum()
@@ -60,9 +69,7 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
     out[COL["min"]] = d.min()
     out[COL["max"]] = d.max()
     out[COL["mean"]] = d.mean()
-    with warnings.catch_warnings():  # numel == 1: torch warns and returns NaN, as specified
-        warnings.simplefilter("ignore")
-        out[COL["std"]] = d.std()
+    out[COL["std"]] = d.std() if n > 1 else nan  # (torch would warn for one element)
     out[COL["norm"]] = torch.linalg.vector_norm(d)
     f0 = torch.where(finite, d, 0.0)
     has_f = nf > 0

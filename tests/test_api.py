@@ -229,6 +229,33 @@ def test_torch_compile_fullgraph():
     assert got[1].item() is False and got[2].tolist() == [0, 1]
 
 
+def test_reference_traces_in_one_graph():
+    """The benchmark's `compile` provider is torch.compile of the reference: it must trace
+    without graph breaks (inductor's own code generation is exercised on the GPU bench)."""
+    from fasthealth import reference
+
+    torch._dynamo.reset()
+    ts = [torch.randn(100), torch.randn(10, 10).bfloat16(), torch.randn(1), torch.empty(0)]
+    ts[0][5] = NAN
+    f = torch.compile(reference.multi_tensor_stats, fullgraph=True, backend="aot_eager")
+    for hi, lo in [(math.inf, 0.0), (65504.0, 6.1e-5)]:
+        got, want = f(ts, hi, lo), reference.multi_tensor_stats(ts, hi, lo)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_reference_rounds_thresholds_like_float32():
+    from fasthealth.reference import _as_float32
+
+    g = torch.Generator().manual_seed(0)
+    xs = torch.rand(5000, generator=g, dtype=torch.float64) * 10 ** (
+        torch.rand(5000, generator=g, dtype=torch.float64) * 90 - 50)
+    xs = xs.tolist() + [0.0, 7.006492321624085e-46, 7.00649232162409e-46, 3.4028235e38,
+                        3.4028235677973362e38, 3.4028235677973366e38, 1e39, math.inf]
+    for x in xs:
+        assert _as_float32(x, torch.device("cpu")).item() == float(
+            torch.tensor(x, dtype=torch.float64).float()), x
+
+
 def test_missing_extension_warns_and_falls_back():
     code = (
         "import sys, warnings\n"

@@ -58,6 +58,47 @@ def test_against_reference(gbackend):
     assert torch.isfinite(fh.tensor_stats(big, backend=gbackend).norm).item()
 
 
+def fallback_cases():
+    """Chunks for each path of the fast kernels (CHUNK = 65536 elements on the GPU)."""
+    g = torch.Generator().manual_seed(3)
+    c = 65536
+    one_nan = torch.randn(3 * c, generator=g)
+    one_nan[c + 5] = NAN
+    far = torch.full((c,), -1.5e19)
+    far[7] = 1.5e19
+    return {
+        "normal": torch.randn(4 * c + 77, generator=g),
+        "bf16, unaligned": torch.randn(2 * c + 9, generator=g).bfloat16(),
+        "offset (shifted pass)": 1000 + torch.randn(2 * c, generator=g),
+        "one NaN (one exact chunk)": one_nan,
+        "tiny (exact)": torch.randn(c, generator=g) * 1e-20,
+        "huge (exact)": torch.randn(c, generator=g) * 1e25,
+        "far apart (exact)": far,
+        "heavy tails": torch.distributions.StudentT(1.5).sample((3 * c,)),
+        "fp16 near max": torch.full((3000,), 65504.0, dtype=torch.float16),
+    }
+
+
+def test_every_kernel_path_against_reference(gbackend):
+    for what, t in fallback_cases().items():
+        x = t.cuda()
+        if "unaligned" in what:  # 6 bytes past the allocation's start
+            t, x = t[3:], x[3:]
+        s = fh.multi_tensor_stats([x], backend=gbackend)
+        check_multi(s.raw.cpu(), [t], f"{gbackend} {what}")
+
+
+def test_triton_paths_on_device():
+    if "triton" not in fh.available_backends():
+        pytest.skip("triton is not available")
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    cases = fallback_cases()
+    assert set(ts.chunk_paths([cases["normal"].cuda()])) == {0}
+    assert ts.chunk_paths([cases["offset (shifted pass)"].cuda()]) == [1, 1]
+    assert ts.chunk_paths([cases["one NaN (one exact chunk)"].cuda()]) == [0, 2, 0]
+
+
 def test_no_host_sync(gbackend):
     gpu = [t.cuda() for t in sample(1, 50)]
     fh.multi_tensor_stats(gpu, backend=gbackend)  # warm-up: builds and caches the work list
