@@ -263,12 +263,14 @@ __device__ __forceinline__ double load_one(const void* base, int dtype, int64_t 
   }
 }
 
-// Deterministic block-wide merge: a fixed tree over thread indices; the result in thread 0.
+// Deterministic block-wide merge of one Partial per thread (kN threads): a fixed tree over
+// thread indices; every thread gets the result.
+template <int kN>
 __device__ Partial block_merge(Partial p, Partial* shared) {
   const int tid = threadIdx.x;
   shared[tid] = p;
   __syncthreads();
-  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+  for (int stride = kN / 2; stride > 0; stride /= 2) {
     if (tid < stride) shared[tid] = partial_merge(shared[tid], shared[tid + stride]);
     __syncthreads();
   }
@@ -283,7 +285,7 @@ __device__ Partial slow_chunk(const TensorMeta& m, int64_t begin, int64_t end, d
   for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
     acc.add(load_one(m.ptr, m.dtype, j), hi, lo);
   }
-  Partial p = block_merge(acc.to_partial(), shared);
+  Partial p = block_merge<kThreads>(acc.to_partial(), shared);
   p.n = end - begin;  // NaNs counted here
   if (threadIdx.x == 0) FH_COUNT_PATH(2);
   return p;
@@ -357,31 +359,40 @@ chunk_stats_kernel(const TensorMeta* metas, const ChunkItem* chunks, int64_t n_c
   }
 }
 
-// One block per tensor merges its chunks' records in a fixed order.
-__global__ void __launch_bounds__(kThreads)
+// One warp per tensor merges its chunks' records in a fixed order (most tensors have one
+// chunk: a block of 256 threads per tensor would mostly wait at barriers).
+constexpr int kMergeThreads = 32;
+
+__global__ void __launch_bounds__(kMergeThreads)
 merge_chunks_kernel(const Partial* parts, const int64_t* first, Partial* per_tensor) {
-  __shared__ Partial shared[kThreads];
+  __shared__ Partial shared[kMergeThreads];
   const int64_t i = blockIdx.x;
   Partial acc = partial_empty();
-  for (int64_t c = first[i] + threadIdx.x; c < first[i + 1]; c += kThreads) {
+  for (int64_t c = first[i] + threadIdx.x; c < first[i + 1]; c += kMergeThreads) {
     acc = partial_merge(acc, parts[c]);
   }
-  const Partial r = block_merge(acc, shared);
+  const Partial r = block_merge<kMergeThreads>(acc, shared);
   if (threadIdx.x == 0) per_tensor[i] = r;
 }
 
-// Block i < n writes tensor i's row; block n merges all tensors into the total row.
+// Blocks of the finalize launch: one thread per tensor row, then one block for the total.
+__host__ __device__ inline int64_t finalize_blocks(int64_t n) {
+  return (n + kThreads - 1) / kThreads + 1;
+}
+
+// Threads of the first blocks write one tensor row each; the last block merges all tensors
+// into the total row.
 __global__ void __launch_bounds__(kThreads)
 finalize_kernel(const Partial* per_tensor, int64_t n, double* table) {
   __shared__ Partial shared[kThreads];
-  const int64_t row = blockIdx.x;
-  if (row < n) {
-    if (threadIdx.x == 0) partial_finalize(per_tensor[row], table + row * kTableWidth);
+  if (static_cast<int64_t>(blockIdx.x) + 1 < finalize_blocks(n)) {
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    if (row < n) partial_finalize(per_tensor[row], table + row * kTableWidth);
     return;
   }
   Partial acc = partial_empty();
   for (int64_t i = threadIdx.x; i < n; i += kThreads) acc = partial_merge(acc, per_tensor[i]);
-  const Partial total = block_merge(acc, shared);
+  const Partial total = block_merge<kThreads>(acc, shared);
   if (threadIdx.x == 0) partial_finalize(total, table + n * kTableWidth);
 }
 

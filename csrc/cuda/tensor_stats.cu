@@ -4,8 +4,8 @@
 //
 // 1. chunk_stats_kernel: a persistent grid reduces each (tensor, chunk) item to one record
 //    (float32 fast path with float64 accumulation, exact fallbacks: see stats_kernels.cuh).
-// 2. merge_chunks_kernel: one block per tensor merges its chunks' records in a fixed order.
-// 3. finalize_kernel: block i < N writes tensor i's row; block N merges all tensors into the
+// 2. merge_chunks_kernel: one warp per tensor merges its chunks' records in a fixed order.
+// 3. finalize_kernel: one thread per tensor row, then one block merges all tensors into the
 //    total. Deterministic: no atomics, fixed reduction trees.
 // Limitation: float64 inputs above ~1e150 overflow the sum of squares here (the CPU kernel
 // scales them); float32/16/bf16 inputs cannot.
@@ -87,9 +87,10 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, doub
   chunk_kernel<<<grid, kThreads, 0, stream>>>(wl.metas(), wl.chunks(), wl.n_chunks, p, range_hi,
                                               range_lo);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  kernels::merge_chunks_kernel<<<n, kThreads, 0, stream>>>(p, wl.first(), t);
+  kernels::merge_chunks_kernel<<<n, kernels::kMergeThreads, 0, stream>>>(p, wl.first(), t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  kernels::finalize_kernel<<<n + 1, kThreads, 0, stream>>>(t, n, table.data_ptr<double>());
+  kernels::finalize_kernel<<<kernels::finalize_blocks(n), kThreads, 0, stream>>>(
+      t, n, table.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // (widened float8 copies are freed here: the caching allocator is stream-ordered, so their
   // memory is reused only by work queued after these kernels on this stream)

@@ -80,10 +80,10 @@ int main(int argc, char** argv) {
                                          hi, lo);
     }
   });
-  emu::launch(static_cast<unsigned>(n), kernels::kThreads, [&] {
+  emu::launch(static_cast<unsigned>(n), kernels::kMergeThreads, [&] {
     kernels::merge_chunks_kernel(parts.data(), first.data(), per_tensor.data());
   });
-  emu::launch(static_cast<unsigned>(n + 1), kernels::kThreads, [&] {
+  emu::launch(static_cast<unsigned>(kernels::finalize_blocks(n)), kernels::kThreads, [&] {
     kernels::finalize_kernel(per_tensor.data(), n, table.data());
   });
 
