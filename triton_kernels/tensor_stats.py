@@ -138,54 +138,74 @@ def _exact_chunk(base, start, end, hi, lo, BLOCK: tl.constexpr, ACC: tl.constexp
 
 
 @triton.jit
-def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
-               RANGE: tl.constexpr):
-    """Per-lane float32 sums of (x - c) and (x - c)^2 over [start, end) (c = 0 unless SHIFT),
-    with min/max and counts; whole tiles unmasked, then one masked tile. Reduced to float64."""
+def _acc_tile(x, m, s, q, mn, mx, zero, over, under, c, hi, lo, SHIFT: tl.constexpr,
+              RANGE: tl.constexpr, MASKED: tl.constexpr):
+    """Adds one tile (lanes where m, when MASKED) to the per-lane accumulators."""
     inf = float("inf")
-    s = tl.zeros((BLOCK,), tl.float32)
-    q = tl.zeros((BLOCK,), tl.float32)
-    mn = tl.full((BLOCK,), inf, tl.float32)
-    mx = tl.full((BLOCK,), -inf, tl.float32)
-    zero = tl.zeros((BLOCK,), tl.int32)
-    over = tl.zeros((BLOCK,), tl.int32)
-    under = tl.zeros((BLOCK,), tl.int32)
-    n_full = (end - start) // BLOCK
-    for k in range(0, n_full):
-        x = tl.load(base + (start + k * BLOCK + tl.arange(0, BLOCK))).to(tl.float32)
-        if SHIFT:
-            d = x - c
-        else:
-            d = x
-        s += d
-        q += d * d
-        if not SHIFT:
-            mn = tl.minimum(mn, x)
-            mx = tl.maximum(mx, x)
-            zero += (x == 0).to(tl.int32)
-            if RANGE:
-                ax = tl.abs(x)
-                over += (ax > hi).to(tl.int32)
-                under += ((ax < lo) & (x != 0)).to(tl.int32)
-    off = start + n_full * BLOCK
-    if off < end:
-        idx = off + tl.arange(0, BLOCK)
-        m = idx < end
-        x = tl.load(base + idx, mask=m, other=0).to(tl.float32)
-        if SHIFT:
-            d = tl.where(m, x - c, 0.0)
-        else:
-            d = x
-        s += d
-        q += d * d
-        if not SHIFT:
+    if SHIFT:
+        d = x - c
+        if MASKED:
+            d = tl.where(m, d, 0.0)
+    else:
+        d = x  # (masked lanes were loaded as 0: no sum changes)
+    s += d
+    q += d * d
+    if not SHIFT:
+        if MASKED:
             mn = tl.minimum(mn, tl.where(m, x, inf))
             mx = tl.maximum(mx, tl.where(m, x, -inf))
             zero += (m & (x == 0)).to(tl.int32)
-            if RANGE:
-                ax = tl.abs(x)
-                over += (m & (ax > hi)).to(tl.int32)
-                under += (m & (ax < lo) & (x != 0)).to(tl.int32)
+        else:
+            mn = tl.minimum(mn, x)
+            mx = tl.maximum(mx, x)
+            zero += (x == 0).to(tl.int32)
+        if RANGE:
+            ax = tl.abs(x)
+            over += (m & (ax > hi)).to(tl.int32)
+            under += (m & (ax < lo) & (x != 0)).to(tl.int32)
+    return s, q, mn, mx, zero, over, under
+
+
+@triton.jit
+def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
+               RANGE: tl.constexpr):
+    """Per-lane float32 sums of (x - c) and (x - c)^2 over [start, end) (c = 0 unless SHIFT),
+    with min/max and counts: whole tiles four loads at a time (memory-level parallelism), the
+    rest one tile at a time, then one masked tile. Reduced to float64 across lanes."""
+    s = tl.zeros((BLOCK,), tl.float32)
+    q = tl.zeros((BLOCK,), tl.float32)
+    mn = tl.full((BLOCK,), float("inf"), tl.float32)
+    mx = tl.full((BLOCK,), -float("inf"), tl.float32)
+    zero = tl.zeros((BLOCK,), tl.int32)
+    over = tl.zeros((BLOCK,), tl.int32)
+    under = tl.zeros((BLOCK,), tl.int32)
+    lane = tl.arange(0, BLOCK)
+    yes = lane >= 0
+    n_full = (end - start) // BLOCK
+    for k in range(0, n_full // 4):
+        p = base + (start + k * (4 * BLOCK) + lane)
+        x0 = tl.load(p).to(tl.float32)
+        x1 = tl.load(p + BLOCK).to(tl.float32)
+        x2 = tl.load(p + 2 * BLOCK).to(tl.float32)
+        x3 = tl.load(p + 3 * BLOCK).to(tl.float32)
+        s, q, mn, mx, zero, over, under = _acc_tile(x0, yes, s, q, mn, mx, zero, over, under,
+                                                    c, hi, lo, SHIFT, RANGE, False)
+        s, q, mn, mx, zero, over, under = _acc_tile(x1, yes, s, q, mn, mx, zero, over, under,
+                                                    c, hi, lo, SHIFT, RANGE, False)
+        s, q, mn, mx, zero, over, under = _acc_tile(x2, yes, s, q, mn, mx, zero, over, under,
+                                                    c, hi, lo, SHIFT, RANGE, False)
+        s, q, mn, mx, zero, over, under = _acc_tile(x3, yes, s, q, mn, mx, zero, over, under,
+                                                    c, hi, lo, SHIFT, RANGE, False)
+    for k in range((n_full // 4) * 4, n_full):
+        x = tl.load(base + (start + k * BLOCK + lane)).to(tl.float32)
+        s, q, mn, mx, zero, over, under = _acc_tile(x, yes, s, q, mn, mx, zero, over, under,
+                                                    c, hi, lo, SHIFT, RANGE, False)
+    off = start + n_full * BLOCK
+    if off < end:
+        m = off + lane < end
+        x = tl.load(base + (off + lane), mask=m, other=0).to(tl.float32)
+        s, q, mn, mx, zero, over, under = _acc_tile(x, m, s, q, mn, mx, zero, over, under,
+                                                    c, hi, lo, SHIFT, RANGE, True)
     return (tl.sum(s.to(tl.float64), axis=0), tl.sum(q.to(tl.float64), axis=0),
             tl.min(mn, axis=0).to(tl.float64), tl.max(mx, axis=0).to(tl.float64),
             tl.sum(zero, axis=0).to(tl.float64), tl.sum(over, axis=0).to(tl.float64),
