@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _ops, reference
+from .stats import TABLE_WIDTH
 
 BACKENDS = ("torch", "cpu", "cuda", "triton")
 # Set to True once bench/gpu_check.sh has run tests/test_gpu.py green on a GPU.
@@ -102,13 +103,29 @@ def resolve(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+@torch.library.custom_op("fasthealth::multi_tensor_stats_triton", mutates_args=())
+def _triton_op(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> torch.Tensor:
+    """The Triton launcher as an op, so that torch.compile keeps it in the graph as one opaque
+    call (its pointer tables need real data pointers, which tracing does not have)."""
+    from .triton_kernels import tensor_stats as triton_stats
+
+    return triton_stats.multi_tensor_stats_triton(tensors, range_hi, range_lo)
+
+
+@_triton_op.register_fake
+def _(tensors, range_hi, range_lo):
+    return tensors[0].new_empty((len(tensors) + 1, TABLE_WIDTH), dtype=torch.float64)
+
+
 def run(backend: str, tensors: Sequence[torch.Tensor], range_hi: float = math.inf,
         range_lo: float = 0.0) -> torch.Tensor:
     """The table ``[len(tensors) + 1, TABLE_WIDTH]`` of tensors on one device."""
     if backend == "torch":
         return reference.multi_tensor_stats(tensors, range_hi, range_lo)
     if backend == "triton":
-        from .triton_kernels import tensor_stats as triton_stats
+        if torch.compiler.is_compiling():
+            return _triton_op(list(tensors), range_hi, range_lo)
+        from .triton_kernels import tensor_stats as triton_stats  # eager: no dispatch cost
 
         return triton_stats.multi_tensor_stats_triton(list(tensors), range_hi, range_lo)
     return torch.ops.fasthealth.multi_tensor_stats(list(tensors), range_hi, range_lo)

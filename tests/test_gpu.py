@@ -167,20 +167,19 @@ def test_launch_count_does_not_grow_with_tensors(gbackend):
     assert kernels(10) == kernels(2000)
 
 
-def test_compile_fullgraph_and_opcheck():
-    if "cuda" not in fh.available_backends():
-        pytest.skip("the compiled CUDA op is not available")
+def test_compile_fullgraph_and_opcheck(gbackend):
     torch._dynamo.reset()
 
     def f(a, b):
-        s = fh.multi_tensor_stats([a, b], backend="cuda")
+        s = fh.multi_tensor_stats([a, b], backend=gbackend)
         return s.total.norm, s.all_finite
 
     a, b = torch.randn(1000, device="cuda"), torch.randn(30, 30, device="cuda")
     got = torch.compile(f, fullgraph=True)(a, b)
     want = f(a, b)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    op = torch.ops.fasthealth.multi_tensor_stats.default
+    name = "multi_tensor_stats" if gbackend == "cuda" else "multi_tensor_stats_triton"
+    op = getattr(torch.ops.fasthealth, name).default
     res = torch.library.opcheck(op, ([a, b.t(), b.bfloat16()], float("inf"), 0.0))
     assert all(v == "SUCCESS" for v in res.values()), res
 

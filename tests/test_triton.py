@@ -135,3 +135,23 @@ def test_paths_taken():
     assert ts.chunk_paths([far]) == [2]
     check_tensor(row(far), far, "far apart extremes")
     assert ts.chunk_paths([torch.randn(chunk, dtype=torch.float64)]) == [2]
+
+
+def test_torch_compile_fullgraph():
+    """Under torch.compile the Triton launcher is one opaque op (a fake gives its shape)."""
+    torch._dynamo.reset()
+
+    def f(a, b):
+        s = fh.multi_tensor_stats([a, b], backend="triton")
+        return s.total.norm, s.all_finite, s.per_tensor.nan_count
+
+    a, b = torch.randn(3000), torch.randn(40, 30)
+    b[3, 3] = NAN
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, b)
+    want = f(a, b)
+    assert all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(got, want))
+    assert got[1].item() is False and got[2].tolist() == [0, 1]
+    op = torch.ops.fasthealth.multi_tensor_stats_triton.default
+    res = torch.library.opcheck(op, ([a, b.t(), b.bfloat16()], float("inf"), 0.0),
+                                test_utils=("test_schema", "test_faketensor"))
+    assert all(v == "SUCCESS" for v in res.values()), res
