@@ -177,6 +177,26 @@ def test_accuracy_limits(exe):
     check_multi(table, ts, "emulated cuda accuracy")
 
 
+def test_float64_extreme_magnitudes(exe):
+    # torch's own float64 norm under/overflows here, so known answers are the oracle
+    from fasthealth.stats import COL
+
+    vals = (1e200, 1e-200, 1e-310, 1.7e308)
+    ts = [torch.full((4,), v, dtype=torch.float64) for v in vals]
+    ts.append(torch.tensor([1e200, 3.0, -1e-300, 1e160], dtype=torch.float64))
+    ts.append(torch.full((CHUNK + 3,), 1e160, dtype=torch.float64))
+    table, _ = run(exe, ts)
+    for i, v in enumerate(vals):
+        assert table[i, COL["finite_norm"]].item() == pytest.approx(2 * v, rel=1e-12), v
+        assert table[i, COL["amax"]].item() == v
+        assert table[i, COL["finite_mean"]].item() == pytest.approx(v, rel=1e-12)
+        assert table[i, COL["finite_std"]].item() == 0.0
+    assert table[4, COL["finite_norm"]].item() == pytest.approx(1e200, rel=1e-12)
+    assert table[5, COL["finite_std"]].item() == 0.0  # no overflow in the spread either
+    assert table[5, COL["norm"]].item() == pytest.approx(1e160 * math.sqrt(CHUNK + 3),
+                                                         rel=1e-12)
+
+
 @pytest.mark.parametrize("range_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_range_counts(exe, range_dtype):
     g = torch.Generator().manual_seed(6)

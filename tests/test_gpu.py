@@ -94,6 +94,14 @@ def test_every_kernel_path_against_reference(gbackend):
         check_multi(s.raw.cpu(), [t], f"{gbackend} {what}")
 
 
+def test_float64_extreme_magnitudes(gbackend):
+    for v in (1e200, 1e-200, 1e-310, 1.7e308):
+        s = fh.tensor_stats(torch.full((4,), v, dtype=torch.float64, device="cuda"),
+                            backend=gbackend)
+        assert s.finite_norm.item() == pytest.approx(2 * v, rel=1e-12), v
+        assert s.amax.item() == v and s.finite_std.item() == 0.0
+
+
 def test_triton_paths_on_device():
     if "triton" not in fh.available_backends():
         pytest.skip("triton is not available")

@@ -15,8 +15,9 @@
 //       - the variance cancels (sum x^2 > 64 * M2: the mean dominates the spread);
 //   pass 2 (cancellation only): the same sums around c = the chunk's mean rounded to float32,
 //     so M2 = sum (x-c)^2 - (sum (x-c))^2 / n no longer cancels;
-//   slow path (non-finite, tiny, float64, integers): one float64 value per element, moments by
-//     Chan's formula over a fixed tree of the block's threads, NaN/inf counted exactly.
+//   slow path (non-finite, tiny, float64, integers): one float64 value per element, sums around
+//     each thread's first value, Blue's three-bin sum of squares (no overflow or underflow for
+//     any float64), Chan's formula over a fixed tree of the block's threads, NaN/inf counted.
 // Accuracy of the fast path: each float32 term carries at most ~10 roundings of 2^-24, so
 // sums are within ~6e-7 of sum |term|: norm within 1e-6, mean within 6e-7 * mean|x|, M2 within
 // 64 * 1.2e-6 (std within 4e-5), inside SPEC section 2.
@@ -201,9 +202,18 @@ __device__ __forceinline__ Sums block_sums(Sums a, Sums* smem) {
 
 // ---- the slow path: one float64 per element, Chan's merge over a fixed tree ----------------
 
+// Blue's three bins for the sum of squares in float64: no overflow or underflow for any
+// float64 value (|x| above 2^500 is scaled by 2^-600, below 2^-500 by 2^600).
+constexpr double kBlueBig = 3.273390607896142e+150;        // 2^500
+constexpr double kBlueBigScale = 2.409919865102884e-181;   // 2^-600
+constexpr double kBlueSmall = 3.054936363499605e-151;      // 2^-500
+constexpr double kBlueSmallScale = 4.149515568880993e+180; // 2^600
+
 struct ThreadAcc {
   int64_t finite = 0, posinf = 0, neginf = 0, zero = 0, over = 0, under = 0;
-  double fmin = fh_inf(), fmax = -fh_inf(), s = 0.0, q = 0.0;
+  double fmin = fh_inf(), fmax = -fh_inf();
+  double c = 0.0, s = 0.0, q = 0.0;  // shift (the first finite value), sums of (v - c), (v - c)^2
+  double big = 0.0, mid = 0.0, small = 0.0;  // sums of squares by magnitude (Blue)
 
   __device__ __forceinline__ void add(double v, double hi, double lo) {
     if (v != v) return;
@@ -212,20 +222,30 @@ struct ThreadAcc {
     } else if (v == -fh_inf()) {
       ++neginf;
     } else {
+      if (finite == 0) c = v;
       ++finite;
       zero += v == 0.0;
       fmin = fmin < v ? fmin : v;
       fmax = fmax > v ? fmax : v;
-      s += v;
-      q += v * v;
+      const double d = v - c;
+      s += d;
+      q += d * d;
       const double a = fabs(v);
+      if (a > kBlueBig) {
+        const double y = a * kBlueBigScale;
+        big += y * y;
+      } else if (a < kBlueSmall) {
+        const double y = a * kBlueSmallScale;
+        small += y * y;
+      } else {
+        mid += a * a;
+      }
       over += a > hi;
       under += a < lo && a > 0.0;
     }
   }
 
-  // ~kCudaChunk / kThreads elements: unshifted float64 sums keep M2 within
-  // 256 * 2^-53 * (mean/std)^2 relative, 3e-8 at SPEC's condition limit of 1e3.
+  // ~kCudaChunk / kThreads elements per thread, summed around the thread's first value.
   __device__ __forceinline__ Partial to_partial() const {
     Partial p = partial_empty();
     p.n = finite + posinf + neginf;  // the chunk's NaNs are added back by its element count
@@ -238,11 +258,20 @@ struct ThreadAcc {
     p.fmin = fmin;
     p.fmax = fmax;
     if (finite > 0) {
-      p.mean = s / static_cast<double>(finite);
-      const double m2 = q - s * p.mean;
+      const double ds = s / static_cast<double>(finite);
+      p.mean = c + ds;
+      const double m2 = q - s * ds;
       p.m2 = m2 > 0.0 ? m2 : 0.0;
     }
-    p.ssq = q;
+    if (big > 0.0) {  // the mid bin in the big bin's scale (the small bin is far below)
+      p.scale = 1.0 / kBlueBigScale;
+      p.ssq = big + (mid * kBlueBigScale) * kBlueBigScale;
+    } else if (mid > 0.0) {
+      p.ssq = mid + (small / kBlueSmallScale) / kBlueSmallScale;
+    } else {
+      p.scale = 1.0 / kBlueSmallScale;
+      p.ssq = small;
+    }
     return p;
   }
 };

@@ -7,8 +7,6 @@
 // 2. merge_chunks_kernel: one warp per tensor merges its chunks' records in a fixed order.
 // 3. finalize_kernel: one thread per tensor row, then one block merges all tensors into the
 //    total. Deterministic: no atomics, fixed reduction trees.
-// Limitation: float64 inputs above ~1e150 overflow the sum of squares here (the CPU kernel
-// scales them); float32/16/bf16 inputs cannot.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
