@@ -100,6 +100,7 @@ def test_float64_extreme_magnitudes(gbackend):
                             backend=gbackend)
         assert s.finite_norm.item() == pytest.approx(2 * v, rel=1e-12), v
         assert s.amax.item() == v and s.finite_std.item() == 0.0
+        assert s.finite_mean.item() == pytest.approx(v, rel=1e-12), v
 
 
 def test_triton_paths_on_device():

@@ -293,7 +293,7 @@ def _merge_records(src, first, count, VBLOCK: tl.constexpr):
         fmin = tl.minimum(fmin, tl.min(tl.load(rows + 7, mask=m, other=inf), axis=0))
         fmax = tl.maximum(fmax, tl.max(tl.load(rows + 8, mask=m, other=-inf), axis=0))
         fb = tl.sum(f_i, axis=0)
-        mean_b = tl.sum(f_i * mean_i, axis=0) / tl.maximum(fb, 1.0)
+        mean_b = tl.sum(f_i / tl.maximum(fb, 1.0) * mean_i, axis=0)  # weights <= 1: no overflow
         dev = tl.where(f_i > 0, mean_i - mean_b, 0.0)
         m2_b = tl.sum(tl.load(rows + 10, mask=m, other=0.0) + f_i * dev * dev, axis=0)
         sb = tl.max(s_i, axis=0)
