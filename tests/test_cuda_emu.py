@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import random_batch, student_t
 from tolerances import check_multi
 
 from fasthealth.stats import TABLE_WIDTH
@@ -72,12 +73,6 @@ def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0)):
     paths = struct.unpack("<3q", data[(n + 1) * TABLE_WIDTH * 8:])
     return table.view(n + 1, TABLE_WIDTH).clone(), paths
 
-
-def student_t(df: int, n: int, g: torch.Generator) -> torch.Tensor:
-    """Heavy-tailed float32 samples from a seeded generator: normal / sqrt(chi2(df) / df)."""
-    z = torch.randn(n, generator=g, dtype=torch.float64)
-    chi2 = torch.randn(n, df, generator=g, dtype=torch.float64).square().sum(1)
-    return (z / (chi2 / df).sqrt()).float()
 
 def chunks_of(tensors):
     return sum(max(1, math.ceil(t.numel() / CHUNK)) for t in tensors)
@@ -242,3 +237,17 @@ def test_emulation_catches_a_planted_bug(exe, tmp_path):
     table, _ = run(out, [t])
     with pytest.raises(AssertionError):
         check_multi(table, [t], "planted bug")
+
+
+def test_random_batches(exe):
+    """Seeded random batches of every dtype, size, magnitude and planted value, with and
+    without range counts, at random misalignments."""
+    for seed in range(3):
+        ts = random_batch(seed, 150, 5 * CHUNK)
+        skews = [(7 * i % 16) // t.element_size() * t.element_size() for i, t in enumerate(ts)]
+        table, paths = run(exe, ts, skews)
+        check_multi(table, ts, f"emulated cuda random batch {seed}")
+        assert all(paths), paths  # every path was taken
+    fi = torch.finfo(torch.bfloat16)
+    table, _ = run(exe, ts, skews, rng=(float(fi.max), float(fi.tiny)))
+    check_multi(table, ts, "emulated cuda random batch, range", range_dtype=torch.bfloat16)

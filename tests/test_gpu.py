@@ -8,6 +8,7 @@ on the lent GPU.
 
 import pytest
 import torch
+from cases import random_batch, student_t
 from tolerances import check_multi
 
 import fasthealth as fh
@@ -58,12 +59,6 @@ def test_against_reference(gbackend):
     assert torch.isfinite(fh.tensor_stats(big, backend=gbackend).norm).item()
 
 
-def student_t(df: int, n: int, g: torch.Generator) -> torch.Tensor:
-    """Heavy-tailed float32 samples from a seeded generator: normal / sqrt(chi2(df) / df)."""
-    z = torch.randn(n, generator=g, dtype=torch.float64)
-    chi2 = torch.randn(n, df, generator=g, dtype=torch.float64).square().sum(1)
-    return (z / (chi2 / df).sqrt()).float()
-
 def fallback_cases():
     """Chunks for each path of the fast kernels (CHUNK = 65536 elements on the GPU)."""
     g = torch.Generator().manual_seed(3)
@@ -92,6 +87,16 @@ def test_every_kernel_path_against_reference(gbackend):
             t, x = t[3:], x[3:]
         s = fh.multi_tensor_stats([x], backend=gbackend)
         check_multi(s.raw.cpu(), [t], f"{gbackend} {what}")
+
+
+def test_random_batches(gbackend):
+    for seed in range(4):
+        cpu = random_batch(seed, 300, 400_000)
+        gpu = [t.cuda() for t in cpu]
+        gpu += [t[1:] for t in gpu[:50] if t.numel() > 1]  # misaligned views
+        cpu += [t[1:] for t in cpu[:50] if t.numel() > 1]
+        check_multi(fh.multi_tensor_stats(gpu, backend=gbackend).raw.cpu(), cpu,
+                    f"{gbackend} random batch {seed}")
 
 
 def test_float64_extreme_magnitudes(gbackend):

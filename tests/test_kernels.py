@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from cases import random_batch
 from tolerances import check_multi, check_tensor
 
 import fasthealth as fh
@@ -231,3 +232,14 @@ def test_more_than_2_pow_31_elements():
     s = fh.tensor_stats(b)
     assert s.nan_count.item() == 1 and s.numel.item() == n and s.zero_count.item() == n - 2
     assert s.finite_max.item() == 2.0 and s.finite_norm.item() == 2.0
+
+
+def test_random_batches(backend):
+    """Seeded random batches of every dtype, size, magnitude and planted value (tests/cases.py),
+    with misaligned views and range counts."""
+    for seed in range(2):
+        ts = random_batch(seed, 200, 300_000)
+        ts += [t[1:] for t in ts[:40] if t.numel() > 1]
+        check_multi(fh.multi_tensor_stats(ts, backend=backend).raw, ts, f"random {seed}")
+    s = fh.multi_tensor_stats(ts, backend=backend, range_dtype=torch.float16)
+    check_multi(s.raw, ts, "random, range", range_dtype=torch.float16)

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from cases import random_batch
 from tolerances import check_multi, check_tensor
 
 import fasthealth as fh
@@ -158,3 +159,13 @@ def test_torch_compile_fullgraph():
     res = torch.library.opcheck(op, ([a, b.t(), b.bfloat16()], float("inf"), 0.0),
                                 test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_random_batch():
+    """A seeded random batch of every dtype, size, magnitude and planted value."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    batch = random_batch(1, 60, 4 * ts.CHUNK)
+    batch += [t[1:] for t in batch[:20] if t.numel() > 1]  # misaligned views
+    check_multi(fh.multi_tensor_stats(batch, backend="triton").raw, batch, "triton random")
+    assert set(ts.chunk_paths(batch)) == {0, 1, 2}  # every path was taken

@@ -1,0 +1,57 @@
+"""Input generators shared by the kernel tests (seeded: the same cases every run)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAN, INF = float("nan"), float("inf")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def student_t(df: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """Heavy-tailed float32 samples: normal / sqrt(chi2(df) / df)."""
+    z = torch.randn(n, generator=g, dtype=torch.float64)
+    chi2 = torch.randn(n, df, generator=g, dtype=torch.float64).square().sum(1)
+    return (z / (chi2 / df).sqrt()).float()
+
+
+def random_batch(seed: int, count: int, max_numel: int) -> list[torch.Tensor]:
+    """`count` tensors meant to reach every branch of a fused kernel: float and integer dtypes,
+    sizes from 0 to max_numel (log-uniform), magnitudes from 1e-30 to 1e30, mean-dominated
+    data, heavy tails, constant runs, and planted NaN, +-inf and zeros at random places."""
+    g = torch.Generator().manual_seed(seed)
+
+    def uniform(lo: float, hi: float) -> float:
+        return lo + (hi - lo) * torch.rand((), generator=g, dtype=torch.float64).item()
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    out = []
+    for _ in range(count):
+        n = 0 if uniform(0, 1) < 0.03 else int(math.exp(uniform(0, math.log(max_numel))))
+        kind = pick(("normal", "offset", "heavy", "constant", "int"))
+        if kind == "int":
+            dtype = pick((torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool))
+            t = torch.randint(-100, 100, (n,), generator=g)
+            out.append(t > 0 if dtype == torch.bool else t.abs().to(dtype)
+                       if dtype == torch.uint8 else t.to(dtype))
+            continue
+        dtype = pick(FLOAT_DTYPES)
+        scale = 10 ** uniform(-30 if dtype != torch.float16 else -4, 30 if dtype not in (
+            torch.float16,) else 4)
+        if kind == "normal":
+            t = torch.randn(n, generator=g, dtype=torch.float64) * scale
+        elif kind == "offset":  # mean / std up to 1e3
+            t = (10 ** uniform(0, 3) + torch.randn(n, generator=g, dtype=torch.float64)) * scale
+        elif kind == "heavy":
+            t = student_t(2, n, g).double() * scale
+        else:
+            t = torch.full((n,), scale * pick((1.0, -1.0, 0.0)), dtype=torch.float64)
+        t = t.to(dtype)
+        for _ in range(int(torch.randint(0, 4, (), generator=g)) if n else 0):
+            t[int(torch.randint(n, (), generator=g))] = pick((NAN, INF, -INF, 0.0))
+        out.append(t)
+    return out
