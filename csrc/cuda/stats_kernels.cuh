@@ -3,7 +3,7 @@
 // thread, and check them against the reference on a machine without a GPU.
 //   reference: fasthealth/reference.py   record and merge: ../stats.h   work list: work_items.h
 //
-// chunk_stats_kernel: a persistent grid walks the (tensor, chunk) work list; each block reduces
+// chunk_stats_cuda: a persistent grid walks the (tensor, chunk) work list; each block reduces
 // one chunk at a time to one Partial record. Float32, float16 and bfloat16 chunks take the fast
 // path, the same method as the CPU kernel (csrc/cpu/stats_kernel.h):
 //   pass 1: 16-byte vector loads (4 in flight per thread); each vector's sum and sum of squares
@@ -364,7 +364,7 @@ __device__ Partial fast_chunk(const TensorMeta& m, int64_t begin, int64_t end, d
 // One record per chunk. kRange: range counts were asked for (range_hi < inf or range_lo > 0).
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads)
-chunk_stats_kernel(const TensorMeta* metas, const ChunkItem* chunks, int64_t n_chunks,
+chunk_stats_cuda(const TensorMeta* metas, const ChunkItem* chunks, int64_t n_chunks,
                    Partial* parts, double hi, double lo) {
   __shared__ Partial shared[kThreads];
   __shared__ Sums smem[kWarps];
@@ -393,7 +393,7 @@ chunk_stats_kernel(const TensorMeta* metas, const ChunkItem* chunks, int64_t n_c
 constexpr int kMergeThreads = 32;
 
 __global__ void __launch_bounds__(kMergeThreads)
-merge_chunks_kernel(const Partial* parts, const int64_t* first, Partial* per_tensor) {
+merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* per_tensor) {
   __shared__ Partial shared[kMergeThreads];
   const int64_t i = blockIdx.x;
   Partial acc = partial_empty();
@@ -412,7 +412,7 @@ __host__ __device__ inline int64_t finalize_blocks(int64_t n) {
 // Threads of the first blocks write one tensor row each; the last block merges all tensors
 // into the total row.
 __global__ void __launch_bounds__(kThreads)
-finalize_kernel(const Partial* per_tensor, int64_t n, double* table) {
+finalize_cuda(const Partial* per_tensor, int64_t n, double* table) {
   __shared__ Partial shared[kThreads];
   if (static_cast<int64_t>(blockIdx.x) + 1 < finalize_blocks(n)) {
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;

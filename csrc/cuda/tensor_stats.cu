@@ -2,10 +2,10 @@
 // tensors, no host sync, on the current stream.
 //   reference: fasthealth/reference.py   kernels: stats_kernels.cuh   work list: multi_tensor.cuh
 //
-// 1. chunk_stats_kernel: a persistent grid reduces each (tensor, chunk) item to one record
+// 1. chunk_stats_cuda: a persistent grid reduces each (tensor, chunk) item to one record
 //    (float32 fast path with float64 accumulation, exact fallbacks: see stats_kernels.cuh).
-// 2. merge_chunks_kernel: one warp per tensor merges its chunks' records in a fixed order.
-// 3. finalize_kernel: one thread per tensor row, then one block merges all tensors into the
+// 2. merge_chunks_cuda: one warp per tensor merges its chunks' records in a fixed order.
+// 3. finalize_cuda: one thread per tensor row, then one block merges all tensors into the
 //    total. Deterministic: no atomics, fixed reduction trees.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -78,16 +78,16 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, doub
   auto* t = reinterpret_cast<Partial*>(per_tensor.data_ptr<uint8_t>());
   const bool ranged = range_hi < fh_inf() || range_lo > 0.0;
   using kernels::kThreads;
-  auto* chunk_kernel = ranged ? &kernels::chunk_stats_kernel<true>
-                              : &kernels::chunk_stats_kernel<false>;
+  auto* chunk_kernel = ranged ? &kernels::chunk_stats_cuda<true>
+                              : &kernels::chunk_stats_cuda<false>;
   const int64_t resident = resident_blocks(chunk_kernel, device.index());
   const int64_t grid = wl.n_chunks < resident ? wl.n_chunks : resident;
   chunk_kernel<<<grid, kThreads, 0, stream>>>(wl.metas(), wl.chunks(), wl.n_chunks, p, range_hi,
                                               range_lo);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  kernels::merge_chunks_kernel<<<n, kernels::kMergeThreads, 0, stream>>>(p, wl.first(), t);
+  kernels::merge_chunks_cuda<<<n, kernels::kMergeThreads, 0, stream>>>(p, wl.first(), t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  kernels::finalize_kernel<<<kernels::finalize_blocks(n), kThreads, 0, stream>>>(
+  kernels::finalize_cuda<<<kernels::finalize_blocks(n), kThreads, 0, stream>>>(
       t, n, table.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // (widened float8 copies are freed here: the caching allocator is stream-ordered, so their

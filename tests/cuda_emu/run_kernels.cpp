@@ -73,18 +73,18 @@ int main(int argc, char** argv) {
   const unsigned grid = n_chunks < 3 ? static_cast<unsigned>(n_chunks) : 3u;
   emu::launch(grid, kernels::kThreads, [&] {
     if (ranged) {
-      kernels::chunk_stats_kernel<true>(metas.data(), chunks.data(), n_chunks, parts.data(), hi,
+      kernels::chunk_stats_cuda<true>(metas.data(), chunks.data(), n_chunks, parts.data(), hi,
                                         lo);
     } else {
-      kernels::chunk_stats_kernel<false>(metas.data(), chunks.data(), n_chunks, parts.data(),
+      kernels::chunk_stats_cuda<false>(metas.data(), chunks.data(), n_chunks, parts.data(),
                                          hi, lo);
     }
   });
   emu::launch(static_cast<unsigned>(n), kernels::kMergeThreads, [&] {
-    kernels::merge_chunks_kernel(parts.data(), first.data(), per_tensor.data());
+    kernels::merge_chunks_cuda(parts.data(), first.data(), per_tensor.data());
   });
   emu::launch(static_cast<unsigned>(kernels::finalize_blocks(n)), kernels::kThreads, [&] {
-    kernels::finalize_kernel(per_tensor.data(), n, table.data());
+    kernels::finalize_cuda(per_tensor.data(), n, table.data());
   });
 
   FILE* out = std::fopen(argv[2], "wb");
