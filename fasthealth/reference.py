@@ -40,11 +40,15 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
     dev = d.device
     n = d.numel()
     out = torch.empty(TABLE_WIDTH, dtype=torch.float64, device=dev)
-    if t.dtype.itemsize <= 4:
-        range_hi, range_lo = _as_float32(range_hi, dev), _as_float32(range_lo, dev)
-    a = d.abs()
-    out[COL["overflow_count"]] = ((a > range_hi) & (a < _INF)).sum()
-    out[COL["underflow_count"]] = ((a < range_lo) & (a > 0)).sum()
+    if range_hi == _INF and range_lo == 0.0:  # no range asked: both counts are 0 by definition
+        out[COL["overflow_count"]] = 0.0
+        out[COL["underflow_count"]] = 0.0
+    else:
+        if t.dtype.itemsize <= 4:
+            range_hi, range_lo = _as_float32(range_hi, dev), _as_float32(range_lo, dev)
+        a = d.abs()
+        out[COL["overflow_count"]] = ((a > range_hi) & (a < _INF)).sum()
+        out[COL["underflow_count"]] = ((a < range_lo) & (a > 0)).sum()
     nan_count = torch.isnan(d).sum()
     posinf = (d == _INF).sum()
     neginf = (d == -_INF).sum()
