@@ -134,6 +134,41 @@ def test_no_host_sync(gbackend):
         torch.cuda.set_sync_debug_mode(0)
 
 
+def test_first_call_does_not_sync(gbackend):
+    # a set of tensors never seen before: the work list is built and copied to the device
+    # from pinned memory, without a sync
+    gpu = [torch.randn(n, device="cuda") for n in (12_345, 70_001, 3)]
+    gpu.append(torch.randn(64, 33, device="cuda").t())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = fh.multi_tensor_stats(gpu, backend=gbackend)
+        s = fh.multi_tensor_stats(gpu, backend=gbackend, range_dtype=torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    check_multi(s.raw.cpu(), [t.cpu() for t in gpu], f"{gbackend} first call",
+                range_dtype=torch.bfloat16)
+
+
+def test_capture_without_warm_up_is_refused(gbackend):
+    gpu = [torch.randn(n, device="cuda") for n in (4321, 98_765)]  # never seen before
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="before capturing"):
+        with torch.cuda.graph(graph):
+            fh.multi_tensor_stats(gpu, backend=gbackend)
+    # after the refusal, the documented order (warm-up, then capture) works
+    fh.multi_tensor_stats(gpu, backend=gbackend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fh.multi_tensor_stats(gpu, backend=gbackend).raw
+    for t in gpu:
+        t.mul_(-3)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} replay after a refusal")
+
+
 def test_workspace_is_small(gbackend):
     gpu = [torch.randn(1 << 20, device="cuda") for _ in range(64)]  # 256 MB of inputs
     fh.multi_tensor_stats(gpu, backend=gbackend)

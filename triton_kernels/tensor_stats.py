@@ -393,15 +393,29 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, float]) -> dict:
     """Device-side work lists and pointer tables, cached per set of (pointer, size, dtype)
-    and thresholds: a repeated call copies nothing to the device."""
+    and thresholds: a repeated call copies nothing to the device. A new plan is copied from
+    pinned memory without a host sync, and refused inside CUDA-graph capture (the graph would
+    replay a copy from a host buffer that is gone)."""
     key = (device, rng, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
         return hit
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "fasthealth: first call with these tensors is inside CUDA-graph capture; call it "
+            "once with the same tensors before capturing (the warm-up builds the device work "
+            "list that the graph then reuses)")
     first = [0]
     for t in tensors:
         first.append(first[-1] + max(1, math.ceil(t.numel() / CHUNK)))
+
+    def dev(xs, dt):  # pinned + non_blocking: no host sync (a pageable copy would sync)
+        host = torch.tensor(xs, dtype=dt)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
+
     groups = []
     kinds = [(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]  # aligned: vector loads
     for dtype, aligned in dict.fromkeys(kinds):
@@ -412,10 +426,6 @@ def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, f
                 tensor_ix.append(j)
                 index.append(k)
                 slots.append(first[i] + k)
-
-        def dev(xs, dt):
-            return torch.tensor(xs, dtype=dt).to(device, non_blocking=True)
-
         groups.append(dict(
             dtype=dtype, aligned=aligned, members=members,
             ptrs=dev([tensors[i].data_ptr() for i in members], torch.int64),
@@ -423,8 +433,7 @@ def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, f
             chunk_tensor=dev(tensor_ix, torch.int32), chunk_index=dev(index, torch.int64),
             chunk_slot=dev(slots, torch.int64), n_chunks=len(slots)))
     plan = dict(groups=groups, n_chunks=first[-1],
-                chunk_first=torch.tensor(first, dtype=torch.int64).to(device),
-                thresholds=torch.tensor(rng, dtype=torch.float64).to(device))
+                chunk_first=dev(first, torch.int64), thresholds=dev(list(rng), torch.float64))
     _cache[key] = plan
     if len(_cache) > 32:
         _cache.popitem(last=False)

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstring>
@@ -38,7 +39,10 @@ struct WorkList {
   }
 };
 
-// Builds (or finds in a small LRU cache) the device work list for these tensors.
+// Builds (or finds in a small LRU cache) the device work list for these tensors. A new list is
+// refused inside CUDA-graph capture: its copy from pinned host memory would be captured into
+// the graph and replayed from a host buffer that is gone by then (SPEC section 5 asks for one
+// warm-up call with the same tensors before capture, which builds the list).
 inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device device) {
   using Key = std::pair<int, std::vector<std::pair<const void*, int64_t>>>;
   static std::mutex mu;
@@ -55,6 +59,11 @@ inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devi
       return cache.front().second;
     }
   }
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
+                  c10::cuda::CaptureStatus::None,
+              "fasthealth: first call with these tensors is inside CUDA-graph capture; call it "
+              "once with the same tensors before capturing (the warm-up builds the device work "
+              "list that the graph then reuses)");
   std::vector<ChunkItem> chunks;
   std::vector<int64_t> first;
   plan_chunks(metas, &chunks, &first);
