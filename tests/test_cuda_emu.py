@@ -23,7 +23,7 @@ import torch
 from cases import random_batch, student_t
 from tolerances import check_multi
 
-from fasthealth.stats import TABLE_WIDTH
+from fasthealth.stats import COL, TABLE_WIDTH
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp",
@@ -202,6 +202,27 @@ def test_range_counts(exe, range_dtype):
     table, _ = run(exe, ts, rng=(float(fi.max), float(fi.tiny)))
     check_multi(table, ts, f"emulated cuda range {range_dtype}", range_dtype=range_dtype)
     assert table[2, -2] > 0 and table[2, -1] > 0  # both counts are exercised
+
+
+@pytest.mark.parametrize("range_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_range_and_zero_counts_on_the_fast_path(exe, range_dtype):
+    # finite float32/bfloat16 data with exact zeros, values below tiny and above max: every
+    # chunk stays on the fast path, where the counts are float sums (under = |x| < lo minus
+    # the zeros)
+    g = torch.Generator().manual_seed(16)
+    t = torch.randn(2 * CHUNK + 37, generator=g, dtype=torch.float64)
+    t = t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 16 - 8)
+    t[::7] = 0.0
+    t[5::11] = -0.0
+    ts = [t.float(), t.bfloat16(), t[1:].float(), t[3:].bfloat16()]
+    fi = torch.finfo(range_dtype)
+    table, paths = run(exe, ts, rng=(float(fi.max), float(fi.tiny)))
+    check_multi(table, ts, f"emulated cuda fast-path counts {range_dtype}",
+                range_dtype=range_dtype)
+    assert paths == (chunks_of(ts), 0, 0), paths
+    assert (table[:-1, -2] > 0).all() and (table[:-1, -1] > 0).all()
+    zeros = table[:-1, COL["zero_count"]]
+    assert zeros.tolist() == [float((x == 0).sum()) for x in ts]
 
 
 def test_many_mixed_tensors_and_determinism(exe):
