@@ -12,6 +12,7 @@ from cases import random_batch, student_t
 from tolerances import check_multi
 
 import fasthealth as fh
+from fasthealth.stats import COL
 
 NAN, INF = float("nan"), float("inf")
 
@@ -87,6 +88,22 @@ def test_every_kernel_path_against_reference(gbackend):
             t, x = t[3:], x[3:]
         s = fh.multi_tensor_stats([x], backend=gbackend)
         check_multi(s.raw.cpu(), [t], f"{gbackend} {what}")
+
+
+def test_zero_and_range_counts_on_the_fast_path(gbackend):
+    # finite float32/bfloat16 chunks with zeros, values under tiny and over max: the fast path
+    # counts in float and takes the zeros out of |x| < lo
+    g = torch.Generator().manual_seed(21)
+    t = torch.randn(3 * 65536 + 37, generator=g, dtype=torch.float64)
+    t = t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 16 - 8)
+    t[::7] = 0.0
+    t[5::11] = -0.0
+    cpu = [t.float(), t.bfloat16(), t.half(), t[1:].float(), t[3:].bfloat16()]
+    gpu = [x.cuda() for x in cpu]
+    for target in (torch.float16, torch.float8_e4m3fn):
+        raw = fh.multi_tensor_stats(gpu, backend=gbackend, range_dtype=target).raw.cpu()
+        check_multi(raw, cpu, f"{gbackend} fast-path counts {target}", range_dtype=target)
+        assert raw[:-1, COL["zero_count"]].tolist() == [float((x == 0).sum()) for x in cpu]
 
 
 def test_random_batches(gbackend):

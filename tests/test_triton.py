@@ -105,6 +105,26 @@ def test_range_counts(target):
                 [t, t[:77]], f"triton range {target}", range_dtype=target)
 
 
+@pytest.mark.parametrize("target", [torch.float16, torch.float8_e4m3fn])
+def test_range_and_zero_counts_on_the_fast_path(target):
+    # finite data with zeros, values below tiny and above max, all on the fast path (float
+    # counts; under = |x| < lo minus the zeros), tails masked
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    g = torch.Generator().manual_seed(19)
+    t = torch.randn(2 * ts.CHUNK + 37, generator=g, dtype=torch.float64)
+    t = t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 16 - 8)
+    t[::7] = 0.0
+    t[5::11] = -0.0
+    ts_ = [t.float(), t.bfloat16(), t[1:].float(), t[3:].bfloat16()]
+    fi = torch.finfo(target)
+    assert ts.chunk_paths(ts_, float(fi.max), float(fi.tiny)) == [0] * 12
+    raw = fh.multi_tensor_stats(ts_, backend="triton", range_dtype=target).raw
+    check_multi(raw, ts_, f"triton fast-path counts {target}", range_dtype=target)
+    assert (raw[:-1, -2] > 0).all() and (raw[:-1, -1] > 0).all()
+    assert raw[:-1, fh.stats.COL["zero_count"]].tolist() == [float((x == 0).sum()) for x in ts_]
+
+
 def test_plan_cache_reuses_device_tables():
     from fasthealth.triton_kernels import tensor_stats as ts
 

@@ -151,18 +151,20 @@ def _acc_tile(x, m, s, q, mn, mx, zero, over, under, c, hi, lo, SHIFT: tl.conste
     s += d
     q += d * d
     if not SHIFT:
+        # counts are float32 (exact: at most CHUNK / BLOCK a lane), which compiles to a set
+        # and an add; under counts |x| < lo with the zeros, taken out by the caller
         if MASKED:
             mn = tl.minimum(mn, tl.where(m, x, inf))
             mx = tl.maximum(mx, tl.where(m, x, -inf))
-            zero += (m & (x == 0)).to(tl.int32)
+            zero += (m & (x == 0)).to(tl.float32)
         else:
             mn = tl.minimum(mn, x)
             mx = tl.maximum(mx, x)
-            zero += (x == 0).to(tl.int32)
+            zero += (x == 0).to(tl.float32)
         if RANGE:
             ax = tl.abs(x)
-            over += (m & (ax > hi)).to(tl.int32)
-            under += (m & (ax < lo) & (x != 0)).to(tl.int32)
+            over += (m & (ax > hi)).to(tl.float32)
+            under += (m & (ax < lo)).to(tl.float32)
     return s, q, mn, mx, zero, over, under
 
 
@@ -176,9 +178,9 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
     q = tl.zeros((BLOCK,), tl.float32)
     mn = tl.full((BLOCK,), float("inf"), tl.float32)
     mx = tl.full((BLOCK,), -float("inf"), tl.float32)
-    zero = tl.zeros((BLOCK,), tl.int32)
-    over = tl.zeros((BLOCK,), tl.int32)
-    under = tl.zeros((BLOCK,), tl.int32)
+    zero = tl.zeros((BLOCK,), tl.float32)
+    over = tl.zeros((BLOCK,), tl.float32)
+    under = tl.zeros((BLOCK,), tl.float32)
     lane = tl.arange(0, BLOCK)
     yes = lane >= 0
     n_full = (end - start) // BLOCK
@@ -209,7 +211,7 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
     return (tl.sum(s.to(tl.float64), axis=0), tl.sum(q.to(tl.float64), axis=0),
             tl.min(mn, axis=0).to(tl.float64), tl.max(mx, axis=0).to(tl.float64),
             tl.sum(zero, axis=0).to(tl.float64), tl.sum(over, axis=0).to(tl.float64),
-            tl.sum(under, axis=0).to(tl.float64))
+            tl.sum(under, axis=0).to(tl.float64))  # (integer sums below 2^24: exact)
 
 
 @triton.jit
@@ -256,7 +258,9 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
             m2 = tl.maximum(m2, 0.0)
             scale = tl.where(q > 0, 1.0, 0.0).to(tl.float64)
             ssq = q
-            if not RANGE:
+            if RANGE:
+                under = tl.where(lo > 0, under - zero, 0.0)  # 0 < |x| < lo
+            else:
                 over = tl.zeros((), tl.float64)
                 under = tl.zeros((), tl.float64)
             if ~ok:
