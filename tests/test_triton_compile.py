@@ -3,8 +3,9 @@
 Triton's interpreter (tests/test_triton.py) checks the kernels' results but accepts code that
 the compiler rejects (a non-constexpr global, a type mismatch between branches), and says
 nothing of the machine code. Here each kernel is compiled for sm_90 (H100/H200) and sm_80
-(A100) with the installed Triton and ptxas; the checks: it compiles, it spills no registers
-to local memory, and the float kernels on aligned tensors use 16-byte vector loads.
+(A100) with the installed Triton and ptxas, under the launch's register cap; the checks: it
+compiles, it spills no registers to local memory, two programs fit on an SM, and the float
+kernels on aligned tensors use 16-byte vector loads.
 """
 
 from __future__ import annotations
@@ -45,23 +46,32 @@ VARIANTS = [  # (DTYPE, ACC, FAST, ALIGNED, RANGE)
 ]
 
 
-def _compile(fn, signature, constexprs, arch, num_warps):
+def _compile(fn, signature, constexprs, arch, num_warps, maxnreg=None):
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def _local_bytes(cubin: bytes) -> int:
+def _resources(cubin: bytes) -> dict[str, int]:
     tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
                              text=True, check=True).stdout
-    found = re.findall(r"LOCAL:(\d+)", out)
+    found = re.findall(r"(REG|LOCAL):(\d+)", out)
     assert found, out
-    return max(int(x) for x in found)
+    usage: dict[str, int] = {}
+    for key, value in found:
+        usage[key] = max(usage.get(key, 0), int(value))
+    return usage
+
+
+def _local_bytes(cubin: bytes) -> int:
+    return _resources(cubin)["LOCAL"]
 
 
 @pytest.mark.parametrize("arch", [90, 80])
@@ -69,8 +79,13 @@ def _local_bytes(cubin: bytes) -> int:
 def test_chunk_kernel_compiles(arch, variant):
     dtype, acc, fast, aligned, ranged = variant
     consts = dict(zip(CONSTS, (65536, 2048, dtype, acc, fast, aligned, ranged)))
-    k = _compile(ts._chunk_stats_kernel, CHUNK_SIG, consts, arch, ts.NUM_WARPS)
-    assert _local_bytes(k.asm["cubin"]) == 0, "register spills"
+    k = _compile(ts._chunk_stats_kernel, CHUNK_SIG, consts, arch, ts.NUM_WARPS,
+                 ts.MAX_REGISTERS)
+    usage = _resources(k.asm["cubin"])
+    assert usage["LOCAL"] == 0, "register spills"
+    # two programs of NUM_WARPS warps fit in an SM's 65536 registers
+    assert usage["REG"] <= ts.MAX_REGISTERS, usage
+    assert 2 * ts.MAX_REGISTERS * 32 * ts.NUM_WARPS <= 65536
     vector_loads = len(re.findall(r"ld\.global[^\n]*\.v4", k.asm["ptx"]))
     if fast and aligned:  # the unrolled main loop: four 16-byte loads (or more) a thread
         assert vector_loads >= 4, "too few 16-byte loads: the alignment hint was lost"

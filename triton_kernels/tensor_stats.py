@@ -380,6 +380,11 @@ CHUNK = int(os.environ.get("FASTHEALTH_TRITON_CHUNK", 1024 if _INTERPRET else 65
 BLOCK = int(os.environ.get("FASTHEALTH_TRITON_BLOCK", 256 if _INTERPRET else 2048))
 VBLOCK = 128
 NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16-byte loads
+# Registers a thread may use in the chunk kernel: 65536 / (2 programs x 256 threads), so that
+# two programs share each SM. Triton 3.6 (the H200's) otherwise takes 139-145 with range counts
+# (one program per SM: 16 KB of loads in flight); at 128 ptxas fits every variant without
+# spilling (tests/test_triton_compile.py checks).
+MAX_REGISTERS = 128
 _FAST = (torch.float32, torch.float16, torch.bfloat16)  # float32 lanes with exact fallbacks
 _cache: OrderedDict = OrderedDict()
 assert TABLE_WIDTH == 20 and COL["underflow_count"] == 19
@@ -476,7 +481,8 @@ def _chunk_records(dense: list[torch.Tensor], range_hi: float, range_lo: float):
                                   g["chunk_slot"], part, g["n_chunks"], plan["thresholds"],
                                   CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype, ACC=acc,
                                   FAST=g["dtype"] in _FAST, ALIGNED=g["aligned"],
-                                  RANGE=ranged, num_warps=NUM_WARPS)
+                                  RANGE=ranged, num_warps=NUM_WARPS,
+                                  maxnreg=MAX_REGISTERS)
     return plan, part
 
 
