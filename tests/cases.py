@@ -55,3 +55,15 @@ def random_batch(seed: int, count: int, max_numel: int) -> list[torch.Tensor]:
             t[int(torch.randint(n, (), generator=g))] = pick((NAN, INF, -INF, 0.0))
         out.append(t)
     return out
+
+
+def fast_path_counts(seed: int, n: int) -> torch.Tensor:
+    """float64 data for the fast paths' counts: magnitudes from 1e-8 to 1e8 (finite squares in
+    float32, values below float16's and float8's tiny and above their max), exact zeros at
+    every 7th place and -0.0 at every 11th from 5. Cast to float32/bfloat16 by the caller."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g, dtype=torch.float64)
+    t = t * 10 ** (torch.rand(n, generator=g, dtype=torch.float64) * 16 - 8)
+    t[::7] = 0.0
+    t[5::11] = -0.0
+    return t

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases import random_batch, student_t
+from cases import fast_path_counts, random_batch, student_t
 from tolerances import check_multi
 
 from fasthealth.stats import COL, TABLE_WIDTH
@@ -209,11 +209,7 @@ def test_range_and_zero_counts_on_the_fast_path(exe, range_dtype):
     # finite float32/bfloat16 data with exact zeros, values below tiny and above max: every
     # chunk stays on the fast path, where the counts are float sums (under = |x| < lo minus
     # the zeros)
-    g = torch.Generator().manual_seed(16)
-    t = torch.randn(2 * CHUNK + 37, generator=g, dtype=torch.float64)
-    t = t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 16 - 8)
-    t[::7] = 0.0
-    t[5::11] = -0.0
+    t = fast_path_counts(16, 2 * CHUNK + 37)
     ts = [t.float(), t.bfloat16(), t[1:].float(), t[3:].bfloat16()]
     fi = torch.finfo(range_dtype)
     table, paths = run(exe, ts, rng=(float(fi.max), float(fi.tiny)))

@@ -8,7 +8,7 @@ on the lent GPU.
 
 import pytest
 import torch
-from cases import random_batch, student_t
+from cases import fast_path_counts, random_batch, student_t
 from tolerances import check_multi
 
 import fasthealth as fh
@@ -93,11 +93,7 @@ def test_every_kernel_path_against_reference(gbackend):
 def test_zero_and_range_counts_on_the_fast_path(gbackend):
     # finite float32/bfloat16 chunks with zeros, values under tiny and over max: the fast path
     # counts in float and takes the zeros out of |x| < lo
-    g = torch.Generator().manual_seed(21)
-    t = torch.randn(3 * 65536 + 37, generator=g, dtype=torch.float64)
-    t = t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 16 - 8)
-    t[::7] = 0.0
-    t[5::11] = -0.0
+    t = fast_path_counts(21, 3 * 65536 + 37)
     cpu = [t.float(), t.bfloat16(), t.half(), t[1:].float(), t[3:].bfloat16()]
     gpu = [x.cuda() for x in cpu]
     for target in (torch.float16, torch.float8_e4m3fn):

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from cases import random_batch
+from cases import fast_path_counts, random_batch
 from tolerances import check_multi, check_tensor
 
 import fasthealth as fh
@@ -111,11 +111,7 @@ def test_range_and_zero_counts_on_the_fast_path(target):
     # counts; under = |x| < lo minus the zeros), tails masked
     from fasthealth.triton_kernels import tensor_stats as ts
 
-    g = torch.Generator().manual_seed(19)
-    t = torch.randn(2 * ts.CHUNK + 37, generator=g, dtype=torch.float64)
-    t = t * 10 ** (torch.rand(t.numel(), generator=g, dtype=torch.float64) * 16 - 8)
-    t[::7] = 0.0
-    t[5::11] = -0.0
+    t = fast_path_counts(19, 2 * ts.CHUNK + 37)
     ts_ = [t.float(), t.bfloat16(), t[1:].float(), t[3:].bfloat16()]
     fi = torch.finfo(target)
     assert ts.chunk_paths(ts_, float(fi.max), float(fi.tiny)) == [0] * 12
