@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 import fasthealth as fh
-from fasthealth import baselines, reference
+from fasthealth import baselines
 from fasthealth.benchmark import gpt2_shapes, plot, small_shapes
+from fasthealth.ops import reference
 
 
 def llama7b_shapes():

@@ -2,6 +2,9 @@
 // cpu/tensor_stats.cpp (CPU) and cuda/tensor_stats.cu (CUDA); triton_kernels/ adds its own op.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/version.h>
+
+#include <string>
 
 namespace fasthealth {
 const char* cpu_isa_name();
@@ -9,7 +12,7 @@ const char* cpu_isa_name();
 
 TORCH_LIBRARY(fasthealth, m) {
   // Row i < N: statistics of tensors[i]; row N: of all elements together. Columns: the fields of
-  // csrc/stats.h (fasthealth.stats.TABLE_COLUMNS), float64, counts as exact integers. The range
+  // csrc/stats.h (fasthealth.ops.layout.TABLE_COLUMNS), float64, counts as exact integers. The range
   // counts compare |x| with range_hi (overflow) and range_lo (underflow of non-zeros).
   m.def("multi_tensor_stats(Tensor[] tensors, float range_hi, float range_lo) -> Tensor");
 }
@@ -18,6 +21,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fasthealth compiled kernels (ops live under torch.ops.fasthealth)";
   m.def("cpu_isa", []() { return std::string(fasthealth::cpu_isa_name()); },
         "Instruction set of the CPU kernel chosen at first use: 'avx' or 'base'.");
+  // the torch this module was compiled against: fasthealth/ops/compiled.py refuses another
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                            std::to_string(TORCH_VERSION_MINOR) + "." +
+                            std::to_string(TORCH_VERSION_PATCH);
 #ifdef FASTHEALTH_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

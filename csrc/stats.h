@@ -81,6 +81,26 @@ struct Partial {
   double ssq;
 };
 
+// ---- The numerics every kernel shares (the Python twin: fasthealth/ops/layout.py) ----------
+//
+// Fast path (inputs of 32 bits or fewer): float32 lanes summing x and x^2, folded into float64
+// after T terms per lane. Its limits:
+// - kFastMinAmax: a chunk whose largest |x| is below 2^-40 leaves it, since float32 squares of
+//   such values (< 2^-80, summed with others near 2^-126) lose precision as subnormals.
+// - kCancelBudget: the variance from these sums, M2 = sum x^2 - (sum x)^2 / n, has a relative
+//   error of about c * T * 2^-24 with c = sum x^2 / M2 (how much the mean dominates). A chunk
+//   with c above kCancelBudget / T takes a second, shifted pass around its mean. 512 * 2^-24 =
+//   3e-5 relative on the variance, inside SPEC's 1e-4 for std, for every kernel: the CPU kernel
+//   folds every T = 16 terms (c <= 32), the CUDA kernel every 8 (c <= 64), the Triton kernel
+//   every CHUNK / BLOCK = 32 (c <= 16).
+// Exact path (float64 and integer inputs, and chunks the fast path refuses): the same record by
+// different means, each the cheapest exact one for its hardware: the CPU and Triton kernels
+// scale each block's squares by a power of two near its largest |x| (a block's values sit in
+// registers, so the extra pass costs nothing), the CUDA kernel streams its elements once and
+// sums squares in Blue's three bins (small, mid, large), which needs no pass ahead.
+constexpr double kFastMinAmax = 9.094947017729282e-13;  // 2^-40
+constexpr double kCancelBudget = 512.0;
+
 static inline FH_HD double fh_inf() { return __builtin_huge_val(); }
 static inline FH_HD double fh_nan() { return __builtin_nan(""); }
 

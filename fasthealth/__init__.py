@@ -4,7 +4,6 @@ The public names of SPEC.md; see README.md for a tour.
 """
 
 from .activations import ActivationMonitor
-from .backends import available_backends
 from .checks import (
     check_grads,
     check_params,
@@ -12,10 +11,11 @@ from .checks import (
     multi_tensor_stats,
     tensor_stats,
 )
-from .monitor import Event, Monitor, NonFiniteError, Observation
+from .monitor import Event, Monitor, NonFiniteError, Observation, ReplayResult, replay
+from .ops import available_backends
+from .ops.layout import FIELDS
 from .optim import OptimizerHealth, check_optimizer
-from .replay import ReplayResult, replay
-from .stats import FIELDS, MultiTensorStats, RangeStats, TensorStats
+from .stats import MultiTensorStats, RangeStats, TensorStats
 
 __version__ = "0.1.0"
 

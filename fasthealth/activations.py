@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from .checks import multi_tensor_stats
-from .reference import merge_rows
-from .stats import COL, RangeStats
+from .ops.layout import COL
+from .ops.reference import merge_rows
+from .stats import RangeStats
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

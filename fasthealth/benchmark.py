@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from . import _ops, baselines
+from . import baselines
 from .checks import check_grads
+from .ops import compiled
 
 GPT2_SMALL = dict(vocab=50257, ctx=1024, d=768, layers=12)
 
@@ -171,7 +172,7 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "kernel_isa": _ops._C.cpu_isa() if _ops._C is not None else None,
+        "kernel_isa": compiled.cpu_isa(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 

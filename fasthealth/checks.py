@@ -7,102 +7,14 @@ One fused pass per device over all inputs; nothing here synchronizes with the de
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import backends, reference
-from .stats import TABLE_WIDTH, MultiTensorStats, TensorStats, range_thresholds
-
-
-def _describe(i: int, name: str | None) -> str:
-    return f"input {i}" + (f" ({name!r})" if name is not None else "")
-
-
-def _validate(tensors: Sequence[Any], names: Sequence[str] | None) -> None:
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(
-                f"fasthealth: {_describe(i, names[i] if names else None)} is a "
-                f"{type(t).__name__}, not a torch.Tensor"
-            )
-        if t.is_complex():
-            raise TypeError(
-                f"fasthealth: {_describe(i, names[i] if names else None)} is complex "
-                f"({t.dtype}); check t.real and t.imag separately"
-            )
-        if t.layout != torch.strided:
-            raise TypeError(
-                f"fasthealth: {_describe(i, names[i] if names else None)} has layout "
-                f"{t.layout}; only dense (strided) tensors are supported, use .to_dense()"
-            )
-        if t.is_meta:
-            raise ValueError(
-                f"fasthealth: {_describe(i, names[i] if names else None)} is a meta tensor "
-                "and has no values to check"
-            )
-
-
-def _table(
-    tensors: list[torch.Tensor], names: list[str] | None, backend: str | None,
-    rng: tuple[float, float] = (math.inf, 0.0),
-) -> torch.Tensor:
-    """The FIELDS table of tensors that may sit on several devices.
-
-    The common case (one device) costs one kernel call and no Python loop over the inputs: the
-    kernels validate every input themselves. Only when that fails does Python look at each input,
-    to name the bad one, or to split a call over several devices.
-    """
-    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
-    if device is None or device.type == "meta":
-        _validate(tensors, names)
-    name = backends.resolve(backend, device)
-    with torch.no_grad():
-        try:
-            return backends.run(name, tensors, *rng)
-        except Exception:
-            local = _dtensors_to_local(tensors)
-            if local is not None:  # DTensors: the statistics of this rank's shards
-                return _table(local, names, backend, rng)
-            _validate(tensors, names)  # raises TypeError/ValueError naming the bad input
-            if all(t.device == device for t in tensors):
-                raise
-        return _table_mixed(tensors, backend, rng)
-
-
-def _dtensors_to_local(tensors: list[Any]) -> list[torch.Tensor] | None:
-    """The local shards when some inputs are DTensors (None when none is)."""
-    from .distributed import _dtensor_cls
-
-    dtensor = _dtensor_cls()
-    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
-        return None
-    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
-
-
-def _table_mixed(tensors: list[torch.Tensor], backend: str | None,
-                 rng: tuple[float, float]) -> torch.Tensor:
-    """One fused pass per device, rows gathered on the first input's device; the copies between
-    devices are the one place a call may synchronize."""
-    groups: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.device, []).append(i)
-    home = tensors[0].device
-    table = torch.empty((len(tensors) + 1, TABLE_WIDTH), dtype=torch.float64, device=home)
-    totals = []
-    for device, idx in groups.items():
-        part = backends.run(backends.resolve(backend, device), [tensors[i] for i in idx], *rng)
-        part = part.to(home)
-        table[torch.tensor(idx, device=home)] = part[:-1]
-        totals.append(part[-1])
-    table[-1] = reference.merge_rows(torch.stack(totals))
-    return table
-
-
-def _empty_table() -> torch.Tensor:
-    return reference.tensor_stats_row(torch.empty(0, dtype=torch.float64))[None]
+from . import ops
+from .ops.layout import range_thresholds
+from .stats import MultiTensorStats, TensorStats
 
 
 def multi_tensor_stats(
@@ -133,8 +45,8 @@ def multi_tensor_stats(
             )
     rng = range_thresholds(range_dtype)
     if not tensors:
-        return MultiTensorStats(_empty_table(), [], [], range_dtype=range_dtype)
-    table = _table(tensors, names, backend, rng)
+        return MultiTensorStats(ops.empty_table(), [], [], range_dtype=range_dtype)
+    table = ops.table(tensors, names, backend, rng)
     if names is None:
         names = [str(i) for i in range(len(tensors))]
     return MultiTensorStats(table, names, [t.dtype for t in tensors], range_dtype=range_dtype)
@@ -148,34 +60,30 @@ def tensor_stats(t: torch.Tensor, *, backend: str | None = None,
     return multi_tensor_stats([t], names=["t"], backend=backend, range_dtype=range_dtype)[0]
 
 
-def _named_parameters(model_or_params: Any) -> Iterable[tuple[str, Any]]:
+def _named_parameters(model_or_params: Any, what: str) -> list[tuple[str, Any]]:
+    """(name, parameter) pairs, each parameter once (tied weights are counted once)."""
     if isinstance(model_or_params, torch.nn.Module):
-        return model_or_params.named_parameters()  # tied parameters appear once
+        return list(model_or_params.named_parameters())  # tied parameters appear once
     if isinstance(model_or_params, torch.Tensor):
         return [("0", model_or_params)]
     try:
         items = list(model_or_params)
     except TypeError:
         raise TypeError(
-            "fasthealth: check_grads expects an nn.Module or an iterable of parameters or of "
+            f"fasthealth: {what} expects an nn.Module or an iterable of parameters or of "
             f"(name, parameter) pairs, got {type(model_or_params).__name__}"
         ) from None
-    pairs = []
+    pairs, seen = [], set()
     for i, item in enumerate(items):
         if isinstance(item, torch.Tensor):
-            pairs.append((str(i), item))
-        elif (
-            isinstance(item, tuple)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor)
-        ):
+            item = (str(i), item)
+        elif not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                  and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"fasthealth: {what} item {i} is a {type(item).__name__}; expected "
+                            "a parameter or a (name, parameter) pair")
+        if id(item[1]) not in seen:
+            seen.add(id(item[1]))
             pairs.append(item)
-        else:
-            raise TypeError(
-                f"fasthealth: check_grads item {i} is a {type(item).__name__}; expected a "
-                "parameter or a (name, parameter) pair"
-            )
     return pairs
 
 
@@ -196,21 +104,12 @@ def check_grads(
     DDP replicas counted once) from one collective, and ``all_finite`` is False on every rank
     when anything on any rank is non-finite; per-tensor stats stay those of the local shards.
     """
-    grads: list[torch.Tensor] = []
-    names: list[str] = []
-    missing: list[str] = []
-    seen: set[int] = set()
-    unique = isinstance(model_or_params, torch.nn.Module)  # named_parameters() dedups already
-    for name, p in _named_parameters(model_or_params):
-        if not unique:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-        g = p.grad
-        if g is None:
+    grads, names, missing = [], [], []
+    for name, p in _named_parameters(model_or_params, "check_grads"):
+        if p.grad is None:
             missing.append(name)
         else:
-            grads.append(g)
+            grads.append(p.grad)
             names.append(name)
     return grads_stats(grads, names, missing, backend=backend, process_group=process_group,
                        range_dtype=range_dtype)
@@ -229,35 +128,15 @@ def grads_stats(
     """check_grads on collected gradients; with a process group, the total is the whole
     model's (one collective) and ``extra_bad`` joins the cross-rank non-finite flag."""
     rng = range_thresholds(range_dtype)
-    if process_group is None:
-        if not grads:
-            return MultiTensorStats(_empty_table(), [], [], missing, range_dtype)
-        table = _table(grads, names, backend, rng)
-        return MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
-    import torch.distributed as dist
+    if process_group is not None:
+        from .distributed import global_table
 
-    from .distributed import global_total, local_view
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("fasthealth: process_group= needs torch.distributed to be initialized "
-                         "(init_process_group)")
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"fasthealth: process_group must be a torch.distributed ProcessGroup "
-                        f"(e.g. dist.group.WORLD), got {type(process_group).__name__}")
-
-    rank0 = dist.get_rank(process_group) == 0
-    local, owned = [], []
-    for g in grads:
-        data, own = local_view(g)
-        local.append(data)
-        owned.append(rank0 if own is None else own)
-    if local:
-        table = _table(local, names, backend, rng)
+        table = global_table(grads, names, backend, rng, process_group, extra_bad)
+    elif grads:
+        table = ops.table(grads, names, backend, rng)
     else:
-        table = _empty_table()
-    total = global_total(table, owned, process_group, extra_bad)
-    table = torch.cat([table[:-1], total[None].to(table.device)])
-    return MultiTensorStats(table, names, [g.dtype for g in local], missing, range_dtype)
+        table = ops.empty_table()
+    return MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
 
 
 def check_params(
@@ -269,12 +148,8 @@ def check_params(
     """Statistics of the parameters themselves (not their gradients), e.g. before casting a
     model to float16 or float8: ``check_params(model, range_dtype=torch.float16).total.range``.
     """
-    pairs, seen, names, tensors = _named_parameters(model_or_params), set(), [], []
-    for name, p in pairs:
-        if id(p) not in seen:
-            seen.add(id(p))
-            names.append(name)
-            tensors.append(p.detach())
+    pairs = _named_parameters(model_or_params, "check_params")
+    names, tensors = [n for n, _ in pairs], [p.detach() for _, p in pairs]
     return multi_tensor_stats(tensors, names=names, backend=backend, range_dtype=range_dtype)
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .monitor import Monitor
-from .replay import replay
+from .monitor import Monitor, replay
 
 VOCAB, CTX = 64, 32
 

@@ -26,24 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .reference import merge_rows
-from .stats import COL, TABLE_WIDTH
-
-
-def _dtensor_cls():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # older torch
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
+from . import ops
+from .ops.inputs import dtensor_cls
+from .ops.layout import COL, TABLE_WIDTH
+from .ops.reference import merge_rows
 
 
 def local_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(the local data of ``t``, whether this rank owns it for the totals)."""
-    dtensor = _dtensor_cls()
+    dtensor = dtensor_cls()
     if dtensor is not None and isinstance(t, dtensor):
         from torch.distributed.tensor import Replicate
 
@@ -54,6 +45,27 @@ def local_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         owned = all(c == 0 for c, p in zip(coords, t.placements) if isinstance(p, Replicate))
         return t.to_local(), owned
     return t, None  # type: ignore[return-value]  # decided by the caller (group rank 0)
+
+
+def global_table(grads: list[torch.Tensor], names: list[str], backend: str | None,
+                 rng: tuple[float, float], process_group: Any,
+                 extra_bad: torch.Tensor | None = None) -> torch.Tensor:
+    """The local per-tensor table of ``grads`` with the model-wide total as its last row."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("fasthealth: process_group= needs torch.distributed to be initialized "
+                         "(init_process_group)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"fasthealth: process_group must be a torch.distributed ProcessGroup "
+                        f"(e.g. dist.group.WORLD), got {type(process_group).__name__}")
+    rank0 = dist.get_rank(process_group) == 0
+    local, owned = [], []
+    for g in grads:
+        data, own = local_view(g)
+        local.append(data)
+        owned.append(rank0 if own is None else own)
+    table = ops.table(local, names, backend, rng) if local else ops.empty_table()
+    total = global_total(table, owned, process_group, extra_bad)
+    return torch.cat([table[:-1], total[None].to(table.device)])
 
 
 def global_total(table: torch.Tensor, owned: list[bool], process_group: Any,

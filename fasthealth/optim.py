@@ -81,13 +81,13 @@ def _rms(ts: list[torch.Tensor]) -> torch.Tensor:
 def _eps_fraction(parts: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     """Per tensor, the fraction of v with sqrt(v) < eps, i.e. v < eps^2: the underflow count of
     the fused pass with range_lo = eps^2, plus the zeros (one pass per distinct eps)."""
-    from .checks import _table
-    from .stats import COL
+    from . import ops
+    from .ops.layout import COL
 
     out: list[torch.Tensor | None] = [None] * len(parts)
     for eps in dict.fromkeys(e for _, e in parts):
         idx = [i for i, (_, e) in enumerate(parts) if e == eps]
-        table = _table([parts[i][0] for i in idx], None, None, (math.inf, eps * eps))[:-1]
+        table = ops.table([parts[i][0] for i in idx], None, None, (math.inf, eps * eps))[:-1]
         frac = (table[:, COL["underflow_count"]] + table[:, COL["zero_count"]]) / table[
             :, COL["numel"]].clamp(min=1)
         for j, i in enumerate(idx):

@@ -1,9 +1,7 @@
 """TensorStats and MultiTensorStats: typed views over one float64 table on the device.
 
-Every backend returns the same table: shape ``[N + 1, TABLE_WIDTH]``, float64, on the inputs'
-device, row ``i < N`` for input ``i`` and row ``N`` for all elements together; the columns are
-``TABLE_COLUMNS`` (the Python twin of ``csrc/stats.h``): the ``FIELDS`` of SPEC section 2, then
-the mixed-precision range counts; counts are stored as exact integers (< 2**53).
+Every backend returns the same table (``ops/layout.py``): float64 ``[N + 1, TABLE_WIDTH]`` on
+the inputs' device, a row per input and one for all elements together.
 Attribute access converts a column lazily (counts to int64, ``all_finite`` to bool, the rest to
 float32, or float64 for 64-bit inputs) and never synchronizes with the device; only ``ok``,
 ``to_dict()``, ``nonfinite()`` and ``summary()`` copy to the host, once each.
@@ -17,35 +15,7 @@ from typing import Any
 
 import torch
 
-FIELDS: tuple[str, ...] = (
-    "numel",
-    "nan_count",
-    "posinf_count",
-    "neginf_count",
-    "inf_count",
-    "zero_count",
-    "min",
-    "max",
-    "mean",
-    "std",
-    "norm",
-    "finite_min",
-    "finite_max",
-    "finite_mean",
-    "finite_std",
-    "finite_norm",
-    "amax",
-    "all_finite",
-)
-COUNT_FIELDS: tuple[str, ...] = FIELDS[:6]
-FLOAT_FIELDS: tuple[str, ...] = FIELDS[6:17]
-NUM_FIELDS = len(FIELDS)
-# Mixed-precision range counts, after the fields: finite |x| above the call's range_hi, and
-# non-zero |x| below its range_lo (both 0 when no range was asked for).
-RANGE_FIELDS: tuple[str, ...] = ("overflow_count", "underflow_count")
-TABLE_COLUMNS: tuple[str, ...] = FIELDS + RANGE_FIELDS
-TABLE_WIDTH = len(TABLE_COLUMNS)
-COL: dict[str, int] = {name: i for i, name in enumerate(TABLE_COLUMNS)}
+from .ops.layout import COL, COUNT_FIELDS, FIELDS, TABLE_WIDTH, range_thresholds
 
 _FIELD_DOCS = {
     "numel": "number of elements (int64)",
@@ -125,16 +95,6 @@ class TensorStats:
         d = self.to_dict()
         body = ", ".join(f"{k}={_fmt(v)}" for k, v in d.items())
         return f"TensorStats({body})"
-
-
-def range_thresholds(dtype: torch.dtype | None) -> tuple[float, float]:
-    """(range_hi, range_lo) for a target dtype: its largest finite value and smallest normal."""
-    if dtype is None:
-        return math.inf, 0.0
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"fasthealth: range_dtype must be a floating torch.dtype, got {dtype!r}")
-    fi = torch.finfo(dtype)
-    return float(fi.max), float(fi.tiny)
 
 
 class RangeStats:

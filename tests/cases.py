@@ -67,3 +67,18 @@ def fast_path_counts(seed: int, n: int) -> torch.Tensor:
     t[::7] = 0.0
     t[5::11] = -0.0
     return t
+
+
+class Overflowing(torch.nn.Module):
+    """Linear -> Scale (overflows in float16 terms when x is large) -> ReLU -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.amp = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU()
+        self.out = torch.nn.Linear(8, 2)
+        self.norm = torch.nn.LayerNorm(2)
+
+    def forward(self, x):
+        return self.norm(self.out(self.act(self.amp(self.inp(x)))))

@@ -10,7 +10,7 @@ import torch
 from tolerances import check_multi
 
 import fasthealth as fh
-from fasthealth.stats import COUNT_FIELDS, FIELDS, FLOAT_FIELDS, TABLE_COLUMNS
+from fasthealth.ops.layout import COUNT_FIELDS, FIELDS, FLOAT_FIELDS, TABLE_COLUMNS
 
 NAN, INF = float("nan"), float("inf")
 
@@ -18,10 +18,10 @@ NAN, INF = float("nan"), float("inf")
 def test_compiled_cpu_backend_present_when_required():
     # `make test` sets FASTHEALTH_REQUIRE_CPU=1: a broken build must fail, not skip.
     if os.environ.get("FASTHEALTH_REQUIRE_CPU") == "1":
-        assert "cpu" in fh.available_backends(), fh._ops.load_error
+        assert "cpu" in fh.available_backends(), fh.ops.compiled.load_error
         want = os.environ.get("FASTHEALTH_CPU_ISA")
         if want:
-            assert fh._ops._C.cpu_isa() == want
+            assert fh.ops.compiled.C.cpu_isa() == want
     assert fh.available_backends()[-1] == "torch"
 
 
@@ -156,7 +156,7 @@ def test_backend_selection_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="FASTHEALTH_BACKEND='bogus'"):
         fh.tensor_stats(t)
     monkeypatch.setenv("FASTHEALTH_BACKEND", "torch")
-    from fasthealth import backends
+    from fasthealth.ops import backends
     assert backends.resolve(None, t.device) == "torch"
     assert backends.resolve("auto", t.device) == "torch"
     monkeypatch.delenv("FASTHEALTH_BACKEND")
@@ -195,7 +195,7 @@ def test_check_tensor_health_output(capsys):
 
 def _needs_cpu_op():
     if "cpu" not in fh.available_backends():
-        pytest.skip(f"compiled op unavailable: {fh._ops.load_error}")
+        pytest.skip(f"compiled op unavailable: {fh.ops.compiled.load_error}")
 
 
 def test_opcheck():
@@ -232,7 +232,7 @@ def test_torch_compile_fullgraph():
 def test_reference_traces_in_one_graph():
     """The benchmark's `compile` provider is torch.compile of the reference: it must trace
     without graph breaks (inductor's own code generation is exercised on the GPU bench)."""
-    from fasthealth import reference
+    from fasthealth.ops import reference
 
     torch._dynamo.reset()
     ts = [torch.randn(100), torch.randn(10, 10).bfloat16(), torch.randn(1), torch.empty(0)]
@@ -244,7 +244,7 @@ def test_reference_traces_in_one_graph():
 
 
 def test_reference_rounds_thresholds_like_float32():
-    from fasthealth.reference import _as_float32
+    from fasthealth.ops.reference import float32_threshold
 
     g = torch.Generator().manual_seed(0)
     xs = torch.rand(5000, generator=g, dtype=torch.float64) * 10 ** (
@@ -252,7 +252,7 @@ def test_reference_rounds_thresholds_like_float32():
     xs = xs.tolist() + [0.0, 7.006492321624085e-46, 7.00649232162409e-46, 3.4028235e38,
                         3.4028235677973362e38, 3.4028235677973366e38, 1e39, math.inf]
     for x in xs:
-        assert _as_float32(x, torch.device("cpu")).item() == float(
+        assert float32_threshold(x, torch.device("cpu")).item() == float(
             torch.tensor(x, dtype=torch.float64).float()), x
 
 
@@ -273,3 +273,34 @@ def test_missing_extension_warns_and_falls_back():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "fallback-ok" in out.stdout
+
+
+def test_extension_built_for_another_torch_warns_and_falls_back():
+    code = (
+        "import sys, warnings, torch\n"
+        "built = torch.__version__\n"
+        "torch.__version__ = '9.9.9'\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import fasthealth as fh\n"
+        "msgs = [str(x.message) for x in w if 'compiled kernels' in str(x.message)]\n"
+        "assert len(msgs) == 1, msgs\n"
+        "assert 'this is torch 9.9.9' in msgs[0], msgs\n"
+        "assert fh.available_backends() == ['torch'], fh.available_backends()\n"
+        "print('mismatch-ok')\n"
+    )
+    if "cpu" not in fh.available_backends():
+        pytest.skip(f"needs the compiled CPU kernel: {fh.ops.compiled.load_error}")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "mismatch-ok" in out.stdout
+
+
+def test_reference_total_row_matches_the_concatenation():
+    """The ``torch`` backend's total row comes from merging per-tensor rows (merge_rows); it
+    must equal the reference of all elements concatenated."""
+    from cases import random_batch
+    from tolerances import check_multi
+
+    ts = random_batch(3, 60, 50_000)
+    check_multi(fh.multi_tensor_stats(ts, backend="torch").raw, ts, "torch backend")

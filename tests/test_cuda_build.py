@@ -17,7 +17,7 @@ import pytest
 
 import fasthealth as fh
 
-C = fh._ops._C
+C = fh.ops.compiled.C
 pytestmark = pytest.mark.skipif(C is None or not getattr(C, "with_cuda", False),
                                 reason="the extension was built without CUDA kernels")
 

@@ -23,7 +23,14 @@ import torch
 from cases import fast_path_counts, random_batch, student_t
 from tolerances import check_multi
 
-from fasthealth.stats import COL, TABLE_WIDTH
+from fasthealth.ops.layout import (
+    COL,
+    DTYPE_CODES,
+    PATH_EXACT,
+    PATH_FAST,
+    PATH_SHIFTED,
+    TABLE_WIDTH,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp",
@@ -31,10 +38,7 @@ SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp
            ROOT / "csrc/stats.h"]
 CHUNK = 4096
 NAN, INF = float("nan"), float("inf")
-CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-         torch.int8: 4, torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8,
-         torch.bool: 9}
-FAST, SHIFTED, SLOW = 0, 1, 2
+FAST, SHIFTED, SLOW = PATH_FAST, PATH_SHIFTED, PATH_EXACT
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
@@ -61,7 +65,7 @@ def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0)):
     for t, skew in zip(tensors, skews):
         t = t.contiguous()
         raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-        buf.append(struct.pack("<iqq", CODES[t.dtype], t.numel(), skew))
+        buf.append(struct.pack("<iqq", DTYPE_CODES[t.dtype], t.numel(), skew))
         buf.append(raw.numpy().tobytes())
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d, "in"), Path(d, "out")
@@ -174,8 +178,6 @@ def test_accuracy_limits(exe):
 
 def test_float64_extreme_magnitudes(exe):
     # torch's own float64 norm under/overflows here, so known answers are the oracle
-    from fasthealth.stats import COL
-
     vals = (1e200, 1e-200, 1e-310, 1.7e308)
     ts = [torch.full((4,), v, dtype=torch.float64) for v in vals]
     ts.append(torch.tensor([1e200, 3.0, -1e-300, 1e160], dtype=torch.float64))

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from tolerances import check_row, mean_abs_finite
 
 import fasthealth as fh
-from fasthealth.reference import tensor_stats_row
+from fasthealth.ops.reference import tensor_stats_row
 
 try:
     from torch.distributed.fsdp import fully_shard

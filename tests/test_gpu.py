@@ -12,7 +12,7 @@ from cases import fast_path_counts, random_batch, student_t
 from tolerances import check_multi
 
 import fasthealth as fh
-from fasthealth.stats import COL
+from fasthealth.ops.layout import COL
 
 NAN, INF = float("nan"), float("inf")
 
@@ -29,7 +29,7 @@ def gpu_backends():
 @pytest.fixture(params=["cuda", "triton"])
 def gbackend(request):
     if request.param not in fh.available_backends():
-        pytest.skip(f"backend {request.param!r} not available: {fh._ops.load_error or ''}")
+        pytest.skip(f"backend {request.param!r} not available: {fh.ops.compiled.load_error or ''}")
     return request.param
 
 

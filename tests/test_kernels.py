@@ -1,5 +1,6 @@
-"""Every backend against fasthealth/reference.py, on planted special values, all dtypes, sizes
-around vector widths, block (2048) and chunk (65536) boundaries, odd layouts and many tensors.
+"""Every compiled CPU backend against fasthealth/ops/reference.py, on planted special values,
+all dtypes, sizes around vector widths, block (2048) and chunk (65536) boundaries, odd layouts
+and many tensors.
 
 Run twice by `make test`: once with the CPU kernel chosen for this machine and once with
 FASTHEALTH_CPU_ISA=base (the portable kernel).
@@ -156,7 +157,7 @@ def test_float64_extreme_magnitudes_exact_norm():
     # torch's own float64 norm under/overflows here (so the reference cannot be the oracle);
     # the compiled kernel scales its sums of squares.
     if "cpu" not in fh.available_backends():
-        pytest.skip(f"needs the compiled CPU kernel: {fh._ops.load_error}")
+        pytest.skip(f"needs the compiled CPU kernel: {fh.ops.compiled.load_error}")
     for v in (1e200, 1e-200, 1e-310, 1.7e308):
         t = torch.full((4,), v, dtype=torch.float64)
         s = fh.tensor_stats(t, backend="cpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fasthealth as fh
-from fasthealth import detectors
+from fasthealth.monitor import detectors
 
 NAN = float("nan")
 

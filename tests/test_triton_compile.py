@@ -101,5 +101,5 @@ def test_merge_and_finalize_kernels_compile(arch):
     assert _local_bytes(k.asm["cubin"]) == 0
     k = _compile(ts._finalize_kernel,
                  {"tensor_part": "*fp64", "table": "*fp64", "n_tensors": "i32"},
-                 {"VBLOCK": ts.VBLOCK, "WIDTH": ts.TABLE_WIDTH}, arch, 4)
+                 {"VBLOCK": ts.VBLOCK, "WIDTH": ts.layout.TABLE_WIDTH}, arch, 4)
     assert _local_bytes(k.asm["cubin"]) == 0

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from fasthealth.reference import tensor_stats_row
-from fasthealth.stats import COL, TABLE_COLUMNS
+from fasthealth.ops.layout import COL, TABLE_COLUMNS, range_thresholds
+from fasthealth.ops.reference import tensor_stats_row
 
 EXACT = (
     "numel", "nan_count", "posinf_count", "neginf_count", "inf_count", "zero_count",
@@ -79,16 +79,9 @@ def is_wide(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float64, torch.int64)
 
 
-def _thresholds(range_dtype):
-    if range_dtype is None:
-        return math.inf, 0.0
-    fi = torch.finfo(range_dtype)
-    return float(fi.max), float(fi.tiny)
-
-
 def check_tensor(got_row: torch.Tensor, t: torch.Tensor, what: str = "tensor",
                  range_dtype=None):
-    ref = tensor_stats_row(t, *_thresholds(range_dtype))
+    ref = tensor_stats_row(t, *range_thresholds(range_dtype))
     check_row(got_row, ref, mean_abs_finite(t), is_wide(t), what)
 
 
@@ -100,7 +93,7 @@ def check_multi(table: torch.Tensor, tensors: list[torch.Tensor], what: str = "c
         check_tensor(table[i], t, f"{what}, tensor {i} ({t.dtype}, {tuple(t.shape)})",
                      range_dtype)
     flat = torch.cat([t.detach().double().flatten().cpu() for t in tensors])
-    ref = torch.stack([tensor_stats_row(t, *_thresholds(range_dtype)) for t in tensors])
+    ref = torch.stack([tensor_stats_row(t, *range_thresholds(range_dtype)) for t in tensors])
     total = tensor_stats_row(flat)
     total[-2:] = ref[:, -2:].sum(0)  # range counts: per input dtype's thresholds, summed
     check_row(table[-1], total, mean_abs_finite(flat),

@@ -36,20 +36,54 @@ import torch
 import triton
 import triton.language as tl
 
-from fasthealth.stats import COL, TABLE_WIDTH
+from fasthealth.ops import layout
 
-# partial record layout (float64): counts as exact integers
-P_N, P_FIN, P_PINF, P_NINF, P_ZERO, P_OVER, P_UNDER = 0, 1, 2, 3, 4, 5, 6
-P_FMIN, P_FMAX, P_MEAN, P_M2, P_SCALE, P_SSQ = 7, 8, 9, 10, 11, 12
-# column 13: which path finished a chunk (0 fast, 1 shifted, 2 exact), for tests and tuning
-P_PATH = tl.constexpr(13)
-P_WIDTH = tl.constexpr(14)
-_PW = 14
-# fast path limits (see _chunk_stats_kernel): smallest |x| max for float32 squares; largest
-# sum x^2 / M2 before the shifted pass (lanes sum <= 32 terms: M2 within 16 * 6e-6)
+# Triton reads module globals only as constexprs: the named columns of ops/layout.py as such.
+# The partial record (struct Partial of csrc/stats.h, plus the path that finished a chunk):
+P_N = tl.constexpr(layout.PARTIAL["n"])
+P_FINITE = tl.constexpr(layout.PARTIAL["finite"])
+P_POSINF = tl.constexpr(layout.PARTIAL["posinf"])
+P_NEGINF = tl.constexpr(layout.PARTIAL["neginf"])
+P_ZERO = tl.constexpr(layout.PARTIAL["zero"])
+P_OVER = tl.constexpr(layout.PARTIAL["over"])
+P_UNDER = tl.constexpr(layout.PARTIAL["under"])
+P_FMIN = tl.constexpr(layout.PARTIAL["fmin"])
+P_FMAX = tl.constexpr(layout.PARTIAL["fmax"])
+P_MEAN = tl.constexpr(layout.PARTIAL["mean"])
+P_M2 = tl.constexpr(layout.PARTIAL["m2"])
+P_SCALE = tl.constexpr(layout.PARTIAL["scale"])
+P_SSQ = tl.constexpr(layout.PARTIAL["ssq"])
+P_PATH = tl.constexpr(layout.PARTIAL["path"])
+P_WIDTH = tl.constexpr(layout.PARTIAL_WIDTH)
+# The output table:
+C_NUMEL = tl.constexpr(layout.COL["numel"])
+C_NAN_COUNT = tl.constexpr(layout.COL["nan_count"])
+C_POSINF_COUNT = tl.constexpr(layout.COL["posinf_count"])
+C_NEGINF_COUNT = tl.constexpr(layout.COL["neginf_count"])
+C_INF_COUNT = tl.constexpr(layout.COL["inf_count"])
+C_ZERO_COUNT = tl.constexpr(layout.COL["zero_count"])
+C_MIN = tl.constexpr(layout.COL["min"])
+C_MAX = tl.constexpr(layout.COL["max"])
+C_MEAN = tl.constexpr(layout.COL["mean"])
+C_STD = tl.constexpr(layout.COL["std"])
+C_NORM = tl.constexpr(layout.COL["norm"])
+C_FINITE_MIN = tl.constexpr(layout.COL["finite_min"])
+C_FINITE_MAX = tl.constexpr(layout.COL["finite_max"])
+C_FINITE_MEAN = tl.constexpr(layout.COL["finite_mean"])
+C_FINITE_STD = tl.constexpr(layout.COL["finite_std"])
+C_FINITE_NORM = tl.constexpr(layout.COL["finite_norm"])
+C_AMAX = tl.constexpr(layout.COL["amax"])
+C_ALL_FINITE = tl.constexpr(layout.COL["all_finite"])
+C_OVERFLOW_COUNT = tl.constexpr(layout.COL["overflow_count"])
+C_UNDERFLOW_COUNT = tl.constexpr(layout.COL["underflow_count"])
+# Which path finished a chunk, as stored in its record:
+PATH_FAST = tl.constexpr(float(layout.PATH_FAST))
+PATH_SHIFTED = tl.constexpr(float(layout.PATH_SHIFTED))
+PATH_EXACT = tl.constexpr(float(layout.PATH_EXACT))
 INF = tl.constexpr(float("inf"))
-TINY_AMAX = tl.constexpr(2.0 ** -40)
-MAX_CANCEL = tl.constexpr(16.0)
+# The fast path's limits (csrc/stats.h explains them): lanes sum CHUNK / BLOCK = 32 terms
+TINY_AMAX = tl.constexpr(layout.FAST_MIN_AMAX)
+MAX_CANCEL = tl.constexpr(layout.CANCEL_BUDGET / 32)
 
 
 @triton.jit
@@ -63,19 +97,19 @@ def _empty_record():
 
 @triton.jit
 def _store_record(row, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq):
-    tl.store(row + 0, n)
-    tl.store(row + 1, fin)
-    tl.store(row + 2, pinf)
-    tl.store(row + 3, ninf)
-    tl.store(row + 4, zero)
-    tl.store(row + 5, over)
-    tl.store(row + 6, under)
-    tl.store(row + 7, fmin)
-    tl.store(row + 8, fmax)
-    tl.store(row + 9, mean)
-    tl.store(row + 10, m2)
-    tl.store(row + 11, scale)
-    tl.store(row + 12, ssq)
+    tl.store(row + P_N, n)
+    tl.store(row + P_FINITE, fin)
+    tl.store(row + P_POSINF, pinf)
+    tl.store(row + P_NEGINF, ninf)
+    tl.store(row + P_ZERO, zero)
+    tl.store(row + P_OVER, over)
+    tl.store(row + P_UNDER, under)
+    tl.store(row + P_FMIN, fmin)
+    tl.store(row + P_FMAX, fmax)
+    tl.store(row + P_MEAN, mean)
+    tl.store(row + P_M2, m2)
+    tl.store(row + P_SCALE, scale)
+    tl.store(row + P_SSQ, ssq)
 
 
 @triton.jit
@@ -231,7 +265,7 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
         if ALIGNED:
             base = tl.multiple_of(base, 16)  # bytes: 16-byte vector loads
         n = (end - start).to(tl.float64)
-        path = tl.full((), 2.0, tl.float64)
+        path = tl.full((), PATH_EXACT, tl.float64)
         if FAST:
             # float32 lanes (at most CHUNK / BLOCK terms each), float64 across lanes; exact
             # fallbacks as in the CUDA kernel (csrc/cuda/stats_kernels.cuh)
@@ -243,9 +277,9 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
             ok = (tl.abs(s) < INF) & (tl.abs(q) < INF) & ((amax <= 0) | (amax >= TINY_AMAX))
             mean = s / nn
             m2 = q - s * mean
-            path = tl.zeros((), tl.float64)
+            path = tl.full((), PATH_FAST, tl.float64)
             if ok & (q > MAX_CANCEL * m2):  # the mean dominates: sums around it
-                path = tl.full((), 1.0, tl.float64)
+                path = tl.full((), PATH_SHIFTED, tl.float64)
                 cf = mean.to(tl.float32)
                 s2, q2, _, _, _, _, _ = _lane_sums(base, start, end, cf, hi, lo, BLOCK, True,
                                                    False)
@@ -264,7 +298,7 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
                 over = tl.zeros((), tl.float64)
                 under = tl.zeros((), tl.float64)
             if ~ok:
-                path = tl.full((), 2.0, tl.float64)
+                path = tl.full((), PATH_EXACT, tl.float64)
                 fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
                     _exact_chunk(base, start, end, hi, lo, BLOCK, ACC))
         else:
@@ -285,24 +319,24 @@ def _merge_records(src, first, count, VBLOCK: tl.constexpr):
         k = off + tl.arange(0, VBLOCK)
         m = k < count
         rows = src + (first + k) * P_WIDTH
-        f_i = tl.load(rows + 1, mask=m, other=0.0)
-        mean_i = tl.where(f_i > 0, tl.load(rows + 9, mask=m, other=0.0), 0.0)
-        s_i = tl.load(rows + 11, mask=m, other=0.0)
-        n += tl.sum(tl.load(rows + 0, mask=m, other=0.0), axis=0)
-        pinf += tl.sum(tl.load(rows + 2, mask=m, other=0.0), axis=0)
-        ninf += tl.sum(tl.load(rows + 3, mask=m, other=0.0), axis=0)
-        zero += tl.sum(tl.load(rows + 4, mask=m, other=0.0), axis=0)
-        over += tl.sum(tl.load(rows + 5, mask=m, other=0.0), axis=0)
-        under += tl.sum(tl.load(rows + 6, mask=m, other=0.0), axis=0)
-        fmin = tl.minimum(fmin, tl.min(tl.load(rows + 7, mask=m, other=inf), axis=0))
-        fmax = tl.maximum(fmax, tl.max(tl.load(rows + 8, mask=m, other=-inf), axis=0))
+        f_i = tl.load(rows + P_FINITE, mask=m, other=0.0)
+        mean_i = tl.where(f_i > 0, tl.load(rows + P_MEAN, mask=m, other=0.0), 0.0)
+        s_i = tl.load(rows + P_SCALE, mask=m, other=0.0)
+        n += tl.sum(tl.load(rows + P_N, mask=m, other=0.0), axis=0)
+        pinf += tl.sum(tl.load(rows + P_POSINF, mask=m, other=0.0), axis=0)
+        ninf += tl.sum(tl.load(rows + P_NEGINF, mask=m, other=0.0), axis=0)
+        zero += tl.sum(tl.load(rows + P_ZERO, mask=m, other=0.0), axis=0)
+        over += tl.sum(tl.load(rows + P_OVER, mask=m, other=0.0), axis=0)
+        under += tl.sum(tl.load(rows + P_UNDER, mask=m, other=0.0), axis=0)
+        fmin = tl.minimum(fmin, tl.min(tl.load(rows + P_FMIN, mask=m, other=inf), axis=0))
+        fmax = tl.maximum(fmax, tl.max(tl.load(rows + P_FMAX, mask=m, other=-inf), axis=0))
         fb = tl.sum(f_i, axis=0)
         mean_b = tl.sum(f_i / tl.maximum(fb, 1.0) * mean_i, axis=0)  # weights <= 1: no overflow
         dev = tl.where(f_i > 0, mean_i - mean_b, 0.0)
-        m2_b = tl.sum(tl.load(rows + 10, mask=m, other=0.0) + f_i * dev * dev, axis=0)
+        m2_b = tl.sum(tl.load(rows + P_M2, mask=m, other=0.0) + f_i * dev * dev, axis=0)
         sb = tl.max(s_i, axis=0)
         r = tl.where(sb > 0, s_i / tl.where(sb > 0, sb, 1.0), 0.0)
-        qb = tl.sum(tl.load(rows + 12, mask=m, other=0.0) * r * r, axis=0)
+        qb = tl.sum(tl.load(rows + P_SSQ, mask=m, other=0.0) * r * r, axis=0)
         fin, mean, m2 = _chan(fin, mean, m2, fb, mean_b, m2_b)
         scale, ssq = _scaled(scale, ssq, sb, qb)
     return n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq
@@ -343,26 +377,26 @@ def _finalize_kernel(tensor_part, table, n_tensors, VBLOCK: tl.constexpr,
     mean_all = tl.where((pinf > 0) & (ninf > 0), nan,
                         tl.where(pinf > 0, inf, tl.where(ninf > 0, -inf, f_mean)))
     row = table + i * WIDTH
-    tl.store(row + 0, n)
-    tl.store(row + 1, nan_n)
-    tl.store(row + 2, pinf)
-    tl.store(row + 3, ninf)
-    tl.store(row + 4, inf_n)
-    tl.store(row + 5, zero)
-    tl.store(row + 6, tl.where(bad, nan, mn))
-    tl.store(row + 7, tl.where(bad, nan, mx))
-    tl.store(row + 8, tl.where(bad, nan, mean_all))
-    tl.store(row + 9, tl.where((nan_n > 0) | (inf_n > 0), nan, f_std))
-    tl.store(row + 10, tl.where(nan_n > 0, nan, tl.where(inf_n > 0, inf, f_norm)))
-    tl.store(row + 11, f_min)
-    tl.store(row + 12, f_max)
-    tl.store(row + 13, f_mean)
-    tl.store(row + 14, f_std)
-    tl.store(row + 15, f_norm)
-    tl.store(row + 16, tl.where(has, tl.maximum(-fmin, fmax), nan))
-    tl.store(row + 17, tl.where((nan_n == 0) & (inf_n == 0), 1.0, 0.0))
-    tl.store(row + 18, over)
-    tl.store(row + 19, under)
+    tl.store(row + C_NUMEL, n)
+    tl.store(row + C_NAN_COUNT, nan_n)
+    tl.store(row + C_POSINF_COUNT, pinf)
+    tl.store(row + C_NEGINF_COUNT, ninf)
+    tl.store(row + C_INF_COUNT, inf_n)
+    tl.store(row + C_ZERO_COUNT, zero)
+    tl.store(row + C_MIN, tl.where(bad, nan, mn))
+    tl.store(row + C_MAX, tl.where(bad, nan, mx))
+    tl.store(row + C_MEAN, tl.where(bad, nan, mean_all))
+    tl.store(row + C_STD, tl.where((nan_n > 0) | (inf_n > 0), nan, f_std))
+    tl.store(row + C_NORM, tl.where(nan_n > 0, nan, tl.where(inf_n > 0, inf, f_norm)))
+    tl.store(row + C_FINITE_MIN, f_min)
+    tl.store(row + C_FINITE_MAX, f_max)
+    tl.store(row + C_FINITE_MEAN, f_mean)
+    tl.store(row + C_FINITE_STD, f_std)
+    tl.store(row + C_FINITE_NORM, f_norm)
+    tl.store(row + C_AMAX, tl.where(has, tl.maximum(-fmin, fmax), nan))
+    tl.store(row + C_ALL_FINITE, tl.where((nan_n == 0) & (inf_n == 0), 1.0, 0.0))
+    tl.store(row + C_OVERFLOW_COUNT, over)
+    tl.store(row + C_UNDERFLOW_COUNT, under)
 
 
 # ---- the launcher --------------------------------------------------------------------------
@@ -387,7 +421,6 @@ NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16
 MAX_REGISTERS = 128
 _FAST = (torch.float32, torch.float16, torch.bfloat16)  # float32 lanes with exact fallbacks
 _cache: OrderedDict = OrderedDict()
-assert TABLE_WIDTH == 20 and COL["underflow_count"] == 19
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -465,10 +498,12 @@ def _inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _chunk_records(dense: list[torch.Tensor], range_hi: float, range_lo: float):
-    """(plan, the chunk records [chunks, _PW]): one launch per (dtype, alignment) group."""
+    """(plan, the chunk records [chunks, PARTIAL_WIDTH]): one launch per (dtype, alignment)
+    group."""
     device = dense[0].device
     plan = _plan(dense, device, (float(range_hi), float(range_lo)))
-    part = torch.empty((plan["n_chunks"], _PW), dtype=torch.float64, device=device)
+    part = torch.empty((plan["n_chunks"], layout.PARTIAL_WIDTH), dtype=torch.float64,
+                       device=device)
     ranged = not (math.isinf(range_hi) and range_lo == 0.0)
     for g in plan["groups"]:
         dtype, acc = _TL[g["dtype"]]
@@ -491,7 +526,7 @@ def chunk_paths(tensors: list[torch.Tensor], range_hi: float = math.inf,
     """Which path finished each chunk (0 fast, 1 shifted, 2 exact), in input order: for tests
     and tuning (one sync)."""
     _, part = _chunk_records(_inputs(tensors), range_hi, range_lo)
-    return [int(p) for p in part[:, 13].tolist()]
+    return [int(p) for p in part[:, layout.PARTIAL["path"]].tolist()]
 
 
 def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = math.inf,
@@ -501,8 +536,8 @@ def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = mat
     device = dense[0].device
     plan, part = _chunk_records(dense, range_hi, range_lo)
     n = len(dense)
-    tensor_part = torch.empty((n, _PW), dtype=torch.float64, device=device)
+    tensor_part = torch.empty((n, layout.PARTIAL_WIDTH), dtype=torch.float64, device=device)
     _merge_chunks_kernel[(n,)](part, plan["chunk_first"], tensor_part, VBLOCK=VBLOCK)
-    table = torch.empty((n + 1, TABLE_WIDTH), dtype=torch.float64, device=device)
-    _finalize_kernel[(n + 1,)](tensor_part, table, n, VBLOCK=VBLOCK, WIDTH=TABLE_WIDTH)
+    table = torch.empty((n + 1, layout.TABLE_WIDTH), dtype=torch.float64, device=device)
+    _finalize_kernel[(n + 1,)](tensor_part, table, n, VBLOCK=VBLOCK, WIDTH=layout.TABLE_WIDTH)
     return table

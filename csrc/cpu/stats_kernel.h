@@ -326,13 +326,11 @@ Partial block_f32_wide(const typename L::T* x, int64_t n) {
   return block_from_sums(n, zero, mn, mx, s, q);
 }
 
-// 2^-40 .. 2^60: float32 squares of such values, 16 to a lane, neither overflow nor lose
-// precision to subnormals.
-constexpr double kF32Lo = 9.094947017729282e-13;   // 2^-40
-constexpr double kF32Hi = 1.152921504606847e+18;   // 2^60
-// Largest sum(d^2) / M2 (d = x - shift) accepted from float32 sums: it bounds the relative error
-// of the variance by ~kMaxCancel * 16 * 2^-24 = 3e-5, inside SPEC's 1e-4 for std.
-constexpr double kMaxCancel = 32.0;
+// Magnitudes the float32 lanes serve: kFastMinAmax (stats.h) .. 2^60, whose squares, 16 to a
+// lane, neither overflow nor lose precision to subnormals; sums fold into float64 every 16 terms,
+// so the cancellation the fast path accepts is kCancelBudget / 16 (stats.h explains both).
+constexpr double kF32Hi = 1.152921504606847e+18;  // 2^60
+constexpr double kMaxCancel = kCancelBudget / 16;
 
 // Fast path for inputs of 32 bits or fewer: float32 lanes throughout, sums of x, (x - K) and
 // (x - K)^2 folded into float64 every 16 elements per lane (so float32 rounding stays ~1e-6
@@ -403,7 +401,7 @@ Partial block_f32(const typename L::T* x, int64_t n) {
   }
   const double amax = -mn > mx ? -mn : mx;
   if (!(is_finite(s) && is_finite(q) && is_finite(pp)) ||
-      (amax != 0.0 && (amax < kF32Lo || amax > kF32Hi))) {
+      (amax != 0.0 && (amax < kFastMinAmax || amax > kF32Hi))) {
     return block_f32_wide<L>(x, n);
   }
   const double m2 = q - s * s / (double)n;

@@ -45,8 +45,8 @@ namespace kernels {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr double kTinyAmax = 9.094947017729282e-13;  // 2^-40
-constexpr double kMaxCancel = 64.0;
+// float32 chains of at most 8 terms per thread before float64 (stats.h: the fast path's limits)
+constexpr double kMaxCancel = kCancelBudget / 8;
 
 __device__ __forceinline__ bool finite64(double x) { return fabs(x) < fh_inf(); }
 
@@ -338,7 +338,7 @@ __device__ Partial fast_chunk(const TensorMeta& m, int64_t begin, int64_t end, d
   const double n = static_cast<double>(end - begin);
   const double amax = fmax(-static_cast<double>(a.mn), static_cast<double>(a.mx));
   // (every thread holds the same totals, so every thread takes the same branch)
-  if (!finite64(a.s) || !finite64(a.q) || (amax > 0.0 && amax < kTinyAmax)) {
+  if (!finite64(a.s) || !finite64(a.q) || (amax > 0.0 && amax < kFastMinAmax)) {
     return slow_chunk(m, begin, end, hi, lo, shared);
   }
   double mean = a.s / n;

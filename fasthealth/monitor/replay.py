@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .activations import ActivationMonitor
-from .checks import check_grads
-from .stats import MultiTensorStats
-
-NONFINITE_KINDS = ("nonfinite_loss", "nonfinite_grad")
+from ..activations import ActivationMonitor
+from ..checks import check_grads
+from ..stats import MultiTensorStats
+from .events import FATAL_KINDS
+from .sinks import map_tensors
 
 
 @dataclass
@@ -33,16 +33,6 @@ class ReplayResult:
     exact: bool  # parameters restored from the dump (else: the model's current ones)
     kinds: list[str] = field(default_factory=list)
     recorded: dict = field(default_factory=dict)
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
 
 
 def _spike_reproduced(value: float, details: dict) -> bool:
@@ -72,7 +62,7 @@ def replay(dump: str, model: torch.nn.Module, loss_fn: Any, *,
                 own[name].copy_(value)
     m.zero_grad(set_to_none=True)
     dev = torch.device(device) if device is not None else next(m.parameters()).device
-    batch = _to(d["batch"], dev)
+    batch = map_tensors(lambda t: t.to(dev), d["batch"])
     rng = d.get("rng") or {}
     cpu_state = torch.get_rng_state()
     try:
@@ -98,7 +88,7 @@ def replay(dump: str, model: torch.nn.Module, loss_fn: Any, *,
     kinds = [e["kind"] for e in events]
     checks = []
     for e in events:
-        if e["kind"] in NONFINITE_KINDS:
+        if e["kind"] in FATAL_KINDS:
             checks.append(not math.isfinite(loss_v) or not grads.ok)
         elif e["kind"] == "loss_spike":
             checks.append(_spike_reproduced(loss_v, e["details"]))

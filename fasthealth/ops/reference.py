@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .stats import COL, TABLE_WIDTH
+from .layout import COL, TABLE_WIDTH
 
 _INF = float("inf")
 _NAN = float("nan")
@@ -24,7 +24,7 @@ _F32_MAX = 3.4028234663852886e38
 _F32_ROUNDS_TO_INF = 3.4028235677973366e38  # float32 max + half an ulp (the tie goes to inf)
 
 
-def _as_float32(x: float, dev: torch.device) -> torch.Tensor:
+def float32_threshold(x: float, dev: torch.device) -> torch.Tensor:
     """A threshold rounded to float32, as a float64 0-dim tensor: a fill (no host copy, traced
     by torch.compile without a graph break)."""
     x = _INF if x >= _F32_ROUNDS_TO_INF else min(x, _F32_MAX)
@@ -45,7 +45,7 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
         out[COL["underflow_count"]] = 0.0
     else:
         if t.dtype.itemsize <= 4:
-            range_hi, range_lo = _as_float32(range_hi, dev), _as_float32(range_lo, dev)
+            range_hi, range_lo = float32_threshold(range_hi, dev), float32_threshold(range_lo, dev)
         a = d.abs()
         out[COL["overflow_count"]] = ((a > range_hi) & (a < _INF)).sum()
         out[COL["underflow_count"]] = ((a < range_lo) & (a > 0)).sum()

@@ -1,0 +1,287 @@
+"""The training-loop monitor (SPEC section 6): checks every step on the device, acts without a
+sync, looks at the numbers once per flush.
+
+``Monitor.step(loss, ...)`` replaces ``optimizer.step()``; it is *record + act*:
+
+1. one fused pass over all gradients (``grads_stats``) and an ``isfinite`` on the loss;
+2. act (``act.py``): clip with the norm that pass computed, then step the optimizer or skip it
+   when the loss or a gradient is non-finite, on the device where the optimizer allows;
+3. record (``record.py``): one row of scalars and per-tensor norms and non-finite counts in a
+   device buffer.
+
+``Monitor.flush()`` is *detect + write*: every ``flush_every`` steps the buffer comes to the host
+in one copy, every rule of ``detectors.py`` looks at each step, and the sinks (``sinks.py``)
+write the JSONL logs, TensorBoard and the dumps of the steps behind events.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checks import grads_stats, multi_tensor_stats
+from ..ops.layout import COL
+from ..optim import optimizer_state_tensors
+from ..stats import MultiTensorStats
+from . import act
+from .detectors import default_detectors
+from .events import FATAL_KINDS, Event, NonFiniteError, Observation
+from .record import DeviceRecord, HostStep
+from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
+
+ON_NONFINITE = ("skip", "raise", "warn")
+
+
+def _check_options(model: Any, on_nonfinite: str, flush_every: int,
+                   max_grad_norm: float | None) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fasthealth: Monitor needs an nn.Module, got {type(model).__name__}")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"fasthealth: on_nonfinite must be one of {ON_NONFINITE}, "
+                         f"got {on_nonfinite!r}")
+    if flush_every < 1:
+        raise ValueError(f"fasthealth: flush_every must be >= 1, got {flush_every}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"fasthealth: max_grad_norm must be > 0, got {max_grad_norm}")
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+class Monitor:
+    """Watches a training loop; see SPEC section 6 and the module docstring.
+
+    Args beyond SPEC: ``scaler`` (a ``torch.amp.GradScaler``: mon.step then unscales, steps and
+    updates through it, and watches its scale), ``min_loss_scale`` (1.0: a scale below it, or
+    NaN, is ``loss_scale_collapse``), ``per_tensor_every`` (50: per-tensor norms in the JSONL log),
+    ``optimizer_check_every`` (10: how often optimizer state is scanned for NaN/Inf; 0 never),
+    ``snapshot_max_bytes`` (256 MiB: the pre-step parameters of every pending step are kept for
+    replay when they fit this budget, flush_every copies in all), ``vanishing_threshold`` (1e-8),
+    ``tensorboard`` (also write scalars to TensorBoard under log_dir), ``backend``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        log_dir: str | os.PathLike | None = None,
+        flush_every: int = 50,
+        on_nonfinite: str = "skip",
+        spike_zscore: float = 6.0,
+        spike_window: int = 128,
+        warmup_steps: int = 20,
+        max_grad_norm: float | None = None,
+        activations: Any = None,
+        process_group: Any = None,
+        scaler: Any = None,
+        min_loss_scale: float = 1.0,
+        per_tensor_every: int = 50,
+        optimizer_check_every: int = 10,
+        snapshot_max_bytes: int = 256 * 2**20,
+        vanishing_threshold: float = 1e-8,
+        tensorboard: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        _check_options(model, on_nonfinite, flush_every, max_grad_norm)
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.flush_every, self.on_nonfinite = flush_every, on_nonfinite
+        self.max_grad_norm, self.min_loss_scale = max_grad_norm, min_loss_scale
+        self.per_tensor_every = max(1, per_tensor_every)
+        self.optimizer_check_every = optimizer_check_every
+        self.backend, self.process_group = backend, process_group
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("fasthealth: the model has no trainable parameters to monitor")
+        self.names = [n for n, _ in self.params]
+        self.device = self.params[0][1].device
+        self.record = DeviceRecord(self.names, flush_every, self.device)
+        self.detectors = default_detectors(
+            self.names, spike_zscore=spike_zscore, spike_window=spike_window,
+            warmup_steps=warmup_steps, vanishing_threshold=vanishing_threshold,
+            min_loss_scale=min_loss_scale if scaler is not None else None)
+        self.events: list[Event] = []
+        self.steps_seen = 0
+        self._next_step = 0
+        self._rng = _rng_state()
+        self._opt_stats: MultiTensorStats | None = None
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._jsonl: JsonlSink | None = None
+        self._tb: TensorBoardSink | None = None
+        self._snapshots: list[list[torch.Tensor]] | None = None
+        if self.log_dir is not None:
+            self._open_sinks(tensorboard, snapshot_max_bytes, spike_zscore=spike_zscore,
+                             spike_window=spike_window, warmup_steps=warmup_steps)
+        self.activations = None
+        if activations is not None:
+            from ..activations import ActivationMonitor
+
+            self.activations = ActivationMonitor(
+                model, modules=None if activations is True else activations)
+
+    def _open_sinks(self, tensorboard: bool, snapshot_max_bytes: int, **options: Any) -> None:
+        param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
+        meta = {"names": self.names, "flush_every": self.flush_every,
+                "on_nonfinite": self.on_nonfinite, **options,
+                "max_grad_norm": self.max_grad_norm, "started": time.time(),
+                "param_bytes": param_bytes}
+        self._jsonl = JsonlSink(self.log_dir, meta)
+        if param_bytes * self.flush_every <= snapshot_max_bytes:
+            self._snapshots = [[torch.empty_like(p.detach()) for _, p in self.params]
+                               for _ in range(self.flush_every)]
+        if tensorboard:
+            self._tb = TensorBoardSink(self.log_dir)
+
+    # ---- step: record + act -----------------------------------------------------------------
+
+    def step(self, loss: torch.Tensor | float, batch: Any = None, sample_ids: Any = None, *,
+             step: int | None = None) -> Observation:
+        """Check this step's loss and gradients, then step the optimizer unless they are
+        non-finite (with ``on_nonfinite`` "skip" or "raise"). No host sync for fused
+        optimizers; the records reach the host at the next flush."""
+        t = self._next_step if step is None else int(step)
+        self._next_step = t + 1
+        opt = self.optimizer
+        if self.scaler is not None and opt is not None:
+            self.scaler.unscale_(opt)
+        present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
+        grads = [self.params[i][1].grad for i in present]
+        if not torch.is_tensor(loss):
+            loss = torch.tensor(float(loss))
+        loss_d = loss.detach().reshape(-1)[0].to(self.device, torch.float64)
+        loss_ok = torch.isfinite(loss_d)
+        # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
+        stats = grads_stats(grads, [self.names[i] for i in present], [], backend=self.backend,
+                            process_group=self.process_group, extra_bad=~loss_ok)
+        table = stats.raw.to(self.device)
+        grads_ok = table[-1, COL["all_finite"]] != 0
+        bad = ~grads_ok if self.process_group is not None else ~(loss_ok & grads_ok)
+
+        skipped = self._act(t, grads, table, bad)
+        total = table[-1]
+        scalars = {
+            "loss": loss_d, "grad_norm": total[COL["norm"]],
+            "grad_finite_norm": total[COL["finite_norm"]], "grad_amax": total[COL["amax"]],
+            "nan_count": total[COL["nan_count"]], "inf_count": total[COL["inf_count"]],
+            "grads_finite": grads_ok, "loss_finite": loss_ok, "skipped": skipped,
+            "loss_scale": self._loss_scale(), "optimizer_nonfinite": self._scan_optimizer(t),
+        }
+        self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids))
+        self.steps_seen += 1
+        if self.record.full:
+            self.flush()
+        return Observation(step=t, skip=bad, loss=loss_d, stats=stats)
+
+    def _act(self, t: int, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor
+             ) -> torch.Tensor:
+        """Clip, snapshot the parameters for replay, then step or skip; returns skipped."""
+        if self.max_grad_norm is not None and grads:
+            act.clip_(grads, table[-1, COL["norm"]], self.max_grad_norm)
+        if self._snapshots is not None:
+            torch._foreach_copy_(self._snapshots[self.record.fill],
+                                 [p.detach() for _, p in self.params])
+        opt = self.optimizer
+        if opt is None:
+            return torch.zeros_like(bad)
+        guard = self.on_nonfinite in ("skip", "raise")
+        if self.scaler is not None:
+            return act.step_with_scaler(opt, self.scaler, bad, guard)
+        return act.step_or_skip(opt, bad, guard)
+
+    def _loss_scale(self) -> torch.Tensor:
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is None:
+            return torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        return scale.detach().reshape(()).to(self.device, torch.float64)
+
+    def _scan_optimizer(self, t: int) -> torch.Tensor:
+        """NaN + Inf count over the optimizer's state every ``optimizer_check_every`` steps
+        (NaN on the other steps: not scanned)."""
+        nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
+        self._opt_stats = None
+        k = self.optimizer_check_every
+        if self.optimizer is None or not k or t % k:
+            return nan
+        names, tensors = optimizer_state_tensors(self.optimizer,
+                                                 {id(p): n for n, p in self.params})
+        if not tensors:
+            return nan
+        self._opt_stats = multi_tensor_stats(tensors, names=names, backend=self.backend)
+        total = self._opt_stats.raw[-1].to(self.device)
+        return total[COL["nan_count"]] + total[COL["inf_count"]]
+
+    def _step_info(self, t: int, batch: Any, sample_ids: Any) -> dict[str, Any]:
+        """What the flush needs of this step on the host: references to the batch (no copy,
+        kept until the flush), the RNG state its forward started from."""
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+        keep = self.log_dir is not None
+        info = {
+            "step": t, "lr": float(lr) if isinstance(lr, (int, float)) else None,
+            "batch": map_tensors(torch.Tensor.detach, batch) if keep else None,
+            "sample_ids": map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
+            "rng": self._rng, "opt_stats": self._opt_stats,
+        }
+        self._rng = _rng_state()  # the state the next step's forward starts from
+        return info
+
+    # ---- flush: detect + write --------------------------------------------------------------
+
+    def flush(self) -> list[Event]:
+        """Copy the pending records to the host (once), run the detectors, write logs and
+        dumps. Returns the new events; raises NonFiniteError with ``on_nonfinite="raise"``."""
+        new: list[Event] = []
+        lines: list[dict] = []
+        for slot, s in enumerate(self.record.take()):
+            events = self._detect(s)
+            if events and self._jsonl is not None:
+                params = self._snapshots[slot] if self._snapshots is not None else None
+                dump = write_dump(self.log_dir, s, self.names, events, params)
+                for e in events:
+                    e.dump = dump
+            per_tensor = s.step % self.per_tensor_every == 0 or bool(events)
+            lines.append(step_json(s, self.names, events, per_tensor))
+            if self._tb is not None:
+                self._tb.write(s)
+            new.extend(events)
+        self.events.extend(new)
+        if self._jsonl is not None and lines:
+            self._jsonl.write(lines, new)
+        if self.on_nonfinite == "raise":
+            fatal = [e for e in new if e.kind in FATAL_KINDS]
+            if fatal:
+                raise NonFiniteError(fatal)
+        return new
+
+    def _detect(self, s: HostStep) -> list[Event]:
+        details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
+        return [Event(s.step, kind, msg, dict(d, **details))
+                for rule in self.detectors for kind, msg, d in rule.observe(s)]
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Final flush; closes the log files and removes activation hooks."""
+        try:
+            self.flush()
+        finally:
+            for sink in (self._jsonl, self._tb):
+                if sink is not None:
+                    sink.close()
+            self._jsonl = self._tb = None
+            if self.activations is not None:
+                self.activations.remove()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""The monitor's device record: one row per step, copied to the host once per flush.
+
+A row holds the ``SCALARS`` of the step, then each watched tensor's gradient norm, then each
+one's NaN + Inf count (NaN where a tensor had no gradient that step). Rows are written on the
+device with no sync; ``take()`` copies the filled rows to the host in one transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ops.layout import COL
+
+SCALARS = (
+    "loss", "grad_norm", "grad_finite_norm", "grad_amax", "nan_count", "inf_count",
+    "grads_finite", "loss_finite", "skipped", "loss_scale", "optimizer_nonfinite",
+)
+
+
+@dataclass
+class HostStep:
+    """One step's record on the host: ``values`` by SCALARS name, per-tensor lists in the
+    order of the record's names, and what the step kept on the host (``info``)."""
+
+    step: int
+    values: dict[str, float]
+    per_norm: list[float]
+    per_bad: list[float]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class DeviceRecord:
+    """``capacity`` rows of ``[SCALARS | per-tensor norm | per-tensor NaN+Inf]`` on ``device``."""
+
+    def __init__(self, names: list[str], capacity: int, device: torch.device) -> None:
+        n, k = len(names), len(SCALARS)
+        self.names, self.capacity, self.device = names, capacity, device
+        self.scalars, self.norm, self.bad = slice(0, k), slice(k, k + n), slice(k + n, k + 2 * n)
+        self._buf = torch.full((capacity, k + 2 * n), math.nan, dtype=torch.float64,
+                               device=device)
+        self._info: list[dict[str, Any]] = []
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}  # rows present, when some aren't
+
+    @property
+    def fill(self) -> int:
+        return len(self._info)
+
+    @property
+    def full(self) -> bool:
+        return self.fill == self.capacity
+
+    def write(self, scalars: dict[str, torch.Tensor], table: torch.Tensor, present: list[int],
+              info: dict[str, Any]) -> int:
+        """Records one step: ``scalars`` (0-dim tensors, SCALARS names), the per-tensor rows of
+        the stats ``table`` for the watched tensors ``present``, host-side ``info``. Returns
+        the slot written."""
+        slot = self.fill
+        row = self._buf[slot]
+        row[self.scalars] = torch.stack([scalars[k].to(self.device, torch.float64)
+                                         for k in SCALARS])
+        per_norm = table[:-1, COL["norm"]]
+        per_bad = table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]
+        if len(present) == len(self.names):
+            row[self.norm] = per_norm
+            row[self.bad] = per_bad
+        else:
+            row[self.norm.start:] = math.nan
+            if present:
+                idx = self._index.get(tuple(present))
+                if idx is None:  # copied to the device once per pattern of missing grads
+                    idx = self._index.setdefault(tuple(present),
+                                                 torch.tensor(present, device=self.device))
+                row[self.norm].index_copy_(0, idx, per_norm)
+                row[self.bad].index_copy_(0, idx, per_bad)
+        self._info.append(info)
+        return slot
+
+    def take(self) -> list[HostStep]:
+        """The filled rows on the host (one device-to-host copy); the record is then empty."""
+        k = self.fill
+        if k == 0:
+            return []
+        host = self._buf[:k].cpu()
+        info, self._info = self._info, []
+        out = []
+        for j in range(k):
+            values = dict(zip(SCALARS, host[j, self.scalars].tolist()))
+            out.append(HostStep(info[j]["step"], values, host[j, self.norm].tolist(),
+                                host[j, self.bad].tolist(), info[j]))
+        return out

@@ -1,0 +1,94 @@
+"""Which backend runs the op for tensors on a device.
+
+``backend=None`` or ``"auto"`` takes ``FASTHEALTH_BACKEND`` if set, else the fastest available
+for the device: ``cpu`` on CPU tensors; on CUDA tensors ``cuda`` > ``triton`` once the GPU
+kernels are validated (``GPU_KERNELS_VALIDATED``), else the ``torch`` reference, which is right
+and sync-free, only slower. ``backend="cuda"``/``"triton"`` or ``FASTHEALTH_BACKEND`` select
+them explicitly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from . import compiled
+
+BACKENDS = ("torch", "cpu", "cuda", "triton")
+# Set to True once bench/gpu_check.sh has run tests/test_gpu.py green on a GPU.
+GPU_KERNELS_VALIDATED = False
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET is set: Triton kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this process, fastest first within each device."""
+    out = []
+    cuda_ok = torch.cuda.is_available()
+    if compiled.has_cuda() and cuda_ok:
+        out.append("cuda")
+    if _triton_importable() and (cuda_ok or triton_interpret()):
+        out.append("triton")
+    if compiled.has_cpu():
+        out.append("cpu")
+    out.append("torch")
+    return out
+
+
+def unsupported(backend: str, device: torch.device) -> str | None:
+    """None if ``backend`` can run on ``device``, else the reason it cannot."""
+    if backend == "torch":
+        return None
+    if backend == "cpu":
+        if device.type != "cpu":
+            return "the 'cpu' backend runs on CPU tensors only"
+        if not compiled.has_cpu():
+            return f"fasthealth._C is not available ({compiled.load_error})"
+        return None
+    if backend == "cuda":
+        if device.type != "cuda":
+            return "the 'cuda' backend runs on CUDA tensors only"
+        if not compiled.has_cuda():
+            return "fasthealth._C was built without CUDA kernels"
+        return None
+    if backend == "triton":
+        if not _triton_importable():
+            return "triton is not installed"
+        if device.type == "cuda" or (device.type == "cpu" and triton_interpret()):
+            return None
+        return "the 'triton' backend runs on CUDA tensors (CPU tensors need TRITON_INTERPRET=1)"
+    return f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or 'auto'"
+
+
+def resolve(backend: str | None, device: torch.device) -> str:
+    """The backend to use for tensors on ``device``; raises ValueError naming the problem."""
+    source = "backend="
+    if backend is None or backend == "auto":
+        env = os.environ.get("FASTHEALTH_BACKEND", "").strip()
+        if not env or env == "auto":
+            return _automatic(device)
+        backend, source = env, "FASTHEALTH_BACKEND="
+    why = unsupported(backend, device)
+    if why is not None:
+        raise ValueError(f"fasthealth: {source}{backend!r} cannot run on {device}: {why}")
+    return backend
+
+
+def _automatic(device: torch.device) -> str:
+    if device.type == "cuda":
+        order = ("cuda", "triton") if GPU_KERNELS_VALIDATED else ()
+    else:
+        order = ("cpu",)
+    for name in order:
+        if unsupported(name, device) is None:
+            return name
+    return "torch"
