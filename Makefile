@@ -70,7 +70,7 @@ cuda-check:
 		TORCH_CUDA_ARCH_LIST="8.0;9.0" FASTHEALTH_FORCE_CUDA=1 \
 		$(CUDA_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	cd $(CUDA_TREE) && $(CUDA_PY) -c "import torch, fasthealth as fh; \
-		assert fh._ops._C is not None and fh._ops._C.with_cuda, fh._ops.load_error; \
+		assert fh.ops.compiled.C is not None and fh.ops.compiled.C.with_cuda, fh.ops.compiled.load_error; \
 		assert torch._C._dispatch_has_kernel_for_dispatch_key('fasthealth::multi_tensor_stats', 'CUDA'); \
 		print('CUDA extension built for sm_80 and sm_90 with torch', torch.__version__)"
 	cd $(CUDA_TREE) && FASTHEALTH_REQUIRE_CPU=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" \

@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 QUICK=${1:-}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 FASTHEALTH_FORCE_CUDA=1
 # (tests and benchmark name their backends explicitly: the automatic choice on CUDA stays the
-# reference until fasthealth/backends.py's GPU_KERNELS_VALIDATED is set after a green run)
+# reference until fasthealth/ops/backends.py's GPU_KERNELS_VALIDATED is set after a green run)
 start=$(date +%s)
 stamp() { echo "== $1 (t=$(( $(date +%s) - start ))s)"; }
 {
@@ -35,7 +35,7 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.tx
 fi
 python3 -c "
 import fasthealth as fh, torch
-print('backends', fh.available_backends(), 'load_error', fh._ops.load_error)
+print('backends', fh.available_backends(), 'load_error', fh.ops.compiled.load_error)
 assert 'cuda' in fh.available_backends() and 'triton' in fh.available_backends()
 " 2>&1 | tee -a "$OUT/build.txt"
 

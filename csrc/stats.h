@@ -1,5 +1,5 @@
 // The per-tensor statistics record, its merge and its finalisation, shared by the CPU and CUDA
-// kernels (and mirrored by triton_kernels/tensor_stats.py and fasthealth/stats.py).
+// kernels (mirrored by triton_kernels/tensor_stats.py; the columns by fasthealth/ops/layout.py).
 //
 // This header is deliberately free of torch and of the C++ standard library: the SIMD kernel
 // translation units include it under `#pragma GCC target(...)`, and every function here is
@@ -17,7 +17,7 @@
 
 namespace fasthealth {
 
-// Columns of the output table, in the order of fasthealth.stats.FIELDS.
+// Columns of the output table, in the order of fasthealth.ops.layout.FIELDS.
 enum Field : int {
   kNumel = 0,
   kNanCount,

@@ -107,7 +107,42 @@ def make_batch(g: torch.Generator, n: int = 32):
     return seq[:, :-1], targets, torch.ones(n)
 
 
-def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout) -> bool:
+def _plant(step: int, batch: tuple, model: TinyGPT, opt: torch.optim.Optimizer,
+           g: torch.Generator) -> tuple:
+    """The faults of SCHEDULE that act before the forward pass; returns the (changed) batch."""
+    ids, targets, weight = batch
+    if step == 80:
+        weight[5] = float("nan")
+    if step == 160:
+        targets = torch.randint(0, VOCAB, targets.shape, generator=g)
+        weight = weight * 25
+    if step == 200:
+        p = model.blocks[1].mlp[0].weight
+        opt.state[p]["exp_avg_sq"][3, 7] = float("inf")
+    if 230 <= step < 270:
+        weight = weight * (4.0 if step % 2 else 0.25)
+    if 290 <= step < 305:
+        weight = weight * 0.0
+    if 330 <= step < 342:
+        weight = weight * float("inf")
+    if step == 380:
+        for group in opt.param_groups:
+            group["lr"] *= 300
+    return ids, targets, weight
+
+
+def _progress(steps: int, show: bool):
+    if not show:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=steps, desc="demo training", unit="step", file=sys.stderr)
+
+
+def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[TinyGPT, Monitor]:
+    """The demo's training run with SCHEDULE's faults planted; returns the model and monitor."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     model = TinyGPT()
@@ -115,35 +150,9 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10_000)
     mon = Monitor(model, opt, log_dir=log_dir, flush_every=25, warmup_steps=30,
                   max_grad_norm=5.0, scaler=scaler, per_tensor_every=5, optimizer_check_every=10)
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=steps, desc="demo training", unit="step", file=sys.stderr)
-        except ImportError:
-            pass
-    t0 = time.time()
+    bar = _progress(steps, progress)
     for step in range(steps):
-        ids, targets, weight = make_batch(g)
-        if step == 80:
-            weight[5] = float("nan")
-        if step == 160:
-            targets = torch.randint(0, VOCAB, targets.shape, generator=g)
-            weight = weight * 25
-        if step == 200:
-            p = model.blocks[1].mlp[0].weight
-            opt.state[p]["exp_avg_sq"][3, 7] = float("inf")
-        if 230 <= step < 270:
-            weight = weight * (4.0 if step % 2 else 0.25)
-        if 290 <= step < 305:
-            weight = weight * 0.0
-        if 330 <= step < 342:
-            weight = weight * float("inf")
-        if step == 380:
-            for group in opt.param_groups:
-                group["lr"] *= 300
-        batch = (ids, targets, weight)
+        batch = _plant(step, make_batch(g), model, opt, g)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         scaler.scale(loss).backward()
@@ -155,11 +164,11 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
     mon.close()
     if bar is not None:
         bar.close()
-    took = time.time() - t0
+    return model, mon
 
-    print(f"trained {steps} steps in {took:.0f} s; {len(mon.events)} events; logs in {log_dir}",
-          file=out)
-    print("\nplanted fault -> what the monitor reported", file=out)
+
+def _check_schedule(model: TinyGPT, mon: Monitor, out) -> bool:
+    """Prints, per planted fault, what the monitor reported (and replay's verdict)."""
     all_ok = True
     for item in SCHEDULE:
         found = []
@@ -177,12 +186,23 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
                 all_ok = False
                 continue
             r = replay(ev.dump, model, loss_fn)
-            want = item["replay"] == "reproduces"
-            all_ok &= r.reproduced == want
+            all_ok &= r.reproduced == (item["replay"] == "reproduces")
             print(f"         replay: {r.verdict}", file=out)
-    skipped = [e.step for e in mon.events if e.details.get("skipped")]
+    return all_ok
+
+
+def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout) -> bool:
+    """Trains, then prints what was planted against what was reported; True when every fault
+    was caught, no event fell outside the faults and the parameters stayed finite."""
+    t0 = time.time()
+    model, mon = train(log_dir, steps, progress)
+    print(f"trained {steps} steps in {time.time() - t0:.0f} s; {len(mon.events)} events; "
+          f"logs in {log_dir}", file=out)
+    print("\nplanted fault -> what the monitor reported", file=out)
+    all_ok = _check_schedule(model, mon, out)
+    skipped = sorted({e.step for e in mon.events if e.details.get("skipped")})
     print(f"\nskipped (parameters and optimizer state untouched): steps "
-          f"{sorted(set(skipped))[:6]}{' ...' if len(set(skipped)) > 6 else ''}", file=out)
+          f"{skipped[:6]}{' ...' if len(skipped) > 6 else ''}", file=out)
     params_ok = all(torch.isfinite(p).all() for p in model.parameters())
     print(f"parameters all finite at the end: {params_ok}", file=out)
     windows = [(item["at"], max(hi for _, _, hi in item["expect"]) + FOLLOW_ON)
@@ -190,8 +210,7 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
     stray = [(e.step, e.kind) for e in mon.events
              if not any(lo <= e.step <= hi for lo, hi in windows)]
     print(f"events outside the planted faults and their aftermath: {stray or 'none'}", file=out)
-    all_ok &= not stray
-    return all_ok and params_ok
+    return all_ok and not stray and params_ok
 
 
 def main(argv: list[str] | None = None) -> int:

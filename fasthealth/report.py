@@ -70,17 +70,8 @@ def summary(meta: dict, steps: list[dict], events: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def figure(meta: dict, steps: list[dict], events: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [r["step"] for r in steps]
-    fig, axes = plt.subplots(6, 1, figsize=(11, 17), sharex=False,
-                             gridspec_kw={"height_ratios": [3, 1.6, 2, 2, 3, 2]})
-    # 1. loss, events marked on the curve
-    ax = axes[0]
+def _loss_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]) -> None:
+    """The loss curve, events marked on it."""
     loss = [_num(r["loss"]) for r in steps]
     positive = [v for v in loss if math.isfinite(v) and v > 0]
     use_log = bool(positive) and max(positive) / min(positive) > 50
@@ -100,18 +91,24 @@ def figure(meta: dict, steps: list[dict], events: list[dict]):
         seen.add(e["kind"])
     ax.set_title("loss" + (" (log scale)" if use_log else "") + ", events marked")
     ax.legend(fontsize=7, loc="upper left", ncol=4)
-    # 2. event timeline: one row per kind
-    ax = axes[1]
+
+
+def _timeline_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
+                    ) -> None:
+    """One row of event marks per kind."""
     kinds = [k for k in EVENT_COLORS if any(e["kind"] == k for e in events)]
     for i, k in enumerate(kinds):
         st = [e["step"] for e in events if e["kind"] == k]
         ax.scatter(st, [i] * len(st), color=EVENT_COLORS[k], marker="|", s=120)
     ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
     ax.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
-    ax.set_xlim(axes[0].get_xlim())
+    if xs:
+        ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
     ax.set_title("events by kind")
-    # 3. grad norm
-    ax = axes[2]
+
+
+def _grad_norm_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
+                     ) -> None:
     gn = [_num(r["grad_norm"]) for r in steps]
     ax.plot(xs, [v if v > 0 else math.nan for v in gn], lw=1, color="#1f77b4")
     if meta.get("max_grad_norm"):
@@ -119,8 +116,11 @@ def figure(meta: dict, steps: list[dict], events: list[dict]):
         ax.legend(fontsize=7)
     ax.set_yscale("log")
     ax.set_title("global gradient norm (log scale)")
-    # 4. non-finite counts
-    ax = axes[3]
+
+
+def _nonfinite_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
+                     ) -> None:
+    """NaN and Inf gradient values per step; non-finite losses and skipped steps marked."""
     nan = [r.get("nan_count") or 0 for r in steps]
     inf = [r.get("inf_count") or 0 for r in steps]
     ax.bar(xs, nan, color="#d62728", label="NaN gradient values", width=1.0)
@@ -136,15 +136,18 @@ def figure(meta: dict, steps: list[dict], events: list[dict]):
     ax.set_yscale("symlog", linthresh=1)
     ax.set_title("non-finite gradient values per step (symlog)")
     ax.legend(fontsize=7)
-    # 5. per-layer heatmap
-    ax = axes[4]
+
+
+def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
+                   ) -> None:
+    """log10 of each tensor's gradient norm, at the steps with per-tensor records."""
     per = [(r["step"], r["per_tensor_norms"]) for r in steps if r.get("per_tensor_norms")]
     names = meta.get("names") or (list(per[0][1]) if per else [])
     if per and names:
-        grid = [[math.log10(v) if v is not None and v > 0 else math.nan
-                 for v in (p.get(n) for n in names)] for _, p in per]
         import numpy as np
 
+        grid = [[math.log10(v) if v is not None and v > 0 else math.nan
+                 for v in (p.get(n) for n in names)] for _, p in per]
         arr = np.ma.masked_invalid(np.array(grid, dtype=float).T)
         px = [p_[0] for p_ in per]
         edges = [px[0] - 0.5] + [(a + b) / 2 for a, b in zip(px, px[1:])] + [px[-1] + 0.5]
@@ -154,10 +157,12 @@ def figure(meta: dict, steps: list[dict], events: list[dict]):
         step = max(1, len(names) // 25)
         ax.set_yticks(range(0, len(names), step), [names[i] for i in range(0, len(names), step)],
                       fontsize=6)
-        fig.colorbar(im, ax=ax, label="log10 grad norm")
+        ax.figure.colorbar(im, ax=ax, label="log10 grad norm")
     ax.set_title("per-tensor gradient norm (log10), steps with per-tensor records")
-    # 6. lr and loss scale
-    ax = axes[5]
+
+
+def _lr_scale_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
+                    ) -> None:
     lr = [_num(r.get("lr")) for r in steps]
     lines = ax.plot(xs, lr, color="#2ca02c", label="learning rate")
     if any(v > 0 for v in lr if math.isfinite(v)):
@@ -171,7 +176,24 @@ def figure(meta: dict, steps: list[dict], events: list[dict]):
         ax2.set_ylabel("loss scale (log)")
     ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="lower left")
     ax.set_title("learning rate and loss scale")
-    for ax in axes:
+
+
+PANELS = ((_loss_panel, 3), (_timeline_panel, 1.6), (_grad_norm_panel, 2),
+          (_nonfinite_panel, 2), (_heatmap_panel, 3), (_lr_scale_panel, 2))
+
+
+def figure(meta: dict, steps: list[dict], events: list[dict]):
+    """The report's plots, one panel of PANELS each, as one matplotlib figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["step"] for r in steps]
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(11, 17), sharex=False,
+                             gridspec_kw={"height_ratios": [h for _, h in PANELS]})
+    for ax, (panel, _) in zip(axes, PANELS):
+        panel(ax, meta, steps, events, xs)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,6 +1,6 @@
 """The fused multi-tensor statistics pass in Triton: backend ``"triton"``.
 
-Reference: ``fasthealth/reference.py`` (SPEC section 2); record and finalisation rules: the
+Reference: ``fasthealth/ops/reference.py`` (SPEC section 2); record and finalisation rules: the
 same as ``csrc/stats.h``. Read top to bottom: the partial record, the three kernels, the
 launcher.
 

@@ -5,7 +5,7 @@
 // for one ISA never leaks into another. No torch or standard-library header is included here,
 // for the same reason.
 //
-// Reference: fasthealth/reference.py. Method, per block of kBlock elements (it stays in L1):
+// Reference: fasthealth/ops/reference.py. Method, per block of kBlock elements (it stays in L1):
 //  - fast path: vectorized min/max/zero count and float64 sums of x and x^2 (float64 keeps the
 //    unshifted variance well conditioned: its error is ~kBlock * 1e-16 * (mean/std)^2, far
 //    inside SPEC's 1e-4 for |mean|/std <= 1e3, and squares of float32 cannot overflow it);

@@ -1,6 +1,6 @@
 // CPU implementation of fasthealth::multi_tensor_stats: one parallel pass over a work list of
 // (tensor, chunk) items covering every input, then a deterministic pairwise merge.
-//   reference: fasthealth/reference.py   kernel: stats_kernel.h   record: ../stats.h
+//   reference: fasthealth/ops/reference.py   kernel: stats_kernel.h   record: ../stats.h
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

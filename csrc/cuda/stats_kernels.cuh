@@ -1,7 +1,7 @@
 // Device code of the CUDA backend (launcher: tensor_stats.cu). It includes no torch header, so
 // that tests/cuda_emu/ can compile these very kernels for the host, one OS thread per CUDA
 // thread, and check them against the reference on a machine without a GPU.
-//   reference: fasthealth/reference.py   record and merge: ../stats.h   work list: work_items.h
+//   reference: fasthealth/ops/reference.py   record and merge: ../stats.h   work list: work_items.h
 //
 // chunk_stats_cuda: a persistent grid walks the (tensor, chunk) work list; each block reduces
 // one chunk at a time to one Partial record. Float32, float16 and bfloat16 chunks take the fast

@@ -1,6 +1,6 @@
 // CUDA implementation of fasthealth::multi_tensor_stats: three launches whatever the number of
 // tensors, no host sync, on the current stream.
-//   reference: fasthealth/reference.py   kernels: stats_kernels.cuh   work list: multi_tensor.cuh
+//   reference: fasthealth/ops/reference.py   kernels: stats_kernels.cuh   work list: multi_tensor.cuh
 //
 // 1. chunk_stats_cuda: a persistent grid reduces each (tensor, chunk) item to one record
 //    (float32 fast path with float64 accumulation, exact fallbacks: see stats_kernels.cuh).

@@ -29,7 +29,7 @@ from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
 from ..stats import MultiTensorStats
 from . import act
-from .detectors import default_detectors
+from .detectors import Detector, default_detectors
 from .events import FATAL_KINDS, Event, NonFiniteError, Observation
 from .record import DeviceRecord, HostStep
 from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
@@ -66,7 +66,9 @@ class Monitor:
     ``optimizer_check_every`` (10: how often optimizer state is scanned for NaN/Inf; 0 never),
     ``snapshot_max_bytes`` (256 MiB: the pre-step parameters of every pending step are kept for
     replay when they fit this budget, flush_every copies in all), ``vanishing_threshold`` (1e-8),
-    ``tensorboard`` (also write scalars to TensorBoard under log_dir), ``backend``.
+    ``tensorboard`` (also write scalars to TensorBoard under log_dir), ``backend``,
+    ``detectors`` (the event rules, ``monitor.detectors.Detector`` instances, in reporting
+    order; default ``default_detectors(...)`` with the options above).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class Monitor:
         vanishing_threshold: float = 1e-8,
         tensorboard: bool = False,
         backend: str | None = None,
+        detectors: list[Detector] | None = None,
     ) -> None:
         _check_options(model, on_nonfinite, flush_every, max_grad_norm)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -105,10 +108,12 @@ class Monitor:
         self.names = [n for n, _ in self.params]
         self.device = self.params[0][1].device
         self.record = DeviceRecord(self.names, flush_every, self.device)
-        self.detectors = default_detectors(
-            self.names, spike_zscore=spike_zscore, spike_window=spike_window,
-            warmup_steps=warmup_steps, vanishing_threshold=vanishing_threshold,
-            min_loss_scale=min_loss_scale if scaler is not None else None)
+        if detectors is None:
+            detectors = default_detectors(
+                self.names, spike_zscore=spike_zscore, spike_window=spike_window,
+                warmup_steps=warmup_steps, vanishing_threshold=vanishing_threshold,
+                min_loss_scale=min_loss_scale if scaler is not None else None)
+        self.detectors = list(detectors)
         self.events: list[Event] = []
         self.steps_seen = 0
         self._next_step = 0

@@ -1,0 +1,152 @@
+"""Evaluates the Monitor's event rules on the corpus of bench/detectors/corpus.py.
+
+    python bench/bench_detectors.py            # full size: every kind, 3 seeds; ~a few minutes
+    python bench/bench_detectors.py --quick    # the CI size: 1 seed, shorter runs
+
+Writes bench/results/detectors.json (or --out) and prints a table: false alarms per healthy
+step (every event of a healthy run is one, and so is any event of a faulty run before its
+onset), and for each fault whether one of its expected kinds fired within its allowed delay,
+and after how many steps. Runs go to two worker processes (one torch thread each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "detectors"))
+
+FULL = {"seeds": 3, "healthy_steps": 700, "fault_steps": 500}
+QUICK = {"seeds": 1, "healthy_steps": 400, "fault_steps": 300}
+
+
+def _job(args: tuple[str, str, int, int]) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    import corpus
+
+    which, name, seed, steps = args
+    t0 = time.time()
+    run = corpus.run_healthy if which == "healthy" else corpus.run_fault
+    r = run(name, seed, steps)
+    r.pop("curve")
+    r["seconds"] = round(time.time() - t0, 2)
+    return r
+
+
+def judge(r: dict) -> dict:
+    """A run's verdict: its false alarms, and for a fault its first expected event."""
+    onset = r.get("onset")
+    events = [(s, k) for s, k, _ in r["events"]]
+    if onset is None:
+        return {"false_alarms": events, "healthy_steps": r["steps"]}
+    before = [(s, k) for s, k in events if s < onset]
+    hits = [s for s, k in events if k in r["expect"] and s >= onset]
+    delay = hits[0] - onset if hits else None
+    caught = delay is not None and delay <= r["max_delay"]
+    return {"false_alarms": before, "healthy_steps": onset, "caught": caught, "delay": delay,
+            "kinds": sorted({k for s, k in events if s >= onset})}
+
+
+def evaluate(size: dict, workers: int = 2, progress: bool = True) -> dict:
+    import corpus
+
+    jobs = [("healthy", n, seed, size["healthy_steps"]) for n in corpus.HEALTHY
+            for seed in range(size["seeds"])]
+    jobs += [("fault", n, seed, size["fault_steps"]) for n in corpus.FAULTS
+             for seed in range(size["seeds"])]
+    runs = []
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc="detector corpus", unit="run", file=sys.stderr)
+        except ImportError:
+            pass
+    with ProcessPoolExecutor(workers) as pool:
+        for r in pool.map(_job, jobs):
+            r.update(judge(r))
+            runs.append(r)
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    return summarize(runs, size)
+
+
+def summarize(runs: list[dict], size: dict) -> dict:
+    healthy_steps = sum(r["healthy_steps"] for r in runs)
+    alarms = [(r["kind"], r["seed"], s, k) for r in runs for s, k in r["false_alarms"]]
+    faults: dict[str, dict] = {}
+    for r in runs:
+        if r.get("onset") is None:
+            continue
+        f = faults.setdefault(r["kind"], {"expect": list(r["expect"]),
+                                          "max_delay": r["max_delay"], "runs": []})
+        f["runs"].append({"seed": r["seed"], "onset": r["onset"], "caught": r["caught"],
+                          "delay": r["delay"], "kinds": r["kinds"]})
+    for f in faults.values():
+        f["caught"] = sum(x["caught"] for x in f["runs"])
+        delays = [x["delay"] for x in f["runs"] if x["caught"]]
+        f["max_observed_delay"] = max(delays) if delays else None
+    return {
+        "size": size,
+        "healthy_kinds": sorted({r["kind"] for r in runs if r.get("onset") is None}),
+        "healthy_steps": healthy_steps,
+        "false_alarms": len(alarms),
+        "false_alarms_per_step": len(alarms) / max(healthy_steps, 1),
+        "false_alarm_list": alarms,
+        "faults": faults,
+        "seconds": round(sum(r["seconds"] for r in runs), 1),
+    }
+
+
+def table(res: dict) -> str:
+    lines = [f"healthy steps: {res['healthy_steps']} over {len(res['healthy_kinds'])} kinds x "
+             f"{res['size']['seeds']} seed(s) (and faulty runs before their onset); false "
+             f"alarms: {res['false_alarms']} ({res['false_alarms_per_step']:.2%} of steps)"]
+    for kind, seed, step, ev in res["false_alarm_list"][:15]:
+        lines.append(f"  false alarm: {kind} seed {seed} step {step}: {ev}")
+    if len(res["false_alarm_list"]) > 15:
+        lines.append(f"  ... {len(res['false_alarm_list']) - 15} more")
+    lines.append(f"\n{'fault':<28} {'caught':>7} {'delays':>14} {'allowed':>8}  events seen")
+    for kind, f in res["faults"].items():
+        delays = ",".join("-" if x["delay"] is None else str(x["delay"]) for x in f["runs"])
+        seen = sorted({k for x in f["runs"] for k in x["kinds"]})
+        lines.append(f"{kind:<28} {f['caught']:>3}/{len(f['runs']):<3} {delays:>14} "
+                     f"{f['max_delay']:>8}  {', '.join(seen)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the reduced size CI runs")
+    ap.add_argument("--out", default=str(HERE / "results" / "detectors.json"))
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    args = ap.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    t0 = time.time()
+    res = evaluate(size, args.workers)
+    res["wall_seconds"] = round(time.time() - t0, 1)
+    res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
+    print(table(res))
+    print(f"\n{res['wall_seconds']} s wall, {res['seconds']} s of training")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    ok = res["false_alarms"] == 0 and all(f["caught"] == len(f["runs"])
+                                          for f in res["faults"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
