@@ -1,7 +1,7 @@
 """Evaluates the Monitor's event rules on the corpus of bench/detectors/corpus.py.
 
-    python bench/bench_detectors.py            # full size: every kind, 3 seeds; ~a few minutes
-    python bench/bench_detectors.py --quick    # the CI size: 1 seed, shorter runs
+    python bench/bench_detectors.py            # calibration seeds and held-out seeds; ~3 min
+    python bench/bench_detectors.py --quick    # the CI size: one seed of every run
 
 Writes bench/results/detectors.json (or --out) and prints a table: false alarms per healthy
 step (every event of a healthy run is one, and so is any event of a faulty run before its
@@ -23,8 +23,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "detectors"))
 
-FULL = {"seeds": 3, "healthy_steps": 700, "fault_steps": 500}
-QUICK = {"seeds": 1, "healthy_steps": 400, "fault_steps": 300}
+# Calibration: the thresholds in fasthealth/monitor/detectors.py were chosen on these seeds.
+# Held out: seeds never looked at while choosing them; their table is the honest estimate.
+FULL = {"seeds": range(5), "healthy_steps": 700, "fault_steps": 500}
+HELD_OUT = {"seeds": range(5, 15), "fault_seeds": range(5, 10), "healthy_steps": 700,
+            "fault_steps": 500}
+QUICK = {"seeds": range(1), "healthy_steps": 700, "fault_steps": 500}
 
 
 def _job(args: tuple[str, str, int, int]) -> dict:
@@ -60,9 +64,9 @@ def evaluate(size: dict, workers: int = 2, progress: bool = True) -> dict:
     import corpus
 
     jobs = [("healthy", n, seed, size["healthy_steps"]) for n in corpus.HEALTHY
-            for seed in range(size["seeds"])]
+            for seed in size["seeds"]]
     jobs += [("fault", n, seed, size["fault_steps"]) for n in corpus.FAULTS
-             for seed in range(size["seeds"])]
+             for seed in size.get("fault_seeds", size["seeds"])]
     runs = []
     bar = None
     if progress:
@@ -99,7 +103,7 @@ def summarize(runs: list[dict], size: dict) -> dict:
         delays = [x["delay"] for x in f["runs"] if x["caught"]]
         f["max_observed_delay"] = max(delays) if delays else None
     return {
-        "size": size,
+        "size": {k: (list(v) if isinstance(v, range) else v) for k, v in size.items()},
         "healthy_kinds": sorted({r["kind"] for r in runs if r.get("onset") is None}),
         "healthy_steps": healthy_steps,
         "false_alarms": len(alarms),
@@ -111,9 +115,11 @@ def summarize(runs: list[dict], size: dict) -> dict:
 
 
 def table(res: dict) -> str:
+    seeds = res["size"]["seeds"]
     lines = [f"healthy steps: {res['healthy_steps']} over {len(res['healthy_kinds'])} kinds x "
-             f"{res['size']['seeds']} seed(s) (and faulty runs before their onset); false "
-             f"alarms: {res['false_alarms']} ({res['false_alarms_per_step']:.2%} of steps)"]
+             f"{len(seeds)} seed(s) ({seeds[0]}..{seeds[-1]}), and faulty runs before their "
+             f"onset; false alarms: {res['false_alarms']} "
+             f"({res['false_alarms_per_step']:.3%} of steps)"]
     for kind, seed, step, ev in res["false_alarm_list"][:15]:
         lines.append(f"  false alarm: {kind} seed {seed} step {step}: {ev}")
     if len(res["false_alarm_list"]) > 15:
@@ -134,18 +140,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "detectors.json"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args(argv)
-    size = QUICK if args.quick else FULL
     t0 = time.time()
-    res = evaluate(size, args.workers)
-    res["wall_seconds"] = round(time.time() - t0, 1)
-    res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count()}
-    print(table(res))
-    print(f"\n{res['wall_seconds']} s wall, {res['seconds']} s of training")
+    out = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
+    for name, size in ([("quick", QUICK)] if args.quick else
+                       [("calibration", FULL), ("held_out", HELD_OUT)]):
+        res = evaluate(size, args.workers)
+        print(f"== {name}\n{table(res)}\n")
+        out[name] = res
+    out["wall_seconds"] = round(time.time() - t0, 1)
+    print(f"{out['wall_seconds']} s wall")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    ok = res["false_alarms"] == 0 and all(f["caught"] == len(f["runs"])
-                                          for f in res["faults"].values())
-    return 0 if ok else 1
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    first = out["quick" if args.quick else "calibration"]
+    return 0 if perfect(first) else 1
+
+
+def perfect(res: dict) -> bool:
+    """No false alarm, and every fault caught within its allowed delay."""
+    return res["false_alarms"] == 0 and all(f["caught"] == len(f["runs"])
+                                            for f in res["faults"].values())
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ from .ops.reference import merge_rows
 from .stats import RangeStats
 
 
+ROOT = "(model)"  # the name of the model itself with modules="all"
+
+
 def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.layout == torch.strided and not obj.is_complex() else []
@@ -38,19 +41,23 @@ class ActivationMonitor:
     """Hooks on the selected modules of ``model``.
 
     Args:
-        modules: None for every leaf module; a regex (``re.search`` on the qualified name); or
-            a list of module names.
+        modules: None for every leaf module; ``"all"`` for every module, the model itself
+            (named ``"(model)"``) and the containers too, so that a value made inside a container's
+            own forward code is attributed to it; a regex (``re.search`` on the qualified
+            name); or a list of module names.
         every: record one forward/backward in ``every`` (sampling).
         allow_inf: regex of module names whose outputs may hold intended infinities (attention
             masks filled with -inf): they are not reported, and infinities downstream of them
             are not held against later modules' inputs (NaN always is).
-        grads: also hook the backward pass.
+        grads: also hook the backward pass (True), only on the leaf modules among those chosen
+            ("leaves": full backward hooks on containers are costly and clash with in-place
+            ops that follow them), or not (False).
         range_dtype: also count, in the same pass, values that would overflow or underflow
             this dtype (``stats()`` then has ``overflow_frac``/``underflow_frac``/``headroom``).
     """
 
     def __init__(self, model: torch.nn.Module, modules: Any = None, every: int = 1, *,
-                 allow_inf: str | None = None, grads: bool = True,
+                 allow_inf: str | None = None, grads: bool | str = True,
                  range_dtype: torch.dtype | None = None, backend: str | None = None) -> None:
         if every < 1:
             raise ValueError(f"fasthealth: every must be >= 1, got {every}")
@@ -59,6 +66,8 @@ class ActivationMonitor:
         named = list(model.named_modules())
         if modules is None:
             chosen = [(n, m) for n, m in named if n and not list(m.children())]
+        elif modules == "all":
+            chosen = [(n or ROOT, m) for n, m in named]
         elif isinstance(modules, str):
             rx = re.compile(modules)
             chosen = [(n, m) for n, m in named if n and rx.search(n)]
@@ -82,7 +91,10 @@ class ActivationMonitor:
         # for a model's input): harmless here, and it would fire on every backward.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
         root = model
-        self._chosen, self._grads = chosen, grads
+        self._all = modules == "all"
+        self._grads = bool(grads)
+        self._chosen = (chosen if grads != "leaves"
+                        else [(n, m) for n, m in chosen if not list(m.children())])
         self._backward_handles: list = []
         self._handles.append(root.register_forward_pre_hook(self._start_pass))
         for name, m in chosen:
@@ -140,8 +152,13 @@ class ActivationMonitor:
         return out
 
     def _scan(self, store: list) -> tuple[str | None, str | None]:
-        """(first producer, first module that received non-finite inputs nobody produced)."""
-        upstream_inf = False
+        """(first producer, first module that received non-finite inputs nobody produced).
+
+        Modules are scanned in the order their calls finished (inner before outer). With leaf
+        modules only, a module that receives non-finite inputs ends the scan: they came from
+        outside the hooked modules. With every module hooked (``modules="all"``), it is only
+        passing them on: the scan goes on to its container, whose own code made them."""
+        upstream_inf, received = False, None
         for name, rows, n_in in self._host(store):
             ins, outs = rows[:n_in], rows[n_in:-1]
             allowed = self._allow is not None and self._allow.search(name) is not None
@@ -156,8 +173,10 @@ class ActivationMonitor:
             if inputs_clean and (out_nan > 0 or (out_inf > 0 and not upstream_inf)):
                 return name, None
             if not inputs_clean:
-                return None, name  # the non-finite values came from outside the hooked modules
-        return None, None
+                if not self._all:
+                    return None, name  # they came from outside the hooked modules
+                received = received or name
+        return None, received
 
     @property
     def first_nonfinite(self) -> str | None:

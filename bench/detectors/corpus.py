@@ -10,8 +10,8 @@ MLP with LayerNorm under warm-up and decay, a GRU on sequences, an autoencoder.
 
 Faults: non-finite input, a non-finite value made inside the model (a fully masked attention
 row), one garbage batch, one mislabelled batch, an LR far too high from the start, an LR jump,
-a slow steady divergence (1% a step), dead ReLUs, saturated sigmoids, exploding weights, fp16
-overflow under a GradScaler, optimizer-state corruption.
+alternating data sources, a slow steady divergence (1% a step), dead ReLUs, saturated
+sigmoids, exploding weights, fp16 overflow under a GradScaler, optimizer-state corruption.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fasthealth as fh
-from fasthealth.monitor.detectors import Detector, default_detectors
+from fasthealth.monitor.detectors import Detector
 from fasthealth.monitor.record import HostStep
 
 NAN, INF = float("nan"), float("inf")
@@ -298,15 +298,10 @@ def train(setup: Setup, steps: int, before: Fault | None = None,
     batch, ``after_backward(step, batch, setup)`` may touch gradients. Returns the events as
     (step, kind, message) and, with ``record``, every step's record."""
     m = setup.model
-    names = [n for n, p in m.named_parameters() if p.requires_grad]
-    opts = dict(flush_every=50, scaler=setup.scaler, **setup.monitor)
-    rules = default_detectors(
-        names, spike_zscore=opts.pop("spike_zscore", 6.0),
-        spike_window=opts.pop("spike_window", 128), warmup_steps=opts.pop("warmup_steps", 20),
-        vanishing_threshold=opts.pop("vanishing_threshold", 1e-8),
-        min_loss_scale=opts.pop("min_loss_scale", 1.0) if setup.scaler is not None else None)
+    mon = fh.Monitor(m, setup.opt, flush_every=50, scaler=setup.scaler, **setup.monitor)
     rec = Recorder()
-    mon = fh.Monitor(m, setup.opt, detectors=rules + ([rec] if record else []), **opts)
+    if record:
+        mon.detectors.append(rec)
     for step in range(steps):
         batch = setup.data(step)
         if before is not None:
@@ -438,10 +433,12 @@ def f_masked_row(step, batch, s, at):
 
 
 def f_garbage(step, batch, s, at):
+    """A batch of random bytes decoded as text (a corrupt shard): uniformly random tokens."""
     if step == at:
-        x, y = batch
+        ids, targets = batch
         g = torch.Generator().manual_seed(step)
-        return torch.randn(x.shape, generator=g) * 4, y
+        junk = torch.randint(0, 32, (ids.shape[0], ids.shape[1] + 1), generator=g)
+        return junk[:, :-1], junk[:, 1:]
     return batch
 
 
@@ -449,6 +446,16 @@ def f_mislabel(step, batch, s, at):
     if step == at:
         x, y = batch
         return x, (y + 1 + torch.randint(0, 4, y.shape)) % 5
+    return batch
+
+
+def f_alternate(step, batch, s, at):
+    """From onset the loader alternates between two unshuffled sources, one clean and one with
+    labels far noisier: large swings every other step, no progress."""
+    if step >= at and step % 2:
+        x, y = batch
+        g = torch.Generator().manual_seed(step)
+        return x, y + 2.0 * torch.randn(y.shape, generator=g)
     return batch
 
 
@@ -462,11 +469,14 @@ def f_lr_jump(step, batch, s, at):
 
 
 def f_drift(step, batch, s, at):
-    """The targets' scale drifts up 0.5% a step from onset (a data pipeline bug): the loss, a
-    square, rises about 1% a step."""
+    """From onset, a growing share of each batch's tokens is random (0.4% more a step: a data
+    pipeline going bad): the loss rises about 1% a step."""
     if step >= at:
-        x, y = batch
-        return x, y * 1.005 ** (step - at)
+        ids, targets = batch
+        g = torch.Generator().manual_seed(step)
+        junk = torch.rand(targets.shape, generator=g) < min(1.0, 0.004 * (step - at))
+        targets = torch.where(junk, torch.randint(0, 32, targets.shape, generator=g), targets)
+        return ids, targets
     return batch
 
 
@@ -478,9 +488,11 @@ def f_dead_relu(step, batch, s, at):
 
 
 def f_saturate(step, batch, s, at):
-    if step == at:
-        with torch.no_grad():
-            s.model[0].weight.mul_(60.0)  # the first sigmoid layer saturates
+    """From onset the features arrive raw, in the tens of thousands (a normalisation step dropped),
+    and the first sigmoid layer saturates: its gradients collapse to 1e-12 and below."""
+    if step >= at:
+        x, y = batch
+        return x * 30000.0, y
     return batch
 
 
@@ -540,19 +552,21 @@ HEALTHY["fp16_gradscaler"] = fp16_scaler
 FAULTS: dict[str, FaultSpec] = {
     "nonfinite_input": FaultSpec(h_regression, NONFINITE, 0, before=f_nan_input),
     "nonfinite_inside_model": FaultSpec(h_char_transformer, NONFINITE, 0, before=f_masked_row),
-    "garbage_batch": FaultSpec(h_regression, SPIKES, 0, onset=0.8, before=f_garbage),
+    "garbage_batch": FaultSpec(h_char_transformer, SPIKES, 0, onset=0.8, before=f_garbage),
     "mislabelled_batch": FaultSpec(h_classification_cosine, SPIKES, 0, onset=0.7,
                                    before=f_mislabel),
     "lr_too_high_from_start": FaultSpec(too_high_lr, NONFINITE + SPIKES + (
         "divergence", "oscillation"), 100, onset=0.0),
+    "alternating_sources": FaultSpec(h_regression, ("oscillation",), 40, before=f_alternate),
     "lr_jump": FaultSpec(h_char_transformer, SPIKES + ("divergence", "oscillation"), 10,
                          before=f_lr_jump),
-    "slow_divergence": FaultSpec(h_regression, ("divergence",), 40, onset=0.5, before=f_drift),
+    "slow_divergence": FaultSpec(h_char_transformer, ("divergence",), 40, onset=0.5,
+                                 before=f_drift),
     "dead_relu_layer": FaultSpec(relu_deep, ("vanishing_grad",), 5, before=f_dead_relu),
     "saturated_sigmoids": FaultSpec(sigmoid_stack, ("vanishing_grad",), 5, before=f_saturate),
     "exploding_weights": FaultSpec(relu_deep, SPIKES + ("exploding_grad", "divergence"), 20,
                                    onset=0.5, before=f_explode_weights),
-    "fp16_overflow_gradscaler": FaultSpec(fp16_scaler, NONFINITE + ("loss_scale_collapse",), 2,
+    "fp16_overflow_gradscaler": FaultSpec(fp16_scaler, NONFINITE + ("loss_scale_collapse",), 10,
                                           before=f_fp16_overflow),
     "optimizer_state_corruption": FaultSpec(h_regression, NONFINITE + (
         "optimizer_state_nonfinite",), 10, before=f_corrupt_state),

@@ -2,25 +2,40 @@
 
 A ``Detector`` observes the host record of each step (``record.HostStep``), in step order at
 each Monitor flush, keeps its own state across flushes, and returns ``(kind, message, details)``
-tuples for that step. ``default_detectors`` builds the Monitor's set, in reporting order:
-``nonfinite_loss``, ``nonfinite_grad``, ``loss_spike``, ``divergence``, ``oscillation``,
-``grad_norm_spike``, ``vanishing_grad``, ``optimizer_state_nonfinite``, ``loss_scale_collapse``.
+tuples for that step. ``default_detectors`` builds the Monitor's set, in reporting order.
 
-Defaults and where the rules come from:
+The rules are calibrated on the corpus of ``bench/detectors/`` (healthy runs of ten kinds and a
+dozen faults; ``python bench/bench_detectors.py``): at the defaults they raise no event on any
+healthy run. What makes that possible:
 
-- spikes (``loss_spike``, ``grad_norm_spike``): z-score of the value against the mean and std of
-  the last ``window`` finite, non-spike values, armed after ``warmup`` such values; a spike is
-  not added to the window (OLMo-core's spike detection). Only upward spikes count.
-- ``divergence``: a sustained upward trend: the median of the last 10 losses has stood more
-  than ``ratio`` (50%) above the median of the ``window`` (50) losses before them for
-  ``patience`` (5) steps, and a least-squares line through all 60 rises. Medians keep a lone
-  spike from counting as a trend. Fires once, re-arms when the loss comes back.
-- ``oscillation``: over the last ``window`` losses, at least ``alternation`` (80%) of successive
-  differences change sign, their mean size exceeds ``amplitude`` (10%) of the mean loss, and the
-  fitted slope does not fall by more than that size over the window: large swings, no progress.
-- ``vanishing_grad``: the global gradient norm is below ``abs_threshold`` (1e-8), or more than
-  ``rel_drop`` (1e4) times below the median of the recent finite norms, for ``patience`` (3)
-  steps in a row.
+- Losses and gradient norms are judged in log space (when positive), against robust statistics
+  of their own recent history: the median, and a *noise unit*, the 90th percentile of the
+  absolute deviations from it divided by 1.645 (the standard deviation, for normal noise).
+  Minibatch noise is heavy-tailed and multiplicative; mean and standard deviation over a window
+  that still holds the fast early descent were too wide to see a late garbage batch, and too
+  narrow at a noisy loss floor.
+- ``loss_spike``, ``grad_norm_spike``: the value stands more than ``zscore`` (5) noise units
+  above the median of the last ``window`` (128) finite, non-spike values, after ``warmup`` (20)
+  of them, on the linear scale and on the log scale both (near a loss floor of 0.01, healthy
+  batches reach 50x the median: large on the log scale, small on the linear one). Before that, a loss above 4x, or a gradient norm above 100x, its first values is a
+  spike too (an LR far too high from the start). After 5 spikes in a row the level is new.
+- ``divergence``: the log-loss rises steadily: a line fitted to the last 40 losses climbs with a
+  t-statistic above 5 and by more than 20% over the window, and the recent median stands 20%
+  above the best median seen so far.
+- ``oscillation``: over the last 24 losses, successive deviations from the trend alternate (lag-1
+  autocorrelation below -0.5), their swings are 3x the swings the run showed before, and the
+  loss does not trend down. Minibatch noise alternates too (autocorrelation near 0, up/down
+  2/3 of the time), but with the swings of its own past.
+- ``vanishing_grad``: the global norm below ``abs_threshold`` (1e-8) or 1e4 times below its
+  recent median for 3 steps; or, per tensor, a gradient that collapses to below 1e-3 of its own
+  recent level (an exponential average of its log norm) for 3 steps (dead ReLUs, saturated
+  sigmoids), named in the event.
+- ``exploding_grad``: a tensor's gradient norm above 100x its own recent level.
+- ``nonfinite_loss``, ``nonfinite_grad``: at the step itself. Under a ``GradScaler`` an overflow
+  step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
+  work, not an event; ``loss_scale_collapse`` reports the scale falling below ``min_loss_scale`` or by 8x or
+  more within 10 steps (three back-offs: the overflow is persistent).
+- ``optimizer_state_nonfinite``: NaN/Inf in the optimizer's state at a scan.
 """
 
 from __future__ import annotations
@@ -29,9 +44,14 @@ import math
 import statistics
 from collections import deque
 
+import torch
+
 from .record import HostStep
 
 Found = tuple[str, str, dict]
+
+NOISE_QUANTILE = 0.9
+NOISE_PER_SIGMA = 1.6449  # the 90th percentile of |N(0, 1)|
 
 
 class Detector:
@@ -45,96 +65,218 @@ def _skipped(s: HostStep) -> bool:
     return s.values["skipped"] > 0
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def robust_center(values: list[float]) -> tuple[float, float]:
+    """(median, noise unit): the 90th percentile of |x - median| over 1.645."""
+    m = statistics.median(values)
+    noise = _quantile([abs(v - m) for v in values], NOISE_QUANTILE) / NOISE_PER_SIGMA
+    return m, noise
+
+
+def _slope_t(ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ys against 0..n-1, and its t-statistic."""
+    n = len(ys)
+    xm = (n - 1) / 2
+    ym = statistics.fmean(ys)
+    sxx = sum((i - xm) ** 2 for i in range(n))
+    slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sxx
+    resid = sum((y - ym - slope * (i - xm)) ** 2 for i, y in enumerate(ys))
+    se = math.sqrt(resid / max(n - 2, 1) / sxx)
+    return slope, (slope / se if se > 0 else (math.inf if slope > 0 else 0.0))
+
+
 class NonFiniteLossDetector(Detector):
     def observe(self, s: HostStep) -> list[Found]:
         v = s.values
         if v["loss_finite"]:
             return []
         action = " (step skipped)" if _skipped(s) else ""
-        return [("nonfinite_loss", f"loss is {v['loss']}{action}",
+        return [("nonfinite_loss",
+                 f"loss is {v['loss']}{action}. Check first: the batch (fh.replay on this "
+                 "event's dump says whether it reproduces and which module made the first "
+                 "NaN/Inf), then the loss function's logs, divisions and masks",
                  {"loss": v["loss"], "skipped": _skipped(s)})]
 
 
 class NonFiniteGradDetector(Detector):
-    """Names the tensors whose gradients hold NaN/Inf (the first five in the message)."""
+    """Names the tensors whose gradients hold NaN/Inf (the first five in the message). With a
+    GradScaler, overflow steps (a finite loss, Inf but no NaN in the gradients, skipped) are the
+    scaler at work and left to ``LossScaleDetector``; a NaN is always reported."""
 
-    def __init__(self, names: list[str]):
-        self.names = names
+    def __init__(self, names: list[str], scaler: bool = False):
+        self.names, self.scaler = names, scaler
 
     def observe(self, s: HostStep) -> list[Found]:
         v = s.values
-        if v["grads_finite"]:
+        overflow = self.scaler and v["loss_finite"] and v["nan_count"] == 0 and _skipped(s)
+        if v["grads_finite"] or overflow:
             return []
         bad = {self.names[i]: int(c) for i, c in enumerate(s.per_bad) if c == c and c > 0}
         shown = ", ".join(list(bad)[:5]) + (" ..." if len(bad) > 5 else "")
         action = " (step skipped)" if _skipped(s) else ""
         return [("nonfinite_grad",
                  f"{int(v['nan_count'])} NaN and {int(v['inf_count'])} Inf gradient values in "
-                 f"{len(bad)} tensor(s): {shown}{action}",
+                 f"{len(bad)} tensor(s): {shown}{action}. Check first: whether the loss was "
+                 "finite (if so, the backward pass of the first tensor named made it: "
+                 "fh.replay names the module), then fp16 ranges",
                  {"tensors": bad, "nan_count": int(v["nan_count"]),
                   "inf_count": int(v["inf_count"]), "skipped": _skipped(s)})]
 
 
-class SpikeDetector(Detector):
-    """z-score of a value (the step's ``field``) against a window of recent finite, non-spike
-    values; with ``finite_grads_only`` steps with non-finite gradients are not looked at."""
+def spike_score(values: list[float], x: float) -> float:
+    """How far ``x`` stands above ``values``, in noise units, on both the linear and the log
+    scale (the smaller of the two: a spike must stand out on both; the log scale only when
+    every value is positive)."""
+    m, noise = robust_center(values)
+    z = (x - m) / noise if noise > 0 else (math.inf if x > m else 0.0)
+    if x > 0 and min(values) > 0:
+        logs = [math.log(v) for v in values]
+        m, noise = robust_center(logs)
+        lx = math.log(x)
+        z = min(z, (lx - m) / noise if noise > 0 else (math.inf if lx > m else 0.0))
+    return z
 
-    def __init__(self, kind: str, label: str, zscore: float, window: int, warmup: int,
-                 max_run: int = 5, field: str = "loss", finite_grads_only: bool = False):
-        self.kind, self.label = kind, label
-        self.field, self.finite_grads_only = field, finite_grads_only
-        self.zscore, self.warmup, self.max_run = zscore, warmup, max_run
+
+class _Series:
+    """One watched series of a ``SpikeDetector``: its window of finite, non-spike values, its
+    first values, and its run of spikes."""
+
+    def __init__(self, label: str, window: int, early_ratio: float, advice: str):
+        self.label, self.early_ratio, self.advice = label, early_ratio, advice
         self.values: deque[float] = deque(maxlen=window)
+        self.first: list[float] = []
         self.run = 0
+        self.high = 0  # steps in a row above the shift threshold
+        self.shifted = False
+
+    def score(self, value: float, warmup: int) -> float | None:
+        """The spike score of ``value``; None while the window is not armed (or no value)."""
+        if not math.isfinite(value):
+            return None
+        if len(self.first) < 3:
+            self.first.append(value)
+        if len(self.values) < max(warmup, 3):
+            return None
+        return spike_score(list(self.values), value)
+
+    def early(self, value: float) -> float | None:
+        """value / its first values, when that exceeds ``early_ratio`` (no window needed)."""
+        ref = statistics.median(self.first) if self.first else math.nan
+        if math.isfinite(value) and ref > 0 and value > self.early_ratio * ref:
+            return value / ref
+        return None
+
+    def settle(self, value: float, spike: bool, max_run: int) -> bool:
+        """Takes ``value`` into the window unless it is a spike; a run of ``max_run`` spikes is a
+        new level, taken in. Returns whether to report ``value`` as a spike."""
+        if not math.isfinite(value):
+            return False
+        if not spike:
+            self.run = 0
+            self.values.append(value)
+            return False
+        if self.run >= max_run:
+            self.values.append(value)
+            return False
+        self.run += 1
+        return True
+
+
+class SpikeDetector(Detector):
+    """``loss_spike`` and ``grad_norm_spike``; see the module docstring. A value is a spike
+    when its score exceeds ``zscore``, or when the loss and the gradient norm of the same step
+    both exceed ``joint`` times it (a bad batch moves both), or, before the windows are armed,
+    when it exceeds its first values ``early_ratio`` times."""
+
+    ADVICE = {
+        "loss": "Check first: this step's batch (its dump: fh.replay) for corrupt, mislabelled or "
+                "out-of-distribution samples",
+        "grad_norm": "Check first: this step's batch, then the learning rate; clipping "
+                     "(max_grad_norm) bounds the damage",
+    }
+
+    def __init__(self, zscore: float = 6.0, window: int = 128, warmup: int = 20,
+                 joint: float = 2 / 3, shift: float = 0.6, shift_steps: int = 3,
+                 max_run: int = 5, early_loss: float = 4.0, early_grad_norm: float = 100.0):
+        self.zscore, self.joint, self.warmup, self.max_run = zscore, joint, warmup, max_run
+        self.shift, self.shift_steps = shift, shift_steps
+        self.series = {
+            "loss": _Series("loss", window, early_loss, self.ADVICE["loss"]),
+            "grad_norm": _Series("global grad norm", window, early_grad_norm,
+                                 self.ADVICE["grad_norm"]),
+        }
 
     def observe(self, s: HostStep) -> list[Found]:
-        if self.finite_grads_only and not s.values["grads_finite"]:
-            return []
-        return self.update(s.values[self.field])
-
-    def update(self, value: float) -> list[Found]:
-        if not math.isfinite(value):
-            return []
-        found: list[Found] = []
-        if self.run >= self.max_run:
-            # A run of spikes is a new level, not a spike: accept it into the window and stay
-            # quiet until the values are back in range.
-            mean = statistics.fmean(self.values)
-            std = statistics.pstdev(self.values)
-            self.values.append(value)
-            if not (std > 0 and (value - mean) / std > self.zscore):
-                self.run = 0
-            return found
-        if len(self.values) >= max(self.warmup, 2):
-            mean = statistics.fmean(self.values)
-            std = statistics.pstdev(self.values)
-            z = (value - mean) / std if std > 0 else (math.inf if value > mean else 0.0)
-            if z > self.zscore:
-                found.append((
-                    self.kind,
-                    f"{self.label} {value:.4g} is {z:.1f} std above its recent mean {mean:.4g}",
-                    {"value": value, "zscore": z, "window_mean": mean, "window_std": std,
-                     "window": len(self.values), "threshold": self.zscore},
-                ))
-                self.run += 1
-                return found  # a spike stays out of the window
-        self.run = 0
-        self.values.append(value)
+        values = {"loss": s.values["loss"],
+                  "grad_norm": s.values["grad_norm"] if s.values["grads_finite"] else math.nan}
+        z = {k: self.series[k].score(v, self.warmup) for k, v in values.items()}
+        both = all(x is not None and x > self.joint * self.zscore for x in z.values())
+        found = []
+        for key, ser in self.series.items():
+            v, zk = values[key], z[key]
+            if zk is None:
+                ratio = ser.early(v) if math.isfinite(v) else None
+                if ratio is not None:
+                    found.append(self._early(key, ser, v, ratio))
+                elif math.isfinite(v) and len(ser.values) < max(self.warmup, 3):
+                    ser.values.append(v)
+                continue
+            if ser.settle(v, zk > self.zscore or both, self.max_run):
+                found.append(self._spike(key, ser, v, zk, both))
+            elif self._shifted(ser, zk):
+                found.append(self._shift(key, ser, v, zk))
         return found
 
+    def _shifted(self, ser: _Series, z: float) -> bool:
+        """``shift_steps`` steps in a row above ``shift`` times the threshold: a new level,
+        reported once until the series comes back."""
+        ser.high = ser.high + 1 if z > self.shift * self.zscore else 0
+        if ser.high == 0:
+            ser.shifted = False
+        if ser.high >= self.shift_steps and not ser.shifted:
+            ser.shifted = True
+            return True
+        return False
 
-def _slope(ys: list[float]) -> float:
-    n = len(ys)
-    xm = (n - 1) / 2
-    ym = statistics.fmean(ys)
-    num = sum((i - xm) * (y - ym) for i, y in enumerate(ys))
-    den = sum((i - xm) ** 2 for i in range(n))
-    return num / den if den else 0.0
+    def _shift(self, key: str, ser: _Series, value: float, z: float) -> Found:
+        median = statistics.median(ser.values)
+        return (f"{key}_spike",
+                f"{ser.label} stepped up and stayed: {ser.high} steps in a row more than "
+                f"{self.shift * self.zscore:.1f} noise units above its recent median "
+                f"{median:.4g} (now {value:.4g}). Check first: a change of learning rate "
+                f"(schedule, a restart), then a change in the data. {ser.advice}",
+                {"value": value, "zscore": z, "window_median": median, "steps": ser.high,
+                 "threshold": self.shift * self.zscore, "shift": True})
+
+    def _spike(self, key: str, ser: _Series, value: float, z: float, both: bool) -> Found:
+        median = statistics.median(ser.values)
+        ratio = f" ({value / median:.3g}x)" if median > 0 else ""
+        joint = (" (the loss and the gradient norm jumped together)"
+                 if both and not z > self.zscore else "")
+        return (f"{key}_spike",
+                f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
+                f"{median:.4g}{ratio}{joint}. {ser.advice}",
+                {"value": value, "zscore": z, "window_median": median,
+                 "window": len(ser.values), "threshold": self.zscore, "joint": both})
+
+    def _early(self, key: str, ser: _Series, value: float, ratio: float) -> Found:
+        return (f"{key}_spike",
+                f"{ser.label} {value:.4g} is {ratio:.3g}x its first values early in training. "
+                "Check first: the learning rate and its warm-up (far too high from the "
+                f"start?), then the initialisation. {ser.advice}",
+                {"value": value, "ratio": ratio, "threshold": ser.early_ratio, "early": True})
 
 
 class LossTrendDetector(Detector):
-    """Base of the rules over a window of recent finite losses: ``judge`` runs once the window
-    holds ``min_len`` losses and more than ``warmup`` have been seen."""
+    """Base of the rules over a window of recent finite log-losses: ``judge`` runs once the
+    window holds ``min_len`` values and more than ``warmup`` have been seen."""
 
     def __init__(self, maxlen: int, min_len: int, warmup: int):
         self.history: deque[float] = deque(maxlen=maxlen)
@@ -149,70 +291,90 @@ class LossTrendDetector(Detector):
         if not math.isfinite(loss):
             return []
         self.seen += 1
-        self.history.append(loss)
+        self.history.append(math.log(loss) if loss > 0 else math.nan)
         if self.seen <= self.warmup or len(self.history) < self.min_len:
             return []
-        return self.judge(list(self.history), loss)
+        ys = list(self.history)
+        if any(y != y for y in ys):  # a loss <= 0: no log scale to judge trends on
+            return []
+        return self.judge(ys, loss)
 
-    def judge(self, values: list[float], loss: float) -> list[Found]:
+    def judge(self, ys: list[float], loss: float) -> list[Found]:
         raise NotImplementedError
 
 
 class DivergenceDetector(LossTrendDetector):
-    """A sustained rise: the median of the last ``short`` losses stands ``ratio`` above the
-    median of the ``window`` losses before them for ``patience`` steps in a row, while a line
-    fitted to those ``window + short`` losses rises. Medians keep lone spikes out of it."""
+    """A steady rise of the log-loss; see the module docstring."""
 
-    def __init__(self, window: int = 50, ratio: float = 0.5, warmup: int = 20,
-                 patience: int = 5, short: int = 10):
-        super().__init__(window + short, short + 10, warmup)
-        self.ratio, self.patience, self.short = ratio, patience, short
-        self.above_for = 0
+    def __init__(self, window: int = 40, t_min: float = 5.0, rise: float = 0.2,
+                 warmup: int = 20, short: int = 10):
+        super().__init__(window, window, warmup)
+        self.t_min, self.rise, self.short = t_min, rise, short
+        self.best = math.inf  # lowest median of `short` losses seen
 
-    def judge(self, values: list[float], loss: float) -> list[Found]:
-        recent = statistics.median(values[-self.short:])
-        ref = statistics.median(values[:-self.short])
-        above = recent > ref + self.ratio * abs(ref)
-        self.above_for = self.above_for + 1 if above else 0
-        if not above:
-            self.active = False
+    def judge(self, ys: list[float], loss: float) -> list[Found]:
+        recent = statistics.median(ys[-self.short:])
+        self.best = min(self.best, recent)
+        slope, t = _slope_t(ys)
+        total = math.expm1(slope * (len(ys) - 1))
+        above = math.expm1(recent - self.best)
+        rising = t > self.t_min and total > self.rise and above > self.rise
+        if not rising:
+            if above < self.rise / 2:
+                self.active = False
             return []
-        if self.above_for >= self.patience and not self.active and _slope(values) > 0:
-            self.active = True
-            rise = (recent / ref - 1) * 100 if ref > 0 else math.inf
-            return [("divergence",
-                     f"loss trending up: the median of the last {self.short} losses, "
-                     f"{recent:.4g}, is {rise:.0f}% above the {len(values) - self.short} "
-                     f"before them ({ref:.4g})",
-                     {"median": recent, "reference_median": ref, "loss": loss})]
-        return []
+        if self.active:
+            return []
+        self.active = True
+        return [("divergence",
+                 f"loss rising steadily: {math.expm1(slope):+.1%} a step over the last "
+                 f"{len(ys)} steps (t = {t:.1f}), {above:.0%} above its best "
+                 f"({math.exp(self.best):.4g}). Check first: the learning rate (schedule, "
+                 "warm-up end), then the data stream (a shift in what the batches hold), "
+                 "then the optimizer state",
+                 {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
+                  "above_best": above, "best": math.exp(self.best), "loss": loss})]
 
 
 class OscillationDetector(LossTrendDetector):
-    def __init__(self, window: int = 20, alternation: float = 0.8, amplitude: float = 0.1,
-                 warmup: int = 20):
+    """Swings that alternate and exceed the run's own noise; see the module docstring."""
+
+    def __init__(self, window: int = 32, autocorr: float = -0.8, amplitude: float = 3.0,
+                 warmup: int = 20, history: int = 512):
         super().__init__(window, window, warmup)
-        self.alternation, self.amplitude = alternation, amplitude
+        self.autocorr, self.amplitude = autocorr, amplitude
+        self.swings: deque[float] = deque(maxlen=history)
 
     def judge(self, ys: list[float], loss: float) -> list[Found]:
-        diffs = [b - a for a, b in zip(ys, ys[1:])]
-        flips = sum(1 for a, b in zip(diffs, diffs[1:]) if a * b < 0) / (len(diffs) - 1)
-        swing = statistics.fmean(abs(d) for d in diffs)
-        level = abs(statistics.fmean(ys)) or 1.0
-        drop = -_slope(ys) * (len(ys) - 1)
-        oscillating = flips >= self.alternation and swing > self.amplitude * level and drop < swing
-        if oscillating and not self.active:
-            self.active = True
-            return [("oscillation",
-                     f"loss oscillating: {flips:.0%} of steps reverse direction, swings of "
-                     f"{swing:.3g} ({swing / level:.0%} of the loss), no downward trend",
-                     {"alternation": flips, "swing": swing, "mean_loss": level})]
+        n = len(ys)
+        slope, _ = _slope_t(ys)
+        xm, ym = (n - 1) / 2, statistics.fmean(ys)
+        r = [y - ym - slope * (i - xm) for i, y in enumerate(ys)]
+        var = sum(x * x for x in r)
+        rho = sum(a * b for a, b in zip(r, r[1:])) / var if var > 0 else 0.0
+        swing = statistics.fmean(abs(b - a) for a, b in zip(ys, ys[1:]))
+        ref = statistics.median(self.swings) if len(self.swings) >= n else None
+        self.swings.append(swing)
+        oscillating = (ref is not None and rho < self.autocorr
+                       and swing > self.amplitude * ref and -slope * (n - 1) < swing)
         if not oscillating:
             self.active = False
-        return []
+            return []
+        if self.active:
+            return []
+        self.active = True
+        return [("oscillation",
+                 f"loss oscillating: successive steps alternate (autocorrelation {rho:.2f}), "
+                 f"swings of {math.expm1(swing):.0%} a step, {swing / ref:.1f}x the run's usual "
+                 "minibatch noise, and no downward trend. Check first: the learning rate (too "
+                 "high for this stage: lower it or lengthen the warm-up), then alternating "
+                 "data (unshuffled sources)",
+                 {"autocorrelation": rho, "swing": swing, "usual_swing": ref, "loss": loss})]
 
 
 class VanishingDetector(Detector):
+    """The global gradient norm vanishing; see the module docstring."""
+
     def __init__(self, abs_threshold: float = 1e-8, rel_drop: float = 1e4, patience: int = 3,
                  window: int = 128, warmup: int = 20):
         self.abs_threshold, self.rel_drop, self.patience = abs_threshold, rel_drop, patience
@@ -238,9 +400,82 @@ class VanishingDetector(Detector):
             self.active = True
             return [("vanishing_grad",
                      f"global gradient norm {norm:.3g} has been vanishingly small for "
-                     f"{self.low} steps" + (f" (recent median {ref:.3g})" if ref else ""),
+                     f"{self.low} steps" + (f" (recent median {ref:.3g})" if ref else "")
+                     + ". Check first: the loss (constant? masked out?), then the learning "
+                     "rate schedule and the loss scale",
                      {"grad_norm": norm, "recent_median": ref, "steps": self.low})]
         return []
+
+
+class TensorNormDetector(Detector):
+    """Per tensor: a gradient norm that collapses below ``collapse`` of its own recent level
+    for ``patience`` steps (``vanishing_grad``), or jumps above ``explode`` times it
+    (``exploding_grad``). The level is an exponential average (``alpha``) of the log norm,
+    armed after ``warmup`` steps; collapsed and exploded steps stay out of it."""
+
+    def __init__(self, names: list[str], collapse: float = 1e-3, explode: float = 100.0,
+                 patience: int = 3, warmup: int = 20, alpha: float = 0.05):
+        self.names = names
+        self.lo, self.hi = math.log(collapse), math.log(explode)
+        self.patience, self.warmup, self.alpha = patience, warmup, alpha
+        self.level = torch.full((len(names),), math.nan, dtype=torch.float64)
+        self.seen = torch.zeros(len(names), dtype=torch.int64)
+        self.low = torch.zeros(len(names), dtype=torch.int64)
+        self.reported_low = torch.zeros(len(names), dtype=torch.bool)
+        self.reported_high = torch.zeros(len(names), dtype=torch.bool)
+
+    def observe(self, s: HostStep) -> list[Found]:
+        if not s.values["grads_finite"] or not s.per_norm:
+            return []
+        norm = torch.tensor(s.per_norm, dtype=torch.float64)
+        present = ~norm.isnan()
+        log = norm.clamp(min=0).log()  # 0 -> -inf: a collapse
+        armed = present & (self.seen >= self.warmup) & self.level.isfinite()
+        low = armed & (log < self.level + self.lo)
+        high = armed & (log > self.level + self.hi)
+        normal = present & ~low & ~high & log.isfinite()
+        first = normal & self.level.isnan()
+        self.level = torch.where(first, log, self.level)
+        self.level = torch.where(normal & ~first,
+                                 (1 - self.alpha) * self.level + self.alpha * log, self.level)
+        self.seen += normal.long()
+        self.low = torch.where(low, self.low + 1, torch.where(present, 0, self.low))
+        found = []
+        new_low = (self.low >= self.patience) & ~self.reported_low
+        if new_low.any() and not bool((low | ~present).all()):  # all at once: the global rule
+            found.append(self._vanishing(new_low, norm))
+        self.reported_low = (self.reported_low | new_low) & ~(normal & ~first)
+        new_high = high & ~self.reported_high
+        if new_high.any():
+            found.append(self._exploding(new_high, norm))
+        self.reported_high = (self.reported_high | new_high) & ~normal
+        return found
+
+    def _named(self, mask: torch.Tensor, norm: torch.Tensor) -> dict[str, dict[str, float]]:
+        idx = mask.nonzero().flatten().tolist()
+        return {self.names[i]: {"norm": float(norm[i]), "level": math.exp(self.level[i])}
+                for i in idx}
+
+    def _vanishing(self, mask: torch.Tensor, norm: torch.Tensor) -> Found:
+        named = self._named(mask, norm)
+        shown = ", ".join(list(named)[:5]) + (" ..." if len(named) > 5 else "")
+        return ("vanishing_grad",
+                f"the gradients of {len(named)} tensor(s) collapsed to below "
+                f"{math.exp(self.lo):g} of their usual size for {self.patience} steps: {shown}. "
+                "Check first: dead units (a ReLU layer whose pre-activations went negative: "
+                "its bias, the learning rate), saturated activations (sigmoid/tanh inputs far "
+                "from 0), then parameters frozen by mistake",
+                {"tensors": named})
+
+    def _exploding(self, mask: torch.Tensor, norm: torch.Tensor) -> Found:
+        named = self._named(mask, norm)
+        shown = ", ".join(list(named)[:5]) + (" ..." if len(named) > 5 else "")
+        return ("exploding_grad",
+                f"the gradients of {len(named)} tensor(s) are over {math.exp(self.hi):g}x "
+                f"their usual size: {shown}. Check first: those tensors' weights (growing "
+                "without bound? check_params), their learning rate and weight decay, then "
+                "clipping (max_grad_norm)",
+                {"tensors": named})
 
 
 class OptimizerStateDetector(Detector):
@@ -263,27 +498,37 @@ class OptimizerStateDetector(Detector):
         names = stats.nonfinite() if stats is not None else []
         return [("optimizer_state_nonfinite",
                  f"{int(count)} NaN/Inf values in optimizer state: "
-                 + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
+                 + ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+                 + ". Check first: a checkpoint loaded into the optimizer, then a step that "
+                 "went through with a non-finite gradient (on_nonfinite='warn'?)",
                  {"tensors": names, "count": int(count)})]
 
 
 class LossScaleDetector(Detector):
-    """A GradScaler's scale below ``min_loss_scale`` or NaN, reported when it falls."""
+    """A GradScaler's scale below ``min_loss_scale`` or NaN, or down ``drop`` times or more
+    within ``within`` steps; reported when it falls."""
 
-    def __init__(self, min_loss_scale: float) -> None:
-        self.min_loss_scale = min_loss_scale
+    def __init__(self, min_loss_scale: float, drop: float = 8.0, within: int = 10) -> None:
+        self.min_loss_scale, self.drop = min_loss_scale, drop
+        self.recent: deque[float] = deque(maxlen=within + 1)
         self.collapsed = False
 
     def observe(self, s: HostStep) -> list[Found]:
         scale = s.values["loss_scale"]
-        collapsed = not math.isfinite(scale) or scale < self.min_loss_scale
+        self.recent.append(scale)
+        peak = max((x for x in self.recent if math.isfinite(x)), default=math.nan)
+        fell_fast = math.isfinite(scale) and peak >= self.drop * scale
+        collapsed = not math.isfinite(scale) or scale < self.min_loss_scale or fell_fast
         fell, self.collapsed = collapsed and not self.collapsed, collapsed
         if not fell:
             return []
+        why = (f"below {self.min_loss_scale:g}" if not fell_fast or scale < self.min_loss_scale
+               else f"down from {peak:.3g} within {len(self.recent) - 1} steps")
         return [("loss_scale_collapse",
-                 f"GradScaler scale fell to {scale:.3g} (below {self.min_loss_scale:g}): fp16 "
-                 "gradients are overflowing step after step",
-                 {"scale": scale, "min_loss_scale": self.min_loss_scale})]
+                 f"GradScaler scale fell to {scale:.3g} ({why}): float16 gradients overflow "
+                 "step after step. Check first: activations or losses beyond float16's range "
+                 "(ActivationMonitor(range_dtype=torch.float16)), then bfloat16 instead",
+                 {"scale": scale, "peak": peak, "min_loss_scale": self.min_loss_scale})]
 
 
 def default_detectors(names: list[str], *, spike_zscore: float, spike_window: int,
@@ -291,18 +536,18 @@ def default_detectors(names: list[str], *, spike_zscore: float, spike_window: in
                       min_loss_scale: float | None) -> list[Detector]:
     """The Monitor's rules in reporting order; the loss-scale rule only with a GradScaler
     (``min_loss_scale`` not None)."""
+    scaler = min_loss_scale is not None
     found: list[Detector] = [
         NonFiniteLossDetector(),
-        NonFiniteGradDetector(names),
-        SpikeDetector("loss_spike", "loss", spike_zscore, spike_window, warmup_steps),
+        NonFiniteGradDetector(names, scaler=scaler),
+        SpikeDetector(spike_zscore, spike_window, warmup_steps),
         DivergenceDetector(warmup=warmup_steps),
         OscillationDetector(warmup=warmup_steps),
-        SpikeDetector("grad_norm_spike", "global grad norm", spike_zscore, spike_window,
-                      warmup_steps, field="grad_norm", finite_grads_only=True),
         VanishingDetector(abs_threshold=vanishing_threshold, window=spike_window,
                           warmup=warmup_steps),
+        TensorNormDetector(names, warmup=warmup_steps),
         OptimizerStateDetector(),
     ]
-    if min_loss_scale is not None:
+    if scaler:
         found.append(LossScaleDetector(min_loss_scale))
     return found

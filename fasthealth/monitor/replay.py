@@ -1,15 +1,26 @@
-"""Replay the step behind an event: tell a data problem (it reproduces) from a transient fault.
+"""Replay the step behind an event: tell a data problem (it reproduces) from a transient fault,
+name where the first non-finite value came from, and which samples cause it.
 
 ``fh.replay(event.dump, model, loss_fn)`` loads the dump a Monitor saved (batch, sample ids, RNG
 state and, when they fit the snapshot budget, the parameters as they were before that step's
-update), re-runs that forward and backward on a deep copy of ``model`` with activation hooks,
-and compares with what was recorded. ``loss_fn(model, batch) -> loss``.
+update) without running any code from it (``weights_only``), re-runs that forward and backward
+on a deep copy of ``model`` with a hook on every module, and compares with what was recorded.
+``loss_fn(model, batch) -> loss``.
+
+- ``source``: ``"batch"`` when the dumped batch itself holds NaN/Inf (checked directly),
+  ``"forward"`` / ``"backward"`` when a module (or the loss function) made the first non-finite
+  value in that pass, None when the step does not reproduce.
+- ``first_nonfinite``: the innermost module, leaf or not, whose inputs were finite and whose
+  output was not (a masked softmax inside an attention block names the block).
+- ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, the
+  batch is bisected: the sample ids of the smallest part found that alone reproduces the event.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +28,12 @@ from typing import Any
 import torch
 
 from ..activations import ActivationMonitor
-from ..checks import check_grads
+from ..checks import check_grads, multi_tensor_stats
 from ..stats import MultiTensorStats
 from .events import FATAL_KINDS
 from .sinks import map_tensors
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 @dataclass
@@ -33,82 +46,212 @@ class ReplayResult:
     exact: bool  # parameters restored from the dump (else: the model's current ones)
     kinds: list[str] = field(default_factory=list)
     recorded: dict = field(default_factory=dict)
+    source: str | None = None  # "batch", "forward", "backward", or None (did not reproduce)
+    culprit_ids: list | None = None  # sample ids of the smallest part that alone reproduces
+    replays: int = 1  # forward + backward passes run, the bisection's included
 
 
-def _spike_reproduced(value: float, details: dict) -> bool:
-    std = details.get("window_std") or 0.0
-    mean = details.get("window_mean", 0.0)
-    thr = details.get("threshold", 6.0)
-    if not math.isfinite(value):
-        return True
-    return (value - mean) / std > thr if std > 0 else value > mean
+def _bare(name: str) -> str:
+    """A parameter name without the prefixes of DDP / DataParallel (``module.``) and
+    torch.compile (``_orig_mod.``)."""
+    changed = True
+    while changed:
+        changed = False
+        for p in WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+        name = name.replace("._orig_mod.", ".")
+    return name
 
 
-def replay(dump: str, model: torch.nn.Module, loss_fn: Any, *,
-           device: torch.device | str | None = None) -> ReplayResult:
-    """Re-run the captured step on a copy of ``model``; see the module docstring."""
-    if dump is None:
-        raise ValueError("fasthealth: this event has no dump (was the Monitor given log_dir?)")
-    d = torch.load(dump, map_location="cpu", weights_only=False)
-    m = copy.deepcopy(model)
-    exact = d.get("params") is not None
-    if exact:
-        own = dict(m.named_parameters())
-        with torch.no_grad():
-            for name, value in d["params"].items():
-                if name not in own:
-                    raise ValueError(f"fasthealth: the dump has parameter {name!r}, "
-                                     "which this model lacks: is it the same model?")
-                own[name].copy_(value)
-    m.zero_grad(set_to_none=True)
-    dev = torch.device(device) if device is not None else next(m.parameters()).device
-    batch = map_tensors(lambda t: t.to(dev), d["batch"])
-    rng = d.get("rng") or {}
-    cpu_state = torch.get_rng_state()
+def load_dump(path: str | os.PathLike) -> dict:
+    """A Monitor dump, loaded without running code from it (``weights_only``): an error names
+    the file when it is missing, truncated or not a dump."""
     try:
-        if "cpu" in rng:
-            torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        am = ActivationMonitor(m)
+        d = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"fasthealth: no dump at {path}") from None
+    except Exception as exc:
+        raise ValueError(f"fasthealth: {path} is not a readable Monitor dump (corrupt, "
+                         f"truncated, or holds objects other than tensors and plain data): "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(d, dict) or "batch" not in d or "step" not in d:
+        raise ValueError(f"fasthealth: {path} is not a Monitor dump")
+    return d
+
+
+def _restore(m: torch.nn.Module, params: dict[str, torch.Tensor], path: str) -> None:
+    """Copies the dumped parameters into ``m``, matching names with or without wrapper
+    prefixes, after checking that every name and shape matches."""
+    own = {_bare(n): p for n, p in m.named_parameters()}
+    for name, value in params.items():
+        p = own.get(_bare(name))
+        if p is None:
+            raise ValueError(f"fasthealth: {path} has parameter {name!r}, which this model "
+                             "lacks: is it the same model?")
+        if tuple(p.shape) != tuple(value.shape):
+            raise ValueError(f"fasthealth: {path} has {name!r} of shape {tuple(value.shape)}, "
+                             f"the model's is {tuple(p.shape)}: is it the same model?")
+    with torch.no_grad():
+        for name, value in params.items():
+            own[_bare(name)].copy_(value)
+
+
+def _float_leaves(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    map_tensors(lambda t: out.append(t) if t.is_floating_point() else None, obj)
+    return out
+
+
+def _batch_nonfinite(batch: Any) -> int:
+    ts = [t.detach() for t in _float_leaves(batch)]
+    if not ts:
+        return 0
+    total = multi_tensor_stats(ts).total
+    return int(total.nan_count + total.inf_count)
+
+
+class _Pass:
+    """One forward + backward of ``loss_fn`` on ``m``, with hooks on every module."""
+
+    def __init__(self, m: torch.nn.Module, loss_fn: Any, batch: Any, rng: dict):
+        cpu_state = torch.get_rng_state()
         try:
-            with warnings.catch_warnings():  # hooks on modules whose inputs need no grad
-                warnings.filterwarnings("ignore", message="Full backward hook")
-                loss = loss_fn(m, batch)
-                loss.backward()
-            grads = check_grads(m)
-            first = am.first_nonfinite
-            bad_input = am.nonfinite_input if am.source == "input" else None
+            if "cpu" in rng:
+                torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+            m.zero_grad(set_to_none=True)
+            am = ActivationMonitor(m, modules="all", grads="leaves")
+            try:
+                with warnings.catch_warnings():  # hooks on modules whose inputs need no grad
+                    warnings.filterwarnings("ignore", message="Full backward hook")
+                    loss = loss_fn(m, batch)
+                    loss.backward()
+                self.grads = check_grads(m)
+                self.first = am.first_nonfinite
+                self.where = am.source
+            finally:
+                am.remove()
         finally:
-            am.remove()
-    finally:
-        torch.set_rng_state(cpu_state)
-    loss_v = float(loss.detach().float())
-    events = d.get("events", [])
-    kinds = [e["kind"] for e in events]
+            torch.set_rng_state(cpu_state)
+        self.loss = float(loss.detach().float())
+
+
+def _reproduces(p: _Pass, events: list[dict], record: dict) -> bool:
     checks = []
     for e in events:
         if e["kind"] in FATAL_KINDS:
-            checks.append(not math.isfinite(loss_v) or not grads.ok)
-        elif e["kind"] == "loss_spike":
-            checks.append(_spike_reproduced(loss_v, e["details"]))
-        elif e["kind"] == "grad_norm_spike":
-            checks.append(_spike_reproduced(float(grads.total.norm), e["details"]))
+            checks.append(not math.isfinite(p.loss) or not p.grads.ok)
+        elif e["kind"] in ("loss_spike", "grad_norm_spike"):
+            value = p.loss if e["kind"] == "loss_spike" else float(p.grads.total.norm)
+            checks.append(_spike_reproduced(value, e["details"]))
         else:  # trends and state problems: the step itself replays to the same loss
-            rec = d["record"].get("loss")
-            checks.append(rec is not None and math.isclose(loss_v, rec, rel_tol=1e-3))
-    reproduced = bool(checks) and all(checks)
+            rec = record.get("loss")
+            checks.append(rec is not None and math.isclose(p.loss, rec, rel_tol=1e-3))
+    return bool(checks) and all(checks)
+
+
+def _spike_reproduced(value: float, details: dict) -> bool:
+    """At least half of the recorded excess over the window's median comes back."""
+    if not math.isfinite(value):
+        return True
+    median, recorded = details.get("window_median"), details.get("value")
+    if median is None or recorded is None:
+        return False
+    return value - median >= 0.5 * (recorded - median)
+
+
+def _split(batch: Any, n: int, idx: torch.Tensor) -> Any:
+    return map_tensors(lambda t: t[idx.to(t.device)] if t.dim() and t.shape[0] == n else t,
+                       batch)
+
+
+def _shares_first_dim(batch: Any, n: int) -> bool:
+    leaves: list[torch.Tensor] = []
+    map_tensors(leaves.append, batch)
+    return bool(leaves) and all(t.dim() and t.shape[0] == n for t in leaves)
+
+
+def _bisect(m, loss_fn, batch, d: dict, n: int) -> tuple[list[int], int]:
+    """Halves the batch while one half alone still reproduces the events: (the indices of the
+    smallest part found, the replays it took)."""
+    current, replays = torch.arange(n), 0
+    while len(current) > 1:
+        half = len(current) // 2
+        for part in (current[:half], current[half:]):
+            replays += 1
+            p = _Pass(m, loss_fn, _split(batch, n, part), d.get("rng") or {})
+            if _reproduces(p, d.get("events", []), d.get("record", {})):
+                current = part
+                break
+        else:
+            break  # neither half alone: it takes samples from both
+    return current.tolist(), replays
+
+
+def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
+           device: torch.device | str | None = None,
+           find_samples: bool | None = None) -> ReplayResult:
+    """Re-run the captured step on a copy of ``model``; see the module docstring.
+    ``find_samples``: bisect the batch to the samples that cause the event (default: when the
+    dump has sample ids and the batch's tensors all have a first dimension of that length)."""
+    if dump is None:
+        raise ValueError("fasthealth: this event has no dump (was the Monitor given log_dir?)")
+    path = str(dump)
+    d = load_dump(path)
+    m = copy.deepcopy(model)
+    exact = d.get("params") is not None
+    if exact:
+        _restore(m, d["params"], path)
+    dev = torch.device(device) if device is not None else next(m.parameters()).device
+    batch = map_tensors(lambda t: t.to(dev), d["batch"])
+    p = _Pass(m, loss_fn, batch, d.get("rng") or {})
+    events = d.get("events", [])
+    reproduced = _reproduces(p, events, d.get("record", {}))
+    source = None
+    if reproduced and any(e["kind"] in FATAL_KINDS for e in events):
+        source = ("batch" if _batch_nonfinite(batch) else
+                  "backward" if p.where == "backward" else "forward")
+    ids = d.get("sample_ids")
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    n = len(ids) if isinstance(ids, (list, tuple)) else 0
+    if find_samples is None:
+        find_samples = n > 1 and _shares_first_dim(batch, n)
+    culprits, replays = None, 1
+    if reproduced and find_samples:
+        if not (n > 1 and _shares_first_dim(batch, n)):
+            raise ValueError("fasthealth: find_samples needs sample ids in the dump and a batch "
+                             "whose tensors all have that many rows")
+        found, k = _bisect(m, loss_fn, batch, d, n)
+        culprits, replays = [ids[i] for i in found], 1 + k
+    kinds = [e["kind"] for e in events]
+    verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
+    return ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
+                        d.get("record", {}), source, culprits, replays)
+
+
+def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p: _Pass,
+             culprits: list | None, replays: int, exact: bool) -> str:
     what = ", ".join(dict.fromkeys(kinds)) or "the step"
-    if reproduced:
-        verdict = (f"{what} reproduces on replay of step {d['step']}: the batch itself (or the "
-                   "model state) causes it")
-        if first:
-            verdict += f"; the first non-finite value comes from module {first}"
-        elif bad_input:
-            verdict += f"; the batch already holds NaN/Inf (seen at the input of {bad_input})"
+    if not reproduced:
+        text = (f"{what} does not reproduce on replay of step {d['step']}: a transient fault "
+                "(hardware, communication, a race), not this batch")
     else:
-        verdict = (f"{what} does not reproduce on replay of step {d['step']}: a transient "
-                   "fault (hardware, communication, a race), not this batch")
+        text = f"{what} reproduces on replay of step {d['step']}"
+        if source == "batch":
+            text += ": the batch itself holds NaN/Inf"
+        elif source and p.first:
+            text += (f": module {p.first} made the first non-finite value in "
+                     f"the {source} pass (its inputs were finite)")
+        elif source:
+            text += (f": the first non-finite value was made in the {source} pass outside the "
+                     "model's modules (the loss function?)")
+        else:
+            text += ": the batch itself (or the model state) causes it"
+        if culprits is not None:
+            text += (f"; samples {culprits[:10]}{' ...' if len(culprits) > 10 else ''} alone "
+                     f"reproduce it ({replays} replays)")
     if not exact:
-        verdict += " [parameters were not captured: replayed with the model's current ones]"
-    return ReplayResult(reproduced, loss_v, grads, first, verdict, exact, kinds, d["record"])
+        text += " [parameters were not captured: replayed with the model's current ones]"
+    return text

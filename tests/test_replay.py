@@ -1,0 +1,187 @@
+"""fh.replay (SPEC section 6): where the first non-finite value came from (the batch, the
+forward or the backward pass, the innermost module), which samples cause it, dumps of wrapped
+models, and dumps that must not run code."""
+
+import math
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fasthealth as fh
+
+NAN = float("nan")
+
+
+class Attention(nn.Module):
+    """Self-attention with a padding mask applied in functional code: a sample whose every key
+    is masked gets softmax(all -inf) = NaN inside this (non-leaf) module."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x, pad):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(pad[:, None, :], -math.inf)
+        return self.out(scores.softmax(-1) @ v)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([Attention(), Attention()])
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids, pad):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = h + b(h, pad)
+        return self.head(h)
+
+
+def lm_loss(model, batch):
+    ids, pad = batch
+    logits = model(ids, pad)
+    return nn.functional.cross_entropy(logits.reshape(-1, 16), ids.roll(-1, 1).reshape(-1))
+
+
+def run(model, tmp_path, bad_step, plant, steps=12, n=8, opt=None):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(0)
+    with fh.Monitor(model, opt, log_dir=tmp_path, flush_every=4, warmup_steps=5) as mon:
+        for step in range(steps):
+            ids = torch.randint(0, 16, (n, 6), generator=g)
+            pad = torch.zeros(n, 6, dtype=torch.bool)
+            batch = plant(ids, pad) if step == bad_step else (ids, pad)
+            opt.zero_grad()
+            lm_loss(model, batch).backward()
+            mon.step(lm_loss(model, batch).detach(), batch=batch,
+                     sample_ids=torch.arange(n) + 100 * step)
+    return mon
+
+
+def mask_sample(i):
+    def plant(ids, pad):
+        pad = pad.clone()
+        pad[i] = True
+        return ids, pad
+    return plant
+
+
+def test_nan_made_inside_a_non_leaf_module_is_blamed_on_it(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    mon = run(model, tmp_path, 7, mask_sample(5))
+    ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+    assert ev.step == 7
+    r = fh.replay(ev.dump, model, lm_loss)
+    assert r.reproduced and r.source == "forward"
+    assert r.first_nonfinite == "blocks.0", r.first_nonfinite  # the innermost: the attention
+    assert "batch" not in r.verdict.split(":")[1]
+    assert r.culprit_ids == [705], r.verdict  # sample 5 of step 7
+    assert "samples [705] alone reproduce it" in r.verdict
+
+
+def test_nan_made_in_the_backward_pass(tmp_path):
+    class SafeSqrt(nn.Module):
+        def forward(self, x):
+            return (x * x).sqrt()  # finite, but d/dx at x = 0 is 0 * inf = NaN
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.act = SafeSqrt()
+            self.out = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.act(self.lin(x)))
+
+    torch.manual_seed(0)
+    m = Model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+
+    def loss_fn(model, batch):
+        return model(batch[0]).pow(2).mean()
+
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+        for step in range(10):
+            x = torch.randn(6, 4)
+            if step == 6:  # inputs that make one pre-activation exactly 0
+                with torch.no_grad():
+                    x = torch.zeros(6, 4)
+                    m.lin.bias.zero_()
+            opt.zero_grad()
+            loss = loss_fn(m, (x,))
+            loss.backward()
+            mon.step(loss, batch=(x,), sample_ids=torch.arange(6))
+    ev = next(e for e in mon.events if e.kind == "nonfinite_grad")
+    r = fh.replay(ev.dump, m, loss_fn)
+    assert r.reproduced and r.source == "backward" and math.isfinite(r.loss)
+    assert r.first_nonfinite == "act", r
+
+
+def test_dump_of_a_wrapped_model_replays_on_the_bare_one_and_back(tmp_path):
+    class Wrapper(nn.Module):  # names its child "module", as DDP and DataParallel do
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+        def forward(self, *a):
+            return self.module(*a)
+
+    torch.manual_seed(0)
+    bare = Net()
+    mon = run(Wrapper(bare), tmp_path / "a", 3, mask_sample(2))
+    ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+    assert any(k.startswith("module.") for k in torch.load(ev.dump)["params"])
+    r = fh.replay(ev.dump, bare, lm_loss)
+    assert r.exact and r.reproduced and r.culprit_ids == [302]
+
+    torch.manual_seed(0)
+    bare = Net()
+    mon = run(bare, tmp_path / "b", 3, mask_sample(2))
+    ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+    r = fh.replay(ev.dump, Wrapper(bare), lm_loss)
+    assert r.exact and r.reproduced
+
+    other = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="is it the same model"):
+        fh.replay(ev.dump, other, lambda m, b: m(torch.ones(3)).sum())
+
+
+def test_find_samples_off_and_a_batch_without_ids(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    mon = run(model, tmp_path, 4, mask_sample(1))
+    ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+    r = fh.replay(ev.dump, model, lm_loss, find_samples=False)
+    assert r.reproduced and r.culprit_ids is None and r.replays == 1
+
+
+class Payload:
+    def __reduce__(self):
+        return (open, ("/tmp/fasthealth-payload-ran", "w"))
+
+
+def test_dump_with_code_is_refused_and_runs_nothing(tmp_path):
+    import os
+
+    marker = "/tmp/fasthealth-payload-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    evil = tmp_path / "evil.pt"
+    with open(evil, "wb") as f:
+        pickle.dump({"step": 1, "batch": Payload()}, f)
+    with pytest.raises(ValueError, match="evil.pt"):
+        fh.replay(str(evil), nn.Linear(2, 2), lambda m, b: m(b).sum())
+    assert not os.path.exists(marker)
+    truncated = tmp_path / "cut.pt"
+    torch.save({"step": 1, "batch": torch.ones(100)}, truncated)
+    truncated.write_bytes(truncated.read_bytes()[:50])
+    with pytest.raises(ValueError, match="cut.pt"):
+        fh.replay(str(truncated), nn.Linear(2, 2), lambda m, b: m(b).sum())
