@@ -11,6 +11,7 @@ from .checks import (
     multi_tensor_stats,
     tensor_stats,
 )
+from .integrations.watch import watch
 from .monitor import Event, Monitor, NonFiniteError, Observation, ReplayResult, replay
 from .ops import available_backends
 from .ops.layout import FIELDS
@@ -39,4 +40,5 @@ __all__ = [
     "multi_tensor_stats",
     "replay",
     "tensor_stats",
+    "watch",
 ]

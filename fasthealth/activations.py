@@ -23,7 +23,6 @@ from .ops.layout import COL
 from .ops.reference import merge_rows
 from .stats import RangeStats
 
-
 ROOT = "(model)"  # the name of the model itself with modules="all"
 
 

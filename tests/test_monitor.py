@@ -169,9 +169,8 @@ def test_loss_and_grad_norm_spike_at_the_right_step():
     mon = train(m, torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True), 90, plant=plant)
     ks = kinds_at(mon)
     assert (70, "loss_spike") in ks and (70, "grad_norm_spike") in ks
-    assert all(step == 70 for step, kind in ks if "spike" in kind), ks
-    # (Adam's momentum from that gradient then pushes the loss up for ~20 steps, which the
-    # divergence detector may rightly report; nothing may fire before the spike.)
+    # Adam's momentum from that gradient then keeps the grad norm and the loss up for some
+    # steps, which the rules may rightly report; nothing may fire before the spike.
     assert all(step >= 70 for step, _ in ks), ks
     ev = next(e for e in mon.events if e.kind == "loss_spike")
     d = ev.details

@@ -469,12 +469,12 @@ def f_lr_jump(step, batch, s, at):
 
 
 def f_drift(step, batch, s, at):
-    """From onset, a growing share of each batch's tokens is random (0.4% more a step: a data
+    """From onset, a growing share of each batch's tokens is random (0.65% more a step: a data
     pipeline going bad): the loss rises about 1% a step."""
     if step >= at:
         ids, targets = batch
         g = torch.Generator().manual_seed(step)
-        junk = torch.rand(targets.shape, generator=g) < min(1.0, 0.004 * (step - at))
+        junk = torch.rand(targets.shape, generator=g) < min(1.0, 0.0065 * (step - at))
         targets = torch.where(junk, torch.randint(0, 32, targets.shape, generator=g), targets)
         return ids, targets
     return batch

@@ -1,5 +1,7 @@
 """What the monitor does to a step, on the device: clip with the norm already computed, and
-step the optimizer or skip it.
+step the optimizer or skip it. ``step_*`` take the step themselves (``Monitor.step``);
+``arm_skip`` only prepares the optimizer's next step, for a trainer that takes it
+(``Monitor.check``, the framework callbacks, ``fh.watch``).
 
 Skipping never reads the verdict on the host when it can avoid it: torch.optim's fused kernels
 (Adam/AdamW/SGD/Adagrad with ``fused=True``, CPU or CUDA) take a ``found_inf`` tensor and skip
@@ -35,17 +37,39 @@ def first_step_creates_garbage(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def unwrap(optimizer):
+    """The torch.optim optimizer inside a trainer's wrapper (accelerate's AcceleratedOptimizer,
+    Lightning's LightningOptimizer), which is the one whose step reads ``found_inf``."""
+    for attr in ("optimizer", "_optimizer"):
+        inner = getattr(optimizer, attr, None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return unwrap(inner)
+    return optimizer
+
+
+def unscale(optimizer: torch.optim.Optimizer, scaler) -> None:
+    """``scaler.unscale_`` unless this step's gradients were unscaled already."""
+    from torch.amp.grad_scaler import OptState
+
+    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+
+
+def join_scaler(optimizer: torch.optim.Optimizer, scaler, bad: torch.Tensor) -> torch.Tensor:
+    """The verdict ``bad`` joins the scaler's own overflow check, so that ``scaler.step`` skips;
+    returns whether it will (0-dim bool, on bad's device)."""
+    found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device", {})
+    for f in found.values():
+        f.copy_(torch.maximum(f, bad.to(f.device, f.dtype)))
+    return sum((f.to(bad.device) for f in found.values()),
+               torch.zeros((), device=bad.device)) > 0
+
+
 def step_with_scaler(optimizer: torch.optim.Optimizer, scaler, bad: torch.Tensor,
                      guard: bool) -> torch.Tensor:
     """``scaler.step`` and ``update``; with ``guard`` the verdict ``bad`` joins the scaler's
     own overflow check. Returns whether the step was skipped (0-dim bool, on bad's device)."""
-    state = scaler._per_optimizer_states[id(optimizer)]
-    found = state.get("found_inf_per_device", {})
-    if guard:
-        for f in found.values():
-            f.copy_(torch.maximum(f, bad.to(f.device, f.dtype)))
-    skipped = sum((f.to(bad.device) for f in found.values()),
-                  torch.zeros((), device=bad.device)) > 0
+    skipped = join_scaler(optimizer, scaler, bad if guard else torch.zeros_like(bad))
     scaler.step(optimizer)
     scaler.update()
     return skipped
@@ -69,3 +93,29 @@ def step_or_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor, guard: boo
     if not bool(bad):  # the one host sync per step for optimizers without found_inf
         optimizer.step()
     return bad
+
+
+def arm_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor, scaler=None
+             ) -> torch.Tensor:
+    """Makes the optimizer's next step a no-op when ``bad``, without taking it: through the
+    scaler's overflow check, or ``found_inf`` (kept until ``disarm``), or, for optimizers
+    without it, by dropping the gradients (torch.optim leaves parameters without a gradient,
+    and their state, untouched; one host sync). Returns whether the step will be skipped."""
+    if scaler is not None:
+        return join_scaler(optimizer, scaler, bad)
+    if supports_found_inf(optimizer) and not first_step_creates_garbage(optimizer):
+        optimizer.grad_scale = None
+        optimizer.found_inf = bad.float()
+        return bad
+    if bool(bad):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+    return bad
+
+
+def disarm(optimizer: torch.optim.Optimizer, *args) -> None:
+    """Takes ``arm_skip``'s ``found_inf`` away after the step (an optimizer step post-hook)."""
+    for attr in ("grad_scale", "found_inf"):
+        if attr in optimizer.__dict__:
+            delattr(optimizer, attr)

@@ -3,38 +3,40 @@
 A ``Detector`` observes the host record of each step (``record.HostStep``), in step order at
 each Monitor flush, keeps its own state across flushes, and returns ``(kind, message, details)``
 tuples for that step. ``default_detectors`` builds the Monitor's set, in reporting order.
+Every message says what was seen and what to check first.
 
-The rules are calibrated on the corpus of ``bench/detectors/`` (healthy runs of ten kinds and a
-dozen faults; ``python bench/bench_detectors.py``): at the defaults they raise no event on any
-healthy run. What makes that possible:
+The rules are calibrated on the corpus of ``bench/detectors/`` (healthy runs of ten kinds and
+thirteen faults; ``python bench/bench_detectors.py``): at the defaults they raise no event on
+the calibration runs, and the held-out runs say how well that carries over (README). What makes
+that possible: losses and gradient norms are judged against robust statistics of their own
+recent history: the median of the last 32 values, and a *noise unit*: the 90th percentile of
+the window's step-to-step differences over 1.645 * sqrt(2) (the standard deviation, were the
+noise normal). Minibatch noise is heavy-tailed: a mean and a standard deviation were too narrow
+at a noisy loss floor (false alarms) and, over a window that still held a long descent, far
+too wide to see a garbage batch; differences leave the trend out.
 
-- Losses and gradient norms are judged in log space (when positive), against robust statistics
-  of their own recent history: the median, and a *noise unit*, the 90th percentile of the
-  absolute deviations from it divided by 1.645 (the standard deviation, for normal noise).
-  Minibatch noise is heavy-tailed and multiplicative; mean and standard deviation over a window
-  that still holds the fast early descent were too wide to see a late garbage batch, and too
-  narrow at a noisy loss floor.
-- ``loss_spike``, ``grad_norm_spike``: the value stands more than ``zscore`` (5) noise units
-  above the median of the last ``window`` (128) finite, non-spike values, after ``warmup`` (20)
-  of them, on the linear scale and on the log scale both (near a loss floor of 0.01, healthy
-  batches reach 50x the median: large on the log scale, small on the linear one). Before that, a loss above 4x, or a gradient norm above 100x, its first values is a
-  spike too (an LR far too high from the start). After 5 spikes in a row the level is new.
-- ``divergence``: the log-loss rises steadily: a line fitted to the last 40 losses climbs with a
-  t-statistic above 5 and by more than 20% over the window, and the recent median stands 20%
-  above the best median seen so far.
-- ``oscillation``: over the last 24 losses, successive deviations from the trend alternate (lag-1
-  autocorrelation below -0.5), their swings are 3x the swings the run showed before, and the
-  loss does not trend down. Minibatch noise alternates too (autocorrelation near 0, up/down
-  2/3 of the time), but with the swings of its own past.
+- ``loss_spike``, ``grad_norm_spike``: a value more than ``zscore`` (6) noise units above the
+  recent median, the noise measured over the last ``window`` (128) finite, non-spike values,
+  after ``warmup`` (20) of them,
+  on the linear and the log scale both (near a loss floor of 0.01 healthy batches reach 50x the
+  median: far on the log scale, near on the linear one); or the loss and the gradient norm of a
+  step both above 2/3 of that (a bad batch moves both); or 3 steps in a row above 0.6 of it (a
+  level shift: an LR jump). Before the window is armed, a loss above 4x or a gradient norm above
+  100x their first values (an LR far too high from the start). 5 spikes in a row: a new level.
+- ``divergence``: the log-loss rises steadily: a line through the last 40 losses climbs with a
+  t-statistic above 5 and by more than 20%, and the recent median stands 20% above the best
+  median seen so far.
+- ``oscillation``: over the last 32 losses, deviations from the trend alternate (lag-1
+  autocorrelation below -0.8), the swings are 3x the run's usual ones, and the loss does not
+  trend down. Minibatch noise goes up and down too, but with the swings of its own past.
 - ``vanishing_grad``: the global norm below ``abs_threshold`` (1e-8) or 1e4 times below its
-  recent median for 3 steps; or, per tensor, a gradient that collapses to below 1e-3 of its own
-  recent level (an exponential average of its log norm) for 3 steps (dead ReLUs, saturated
-  sigmoids), named in the event.
+  recent median for 3 steps; or some tensors' gradients below 1e-3 of their own recent level
+  (an exponential average of the log norm) for 3 steps (dead ReLUs, saturated sigmoids).
 - ``exploding_grad``: a tensor's gradient norm above 100x its own recent level.
 - ``nonfinite_loss``, ``nonfinite_grad``: at the step itself. Under a ``GradScaler`` an overflow
   step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
-  work, not an event; ``loss_scale_collapse`` reports the scale falling below ``min_loss_scale`` or by 8x or
-  more within 10 steps (three back-offs: the overflow is persistent).
+  work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
+  down 8x within 10 steps (three back-offs: the overflow persists).
 - ``optimizer_state_nonfinite``: NaN/Inf in the optimizer's state at a scan.
 """
 
@@ -71,13 +73,6 @@ def _quantile(xs: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def robust_center(values: list[float]) -> tuple[float, float]:
-    """(median, noise unit): the 90th percentile of |x - median| over 1.645."""
-    m = statistics.median(values)
-    noise = _quantile([abs(v - m) for v in values], NOISE_QUANTILE) / NOISE_PER_SIGMA
-    return m, noise
 
 
 def _slope_t(ys: list[float]) -> tuple[float, float]:
@@ -130,18 +125,29 @@ class NonFiniteGradDetector(Detector):
                   "inf_count": int(v["inf_count"]), "skipped": _skipped(s)})]
 
 
+def level_and_noise(values: list[float], recent: int = 32) -> tuple[float, float]:
+    """(the median of the last ``recent`` values, the noise unit of the step-to-step
+    differences: their 90th percentile over 1.645 * sqrt(2)). Differences leave a steady trend
+    out of the noise, and the recent median follows it, so a loss still falling widens neither
+    (over a window that still held a long descent, deviations from one median were 10x the
+    minibatch noise: a loss 50x its level went unseen)."""
+    diffs = [abs(b - a) for a, b in zip(values, values[1:])]
+    noise = _quantile(diffs, NOISE_QUANTILE) / (NOISE_PER_SIGMA * math.sqrt(2)) if diffs else 0.0
+    return statistics.median(values[-recent:]), noise
+
+
 def spike_score(values: list[float], x: float) -> float:
-    """How far ``x`` stands above ``values``, in noise units, on both the linear and the log
-    scale (the smaller of the two: a spike must stand out on both; the log scale only when
-    every value is positive)."""
-    m, noise = robust_center(values)
-    z = (x - m) / noise if noise > 0 else (math.inf if x > m else 0.0)
+    """How far ``x`` stands above the recent level of ``values``, in noise units, on both the
+    linear and the log scale (the smaller of the two: a spike must stand out on both; the log
+    scale only when every value is positive)."""
+    def z(vs: list[float], v: float) -> float:
+        level, noise = level_and_noise(vs)
+        return (v - level) / noise if noise > 0 else (math.inf if v > level else 0.0)
+
+    score = z(values, x)
     if x > 0 and min(values) > 0:
-        logs = [math.log(v) for v in values]
-        m, noise = robust_center(logs)
-        lx = math.log(x)
-        z = min(z, (lx - m) / noise if noise > 0 else (math.inf if lx > m else 0.0))
-    return z
+        score = min(score, z([math.log(v) for v in values], math.log(x)))
+    return score
 
 
 class _Series:

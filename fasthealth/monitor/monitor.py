@@ -96,6 +96,7 @@ class Monitor:
         detectors: list[Detector] | None = None,
     ) -> None:
         _check_options(model, on_nonfinite, flush_every, max_grad_norm)
+        optimizer = act.unwrap(optimizer) if optimizer is not None else None
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.flush_every, self.on_nonfinite = flush_every, on_nonfinite
         self.max_grad_norm, self.min_loss_scale = max_grad_norm, min_loss_scale
@@ -119,6 +120,8 @@ class Monitor:
         self._next_step = 0
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
+        self._disarm = None  # the optimizer step post-hook of check()
+        self.hooks: list[Any] = []  # removed at close(): what an integration registered
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._jsonl: JsonlSink | None = None
         self._tb: TensorBoardSink | None = None
@@ -153,17 +156,26 @@ class Monitor:
         """Check this step's loss and gradients, then step the optimizer unless they are
         non-finite (with ``on_nonfinite`` "skip" or "raise"). No host sync for fused
         optimizers; the records reach the host at the next flush."""
+        return self._run(loss, batch, sample_ids, step, take_step=True)
+
+    def check(self, loss: torch.Tensor | float | None = None, batch: Any = None,
+              sample_ids: Any = None, *, step: int | None = None) -> Observation:
+        """Everything ``step`` does but the optimizer step itself, for a trainer that takes it
+        next (the framework callbacks, ``fh.watch``): checks, clips, records, and makes that
+        step skip when the loss or a gradient is non-finite (``found_inf`` for fused torch
+        optimizers and under a GradScaler: no sync; else the gradients are dropped, one sync).
+        ``loss`` may be None when the trainer's loss is not known (logged as null)."""
+        return self._run(loss, batch, sample_ids, step, take_step=False)
+
+    def _run(self, loss: Any, batch: Any, sample_ids: Any, step: int | None,
+             take_step: bool) -> Observation:
         t = self._next_step if step is None else int(step)
         self._next_step = t + 1
-        opt = self.optimizer
-        if self.scaler is not None and opt is not None:
-            self.scaler.unscale_(opt)
+        if self.scaler is not None and self.optimizer is not None:
+            act.unscale(self.optimizer, self.scaler)
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
         grads = [self.params[i][1].grad for i in present]
-        if not torch.is_tensor(loss):
-            loss = torch.tensor(float(loss))
-        loss_d = loss.detach().reshape(-1)[0].to(self.device, torch.float64)
-        loss_ok = torch.isfinite(loss_d)
+        loss_d, loss_ok = self._loss(loss)
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
         stats = grads_stats(grads, [self.names[i] for i in present], [], backend=self.backend,
                             process_group=self.process_group, extra_bad=~loss_ok)
@@ -171,7 +183,7 @@ class Monitor:
         grads_ok = table[-1, COL["all_finite"]] != 0
         bad = ~grads_ok if self.process_group is not None else ~(loss_ok & grads_ok)
 
-        skipped = self._act(t, grads, table, bad)
+        skipped = self._act(grads, table, bad, take_step)
         total = table[-1]
         scalars = {
             "loss": loss_d, "grad_norm": total[COL["norm"]],
@@ -186,9 +198,21 @@ class Monitor:
             self.flush()
         return Observation(step=t, skip=bad, loss=loss_d, stats=stats)
 
-    def _act(self, t: int, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor
-             ) -> torch.Tensor:
-        """Clip, snapshot the parameters for replay, then step or skip; returns skipped."""
+    def _loss(self, loss: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss as a float64 0-dim tensor, whether it is finite); an unknown loss (None)
+        is NaN and counts as finite."""
+        if loss is None:
+            nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
+            return nan, torch.ones((), dtype=torch.bool, device=self.device)
+        if not torch.is_tensor(loss):
+            loss = torch.tensor(float(loss))
+        loss_d = loss.detach().reshape(-1)[0].to(self.device, torch.float64)
+        return loss_d, torch.isfinite(loss_d)
+
+    def _act(self, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
+             take_step: bool) -> torch.Tensor:
+        """Clip, snapshot the parameters for replay, then step or skip (or, without
+        ``take_step``, arm the skip of the trainer's step); returns skipped."""
         if self.max_grad_norm is not None and grads:
             act.clip_(grads, table[-1, COL["norm"]], self.max_grad_norm)
         if self._snapshots is not None:
@@ -198,9 +222,13 @@ class Monitor:
         if opt is None:
             return torch.zeros_like(bad)
         guard = self.on_nonfinite in ("skip", "raise")
-        if self.scaler is not None:
-            return act.step_with_scaler(opt, self.scaler, bad, guard)
-        return act.step_or_skip(opt, bad, guard)
+        if take_step:
+            if self.scaler is not None:
+                return act.step_with_scaler(opt, self.scaler, bad, guard)
+            return act.step_or_skip(opt, bad, guard)
+        if self._disarm is None:
+            self._disarm = opt.register_step_post_hook(act.disarm)
+        return act.arm_skip(opt, bad if guard else torch.zeros_like(bad), self.scaler)
 
     def _loss_scale(self) -> torch.Tensor:
         scale = getattr(self.scaler, "_scale", None)
@@ -284,6 +312,9 @@ class Monitor:
             self._jsonl = self._tb = None
             if self.activations is not None:
                 self.activations.remove()
+            for h in self.hooks + ([self._disarm] if self._disarm is not None else []):
+                h.remove()
+            self.hooks, self._disarm = [], None
 
     def __enter__(self) -> Monitor:
         return self

@@ -1,0 +1,244 @@
+"""The trainer callbacks against the real libraries (transformers' Trainer, Lightning), tiny
+models built from config, faults planted at a known step: events at that step, the step skipped
+(parameters untouched, steps.jsonl and events.jsonl agree), the gradients checked before the
+trainer's clipping, gradient accumulation, mixed precision, and fh.watch in a plain loop."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import fasthealth as fh
+
+transformers = pytest.importorskip("transformers")
+NAN = float("nan")
+
+
+def read_jsonl(path):
+    return [json.loads(s) for s in path.read_text().splitlines()]
+
+
+class EmbedDataset(torch.utils.data.Dataset):
+    """Counting sequences (each token the last plus one) given as embeddings: float inputs, so
+    a NaN can sit in the data; learnable in a few dozen steps."""
+
+    def __init__(self, n=256, seq=8, d=32, vocab=64, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (n, 1), generator=g)
+        self.labels = (start + torch.arange(seq)) % vocab
+        table = torch.randn(vocab, d, generator=g)
+        self.embeds = table[self.labels]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"inputs_embeds": self.embeds[i], "labels": self.labels[i]}
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def plant_at(model, call, fn):
+    """A forward pre-hook that lets fn change the inputs of the call-th training forward."""
+    calls = {"n": 0}
+
+    def pre(module, args, kwargs):
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] == call:
+                return args, fn(dict(kwargs))
+    return model.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def hf_train(tmp_path, model, steps=40, **kw):
+    from fasthealth.integrations.transformers import HealthCallback
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8,
+        learning_rate=5e-3, report_to="none", save_strategy="no", logging_steps=1000,
+        use_cpu=True, disable_tqdm=True, seed=0, **kw)
+    cb = HealthCallback(warmup_steps=10)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=EmbedDataset(),
+                                   callbacks=[cb])
+    before = {}
+
+    class Snapshot(transformers.TrainerCallback):  # parameters before each optimizer step
+        def on_step_begin(self, args, state, control, **k):
+            before[state.global_step] = [p.detach().clone() for p in model.parameters()]
+
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    return cb.monitor, before
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_transformers_nan_sample_is_caught_skipped_and_logged(tmp_path, optim):
+    model = tiny_gpt2()
+
+    def nan_sample(kw):
+        kw["inputs_embeds"] = kw["inputs_embeds"].clone()
+        kw["inputs_embeds"][3, 2, 5] = NAN
+        return kw
+
+    plant_at(model, 16, nan_sample)  # the 16th training forward: optimizer step 15
+    mon, before = hf_train(tmp_path, model, optim=optim)
+    kinds = {(e.step, e.kind) for e in mon.events}
+    assert (15, "nonfinite_loss") in kinds and (15, "nonfinite_grad") in kinds, kinds
+    assert all(e.step >= 15 for e in mon.events), kinds
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(40))
+    assert steps[15]["skipped"] is True and not any(r["skipped"] for r in steps[:15])
+    events = read_jsonl(tmp_path / "fasthealth" / "events.jsonl")
+    assert all(e["details"].get("skipped") is True for e in events if e["step"] == 15)
+    # the skipped step left the parameters as they were before it
+    for a, b in zip(before[15], before[16]):
+        assert torch.equal(a, b)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    dump = torch.load(next(e.dump for e in mon.events if e.step == 15))
+    assert torch.isnan(dump["batch"]["inputs_embeds"][3, 2, 5])
+    r = fh.replay(next(e.dump for e in mon.events if e.step == 15), model,
+                  lambda m, b: m(**b).loss)
+    assert r.reproduced and r.source == "batch"
+
+
+def test_transformers_one_bad_gradient_is_named_before_clipping(tmp_path):
+    """The Trainer clips with max_grad_norm=1.0 by default: a NaN norm would smear the NaN
+    over every tensor. The check runs first, so only the tensor that went bad is named."""
+    model = tiny_gpt2()
+    target = model.transformer.h[1].mlp.c_proj.weight
+    calls = {"n": 0}
+
+    def flip(grad):
+        calls["n"] += 1
+        if calls["n"] == 21:  # a bit flip in one gradient at optimizer step 20
+            grad = grad.clone()
+            grad[0, 0] = NAN
+        return grad
+
+    target.register_hook(flip)
+    mon, before = hf_train(tmp_path, model)
+    ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
+    assert [e.step for e in ev] == [20], [(e.step, e.kind) for e in mon.events]
+    assert list(ev[0].details["tensors"]) == ["transformer.h.1.mlp.c_proj.weight"]
+    assert ev[0].details["nan_count"] == 1 and ev[0].details["skipped"] is True
+    assert mon.max_grad_norm == 1.0  # the Trainer's clipping, taken over
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert steps[20]["skipped"] is True and steps[20]["nan_count"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_transformers_garbage_batch_accumulation_and_bf16(tmp_path):
+    model = tiny_gpt2()
+
+    def garbage(kw):
+        kw["inputs_embeds"] = torch.randn_like(kw["inputs_embeds"]) * 30
+        kw["labels"] = torch.randint(0, 64, kw["labels"].shape)
+        return kw
+
+    plant_at(model, 2 * 150 + 1, garbage)  # the first micro-batch of optimizer step 150
+    mon, _ = hf_train(tmp_path, model, steps=170, gradient_accumulation_steps=2, bf16=True)
+    kinds = {(e.step, e.kind) for e in mon.events}
+    assert (150, "loss_spike") in kinds, sorted(kinds)
+    assert all(e.step == 150 for e in mon.events), sorted(kinds)
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(170))  # once per optimizer step
+    assert all(math.isfinite(r["loss"]) for r in steps)
+    # the step's loss is the whole accumulation's (Hugging Face divides each micro-batch's
+    # loss by the tokens of both): about what the model's own full-batch loss would be
+    assert 0.0 < steps[100]["loss"] < 2.5
+    dump = torch.load(next(e.dump for e in mon.events if e.step == 150))
+    assert isinstance(dump["batch"], list) and len(dump["batch"]) == 2  # both micro-batches
+
+
+lightning = pytest.importorskip("lightning")
+
+
+class LitRegression(lightning.pytorch.LightningModule):
+    def __init__(self, fused=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                       torch.nn.Linear(32, 1))
+        self.fused = fused
+
+    def loss(self, batch):
+        return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+
+
+class DictData(torch.utils.data.Dataset):
+    def __init__(self, n=640, bad=None):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True) * 0.3
+        if bad is not None:
+            self.x[bad, 4] = NAN
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "idx": i}
+
+
+@pytest.mark.parametrize("fused,accumulate", [(True, 1), (False, 1), (True, 2)])
+def test_lightning_nan_sample_caught_skipped_and_replayed(tmp_path, fused, accumulate):
+    from fasthealth.integrations.lightning import HealthCallback
+
+    bad = 8 * 24 * accumulate + 5  # sample 5 of optimizer step 24 (batch size 8, in order)
+    module = LitRegression(fused)
+    cb = HealthCallback(warmup_steps=10)
+    trainer = lightning.pytorch.Trainer(
+        max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        accumulate_grad_batches=accumulate, default_root_dir=str(tmp_path), callbacks=[cb])
+    loader = torch.utils.data.DataLoader(DictData(bad=bad), batch_size=8, shuffle=False)
+    trainer.fit(module, loader)
+    mon = cb.monitor
+    kinds = {(e.step, e.kind) for e in mon.events}
+    assert kinds == {(24, "nonfinite_loss"), (24, "nonfinite_grad")}, sorted(kinds)
+    assert mon.max_grad_norm == 1.0 and trainer.gradient_clip_val == 1.0  # taken, given back
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(40))
+    assert [r["step"] for r in steps if r["skipped"]] == [24]
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+    r = fh.replay(ev.dump, module, lambda m, b: m.loss(b) if isinstance(b, dict)
+                  else sum(m.loss(x) for x in b))
+    assert r.reproduced and r.source == "batch"
+    if accumulate == 1:
+        assert r.culprit_ids == [bad], r.verdict
+
+
+def test_watch_in_a_plain_loop(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    mon = fh.watch(model, opt, log_dir=tmp_path, max_grad_norm=1.0, warmup_steps=5)
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        ids = torch.randint(0, 32, (4, 8), generator=g)
+        embeds = model.transformer.wte(ids).detach()
+        if step == 7:
+            embeds[1, 2, 3] = NAN
+        opt.zero_grad()
+        model(inputs_embeds=embeds, labels=ids).loss.backward()
+        opt.step()
+    mon.close()
+    assert {(e.step, e.kind) for e in mon.events} == {(7, "nonfinite_loss"),
+                                                      (7, "nonfinite_grad")}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    steps = read_jsonl(tmp_path / "steps.jsonl")
+    assert len(steps) == 12 and steps[7]["skipped"] and steps[3]["loss"] > 0
+    assert not hasattr(opt, "found_inf")  # the skip is taken away after the step
