@@ -6,7 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-DEPS := ninja setuptools wheel numpy pytest hypothesis matplotlib tqdm ruff triton
+# The trainers the integrations are tested against, pinned to versions that work with TORCH_VERSION
+TRAINERS := transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 tensorboard==2.21.0
+DEPS := ninja setuptools wheel numpy pytest hypothesis matplotlib tqdm ruff triton $(TRAINERS)
 ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml

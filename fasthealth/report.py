@@ -13,6 +13,7 @@ import html
 import io
 import json
 import math
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -70,8 +71,33 @@ def summary(meta: dict, steps: list[dict], events: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Rows of marks along the bottom of a panel, in axes coordinates (inside the axes whatever the
+# scale): what happened at a step, where a log scale has no zero to put it at.
+MARKS = {"nonfinite_grad": (0.05, "#d62728", "|", "non-finite gradients"),
+         "nonfinite_loss": (0.12, "black", "x", "non-finite loss"),
+         "skipped": (0.19, "green", "|", "skipped step")}
+
+
+def _marks(ax, steps: list[dict]) -> None:
+    """Marks the steps with non-finite gradients, a non-finite loss, or a skip."""
+    rows = {"nonfinite_grad": [r["step"] for r in steps if r.get("grads_finite") is False],
+            "nonfinite_loss": [r["step"] for r in steps if r.get("loss_finite") is False],
+            "skipped": [r["step"] for r in steps if r.get("skipped")]}
+    for key, xs in rows.items():
+        if xs:
+            y, color, marker, label = MARKS[key]
+            ax.scatter(xs, [y] * len(xs), transform=ax.get_xaxis_transform(), color=color,
+                       marker=marker, s=60, zorder=4, label=label, clip_on=False)
+
+
+def _legend(ax) -> None:
+    """The legend outside the axes, on the right: it hides no data."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
 def _loss_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]) -> None:
-    """The loss curve, events marked on it."""
+    """The loss curve; events marked on it (on the top edge where the loss is not finite)."""
     loss = [_num(r["loss"]) for r in steps]
     positive = [v for v in loss if math.isfinite(v) and v > 0]
     use_log = bool(positive) and max(positive) / min(positive) > 50
@@ -80,123 +106,203 @@ def _loss_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[
     if use_log:
         ax.set_yscale("log")
     at = {r["step"]: v for r, v in zip(steps, loss)}
-    top = max(positive) if positive else 1.0
     seen: set[str] = set()
     for e in events:
         y = at.get(e["step"], math.nan)
-        y = y if math.isfinite(y) and (y > 0 or not use_log) else top
+        ok = math.isfinite(y) and (y > 0 or not use_log)
         c = EVENT_COLORS.get(e["kind"], "gray")
-        ax.scatter([e["step"]], [y], color=c, marker="v", s=28, zorder=3,
+        ax.scatter([e["step"]], [y if ok else 0.97], color=c, marker="v", s=28, zorder=3,
+                   transform=ax.transData if ok else ax.get_xaxis_transform(),
                    label=e["kind"] if e["kind"] not in seen else None)
         seen.add(e["kind"])
+    _marks(ax, steps)
     ax.set_title("loss" + (" (log scale)" if use_log else "") + ", events marked")
-    ax.legend(fontsize=7, loc="upper left", ncol=4)
+    _legend(ax)
 
 
 def _timeline_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
                     ) -> None:
     """One row of event marks per kind."""
     kinds = [k for k in EVENT_COLORS if any(e["kind"] == k for e in events)]
+    kinds += sorted({e["kind"] for e in events} - set(kinds))
     for i, k in enumerate(kinds):
         st = [e["step"] for e in events if e["kind"] == k]
-        ax.scatter(st, [i] * len(st), color=EVENT_COLORS[k], marker="|", s=120)
+        ax.scatter(st, [i] * len(st), color=EVENT_COLORS.get(k, "gray"), marker="|", s=120)
     ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
     ax.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
-    if xs:
-        ax.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
     ax.set_title("events by kind")
 
 
 def _grad_norm_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
                      ) -> None:
     gn = [_num(r["grad_norm"]) for r in steps]
-    ax.plot(xs, [v if v > 0 else math.nan for v in gn], lw=1, color="#1f77b4")
+    ax.plot(xs, [v if v > 0 else math.nan for v in gn], lw=1, color="#1f77b4",
+            label="global grad norm")
     if meta.get("max_grad_norm"):
         ax.axhline(meta["max_grad_norm"], color="red", ls="--", lw=1, label="max_grad_norm")
-        ax.legend(fontsize=7)
     ax.set_yscale("log")
+    _marks(ax, steps)
     ax.set_title("global gradient norm (log scale)")
+    _legend(ax)
 
 
 def _nonfinite_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
                      ) -> None:
-    """NaN and Inf gradient values per step; non-finite losses and skipped steps marked."""
+    """NaN and Inf gradient values per step (log scale: a single value shows); non-finite
+    losses and skipped steps marked along the bottom."""
     nan = [r.get("nan_count") or 0 for r in steps]
     inf = [r.get("inf_count") or 0 for r in steps]
+    total = [a + b for a, b in zip(nan, inf)]
     ax.bar(xs, nan, color="#d62728", label="NaN gradient values", width=1.0)
     ax.bar(xs, inf, bottom=nan, color="#ff7f0e", label="Inf gradient values", width=1.0)
-    lossbad = [r["step"] for r in steps if not r.get("loss_finite", True)]
-    if lossbad:
-        ax.scatter(lossbad, [0] * len(lossbad), marker="x", color="black", zorder=3,
-                   label="non-finite loss")
-    skipped = [r["step"] for r in steps if r.get("skipped")]
-    if skipped:
-        ax.scatter(skipped, [0] * len(skipped), marker="|", s=200, color="green", zorder=3,
-                   label="skipped step")
-    ax.set_yscale("symlog", linthresh=1)
-    ax.set_title("non-finite gradient values per step (symlog)")
-    ax.legend(fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylim(0.3, max([1, *total]) * 3)
+    _marks(ax, steps)
+    ax.set_title("non-finite gradient values per step (log scale)")
+    _legend(ax)
+
+
+def layer_of(name: str) -> str:
+    """A parameter's layer: its name up to the first number (``transformer.h.3``), or its
+    first part (``wte``)."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if len(parts) > 1 else name
+
+
+def _heatmap_rows(names: list[str], limit: int = 40) -> tuple[list[str], list[list[str]]]:
+    """Row labels and the tensors each row combines: a row a tensor, or, past ``limit``
+    tensors, a row a layer (norms combined as the root of the sum of squares)."""
+    if len(names) <= limit:
+        return names, [[n] for n in names]
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(layer_of(n), []).append(n)
+    return list(groups), list(groups.values())
 
 
 def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
                    ) -> None:
-    """log10 of each tensor's gradient norm, at the steps with per-tensor records."""
-    per = [(r["step"], r["per_tensor_norms"]) for r in steps if r.get("per_tensor_norms")]
-    names = meta.get("names") or (list(per[0][1]) if per else [])
-    if per and names:
-        import numpy as np
+    """log10 of each tensor's (or layer's) gradient norm where it was recorded. A record covers
+    the steps up to the next one at the usual cadence and no further: gray where nothing was
+    recorded, red where a norm was not finite."""
+    import numpy as np
 
-        grid = [[math.log10(v) if v is not None and v > 0 else math.nan
-                 for v in (p.get(n) for n in names)] for _, p in per]
-        arr = np.ma.masked_invalid(np.array(grid, dtype=float).T)
-        px = [p_[0] for p_ in per]
-        edges = [px[0] - 0.5] + [(a + b) / 2 for a, b in zip(px, px[1:])] + [px[-1] + 0.5]
-        im = ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, arr, cmap="viridis",
-                           shading="flat")
-        ax.invert_yaxis()
-        step = max(1, len(names) // 25)
-        ax.set_yticks(range(0, len(names), step), [names[i] for i in range(0, len(names), step)],
-                      fontsize=6)
-        ax.figure.colorbar(im, ax=ax, label="log10 grad norm")
-    ax.set_title("per-tensor gradient norm (log10), steps with per-tensor records")
+    per = [(r["step"], r["per_tensor_norms"]) for r in steps if r.get("per_tensor_norms")]
+    names = meta.get("names") or list(per[0][1])
+    labels, members = _heatmap_rows(names)
+    lo, hi = min(xs), max(xs)
+    width = max(1, math.ceil((hi - lo + 1) / 1000))  # at most 1000 columns
+    cols = (hi - lo) // width + 1
+    arr = np.full((len(labels), cols), np.nan)
+    bad = np.zeros((len(labels), cols), dtype=bool)
+    rec = [p[0] for p in per]
+    gaps = np.diff(rec)
+    cadence = int(meta.get("per_tensor_every") or (np.bincount(gaps).argmax() if len(gaps)
+                                                   else 1))
+    logs = []
+    for _, norms in per:
+        sq = [[(norms.get(n) if norms.get(n) is not None else math.nan) for n in m]
+              for m in members]
+        logs.append(np.array([math.sqrt(sum(v * v for v in row)) for row in sq]))
+    positive = [v for vals in logs for v in vals if v > 0 and math.isfinite(v)]
+    floor = math.log10(min(positive)) - 0.5 if positive else 0.0  # where zero norms go
+    for k, (step, vals) in enumerate(zip(rec, logs)):
+        bad_row = ~np.isfinite(vals)
+        # a record stands for the steps up to the next one at the usual cadence; a non-finite
+        # one only for its own step
+        end = step + 1 if bad_row.any() else min(
+            rec[k + 1] if k + 1 < len(rec) else step + cadence, step + cadence)
+        c0 = (step - lo) // width
+        c1 = max((end - 1 - lo) // width, c0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            col = np.where(vals > 0, np.log10(vals), np.where(vals == 0, floor, np.nan))
+        for c in range(c0, min(c1, cols - 1) + 1):
+            arr[:, c] = col
+            bad[:, c] = bad_row
+    ax.set_facecolor("#d9d9d9")
+    edges_x = lo - 0.5 + width * np.arange(cols + 1)
+    edges_y = np.arange(len(labels) + 1) - 0.5
+    im = ax.pcolormesh(edges_x, edges_y, np.ma.masked_invalid(arr), cmap="viridis")
+    if bad.any():
+        ax.pcolormesh(edges_x, edges_y, np.ma.masked_where(~bad, np.ones_like(arr)),
+                      cmap=matplotlib_red(), vmin=0, vmax=1)
+    ax.invert_yaxis()
+    step = max(1, len(labels) // 30)
+    ax.set_yticks(range(0, len(labels), step), labels[::step], fontsize=6)
+    ax.figure.colorbar(im, cax=ax.inset_axes([1.01, 0.0, 0.015, 1.0]), label="log10 grad norm")
+    what = "layer" if len(labels) < len(names) else "tensor"
+    ax.set_title(f"per-{what} gradient norm (log10; darkest: zero, gray: not recorded, "
+                 "red: NaN/Inf)")
+
+
+def matplotlib_red():
+    from matplotlib.colors import ListedColormap
+
+    return ListedColormap(["#d62728"])
 
 
 def _lr_scale_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int]
                     ) -> None:
     lr = [_num(r.get("lr")) for r in steps]
-    lines = ax.plot(xs, lr, color="#2ca02c", label="learning rate")
-    if any(v > 0 for v in lr if math.isfinite(v)):
-        ax.set_yscale("log")
-    ax.set_ylabel("learning rate (log)")
+    lines = []
+    if any(math.isfinite(v) for v in lr):
+        lines += ax.plot(xs, lr, color="#2ca02c", label="learning rate")
+        if any(v > 0 for v in lr if math.isfinite(v)):
+            ax.set_yscale("log")
+        ax.set_ylabel("learning rate (log)")
     scale = [_num(r.get("loss_scale")) for r in steps]
     if any(math.isfinite(v) for v in scale):
-        ax2 = ax.twinx()
-        lines += ax2.plot(xs, scale, color="#1f77b4", label="loss scale (right)")
+        ax2 = ax.twinx() if lines else ax
+        lines += ax2.plot(xs, scale, color="#1f77b4", label="loss scale" + (
+            " (right)" if ax2 is not ax else ""))
         ax2.set_yscale("log")
         ax2.set_ylabel("loss scale (log)")
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="lower left")
-    ax.set_title("learning rate and loss scale")
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.08, 1.0), borderaxespad=0)
+    ax.set_title(" and ".join(ln.get_label().split(" (")[0] for ln in lines))
 
 
-PANELS = ((_loss_panel, 3), (_timeline_panel, 1.6), (_grad_norm_panel, 2),
-          (_nonfinite_panel, 2), (_heatmap_panel, 3), (_lr_scale_panel, 2))
+def _has(key: str, steps: list[dict]) -> bool:
+    return any(r.get(key) is not None and r.get(key) == r.get(key) for r in steps)
+
+
+# (panel, relative height, whether there is anything to draw)
+PANELS = (
+    (_loss_panel, 3, lambda m, s, e: True),
+    (_timeline_panel, 1.6, lambda m, s, e: bool(e)),
+    (_grad_norm_panel, 2, lambda m, s, e: True),
+    (_nonfinite_panel, 2, lambda m, s, e: any(r.get("grads_finite") is False
+                                              or r.get("loss_finite") is False for r in s)),
+    (_heatmap_panel, 3, lambda m, s, e: any(r.get("per_tensor_norms") for r in s)),
+    (_lr_scale_panel, 2, lambda m, s, e: _has("lr", s) or _has("loss_scale", s)),
+)
 
 
 def figure(meta: dict, steps: list[dict], events: list[dict]):
-    """The report's plots, one panel of PANELS each, as one matplotlib figure."""
+    """The report's plots: the panels of PANELS that have something to show, one figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs = [r["step"] for r in steps]
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(11, 17), sharex=False,
-                             gridspec_kw={"height_ratios": [h for _, h in PANELS]})
-    for ax, (panel, _) in zip(axes, PANELS):
+    panels = [(p, h) for p, h, show in PANELS if show(meta, steps, events)]
+    height = sum(h for _, h in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 1.45 * height + 1), sharex=True,
+                             squeeze=False, gridspec_kw={"height_ratios": [h for _, h in panels]})
+    for ax, (panel, _) in zip(axes[:, 0], panels):
         panel(ax, meta, steps, events, xs)
-        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+        ax.tick_params(labelbottom=True)
+    axes[-1, 0].set_xlabel("step")
+    if xs:
+        axes[0, 0].set_xlim(min(xs) - 1, max(xs) + 1)
+    # the same margins for every panel, so that one step is one x position in all of them
+    fig.subplots_adjust(left=0.17, right=0.80, top=1 - 0.45 / fig.get_figheight(),
+                        bottom=0.5 / fig.get_figheight(), hspace=0.45)
     return fig
 
 
@@ -214,7 +320,8 @@ def write(log_dir: str | Path, out: str | Path | None = None) -> tuple[Path, str
     plt.close(fig)
     img = base64.b64encode(buf.getvalue()).decode()
     rows = "\n".join(
-        f"<tr><td>{e['step']}</td><td style='color:{EVENT_COLORS.get(e['kind'], 'gray')}'>"
+        f"<tr><td>{html.escape(str(e['step']))}</td>"
+        f"<td style='color:{EVENT_COLORS.get(e['kind'], 'gray')}'>"
         f"{html.escape(e['kind'])}</td><td>{html.escape(e['message'])}</td>"
         f"<td>{html.escape(Path(e['dump']).name) if e.get('dump') else ''}</td></tr>"
         for e in events)
@@ -239,6 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("log_dir", help="a Monitor's log_dir")
     ap.add_argument("--out", help="where to write report.html/png (default: LOG_DIR)")
     args = ap.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        try:
+            print(summary(*load(args.log_dir)))
+        except FileNotFoundError as exc:
+            print(exc)
+            return 2
+        print("fasthealth report: the plots and report.html need matplotlib: "
+              "pip install 'fasthealth[report]' (or: pip install matplotlib)", file=sys.stderr)
+        return 1
     try:
         path, text = write(args.log_dir, args.out)
     except FileNotFoundError as exc:

@@ -52,3 +52,75 @@ def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "fasthealth", "--help"], capture_output=True,
                          text=True)
     assert out.returncode == 0 and "demo" in out.stdout and "report" in out.stdout
+
+
+def _synthetic_log(n_tensors=120, steps=60):
+    """A log as the Monitor writes it: no optimizer (no learning rate, no loss scale), one
+    gradient NaN at step 30 (skipped), per-tensor norms every 5 steps but none for 40-54 (the
+    process was down), many tensors in 12 layers."""
+    names = [f"model.layers.{i // 10}.w{i % 10}" for i in range(n_tensors)]
+    rows = []
+    for t in list(range(0, 40)) + list(range(55, steps)):
+        bad = t == 30
+        r = {"step": t, "loss": 1.0 / (1 + t), "grad_norm": None if bad else 1.0,
+             "nan_count": 1 if bad else 0, "inf_count": 0, "grads_finite": not bad,
+             "loss_finite": True, "skipped": bad, "lr": None, "loss_scale": None}
+        if t % 5 == 0 or bad:
+            r["per_tensor_norms"] = {n: (None if bad and i == 7 else 0.1 * (1 + i % 3))
+                                     for i, n in enumerate(names)}
+        rows.append(r)
+    meta = {"names": names, "per_tensor_every": 5}
+    events = [{"step": 30, "kind": "nonfinite_grad", "message": "1 NaN", "dump": None}]
+    return meta, rows, events
+
+
+def test_report_marks_inside_axes_gaps_and_layers():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    meta, steps, events = _synthetic_log()
+    fig = report.figure(meta, steps, events)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert not any("learning rate" in t or "loss scale" in t for t in titles), titles
+    fig.canvas.draw()
+    marks = 0
+    for ax in fig.axes:
+        box = ax.get_window_extent()
+        for coll in ax.collections:
+            if not hasattr(coll, "get_offsets") or coll.__class__.__name__ != "PathCollection":
+                continue
+            pts = coll.get_offset_transform().transform(coll.get_offsets())
+            for x, y in pts:
+                assert box.x0 - 1 <= x <= box.x1 + 1 and box.y0 - 1 <= y <= box.y1 + 1, (
+                    ax.get_title(), coll.get_label(), x, y, box)
+                marks += 1
+        # legends sit outside the axes, to the right: they hide no data
+        leg = ax.get_legend()
+        if leg is not None:
+            assert leg.get_window_extent().x0 >= box.x1 - 1, ax.get_title()
+    assert marks > 0
+    nf = next(ax for ax in fig.axes if ax.get_title().startswith("non-finite gradient"))
+    assert nf.get_ylim()[0] < 1  # a single NaN (a bar of height 1) shows on the log scale
+    heat = next(ax for ax in fig.axes if "gradient norm (log10" in ax.get_title())
+    assert heat.get_title().startswith("per-layer")  # 120 tensors: one row per layer
+    labels = [t.get_text() for t in heat.get_yticklabels()]
+    assert labels == [f"model.layers.{i}" for i in range(12)], labels
+    grid = heat.collections[0].get_array()
+    assert grid.shape == (12, 60)
+    assert grid.mask[:, 45].all() and not grid.mask[:, 35].any()  # gap where nothing came
+    assert grid.mask[:, 31:35].all()  # the NaN record at 30 stands for its own step only
+    red = heat.collections[1].get_array()
+    assert not red.mask[0, 30] and red.mask[0, 29]  # the NaN layer at step 30 is red
+
+
+def test_report_without_matplotlib_says_what_to_install(tmp_path):
+    meta, steps, events = _synthetic_log(n_tensors=4, steps=20)
+    (tmp_path / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps) + "\n")
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from fasthealth import report\n"
+            f"sys.exit(report.main([{str(tmp_path)!r}]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    assert "pip install 'fasthealth[report]'" in out.stderr and "Traceback" not in out.stderr
+    assert "fasthealth report: steps 0.." in out.stdout  # the text summary still comes

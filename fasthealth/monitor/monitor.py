@@ -140,7 +140,8 @@ class Monitor:
         param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
         meta = {"names": self.names, "flush_every": self.flush_every,
                 "on_nonfinite": self.on_nonfinite, **options,
-                "max_grad_norm": self.max_grad_norm, "started": time.time(),
+                "max_grad_norm": self.max_grad_norm, "per_tensor_every": self.per_tensor_every,
+                "started": time.time(),
                 "param_bytes": param_bytes}
         self._jsonl = JsonlSink(self.log_dir, meta)
         if param_bytes * self.flush_every <= snapshot_max_bytes:
