@@ -4,6 +4,10 @@ build machines).
 
 Environment: FASTHEALTH_SKIP_CUDA=1 (CPU only), FASTHEALTH_FORCE_CUDA=1 (fail rather than skip
 CUDA), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (parallel compile jobs, via ninja).
+
+A CUDA toolkit that cannot build (nvcc found but no CUDA runtime headers or libcudart, or a
+CUDA compile that fails) never fails the install: the CPU kernels are built alone, with a
+warning, unless FASTHEALTH_FORCE_CUDA=1.
 """
 
 import glob
@@ -12,9 +16,8 @@ import re
 import subprocess
 import sys
 
-from setuptools import setup
-
 import torch
+from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +39,22 @@ def _nvcc_major(cuda_home: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def cuda_toolkit_problems(cuda_home: str) -> list[str]:
+    """What a CUDA build would miss in ``cuda_home``: the runtime's header and library."""
+    problems = []
+    if not os.path.isfile(os.path.join(cuda_home, "include", "cuda_runtime.h")):
+        problems.append(f"no cuda_runtime.h under {cuda_home}/include")
+    libs = [os.path.join(cuda_home, d, "libcudart*") for d in ("lib64", "lib")]
+    libs.append(os.path.join(cuda_home, "targets", "*", "lib", "libcudart*"))
+    if not any(glob.glob(pattern) for pattern in libs):
+        problems.append(f"no libcudart under {cuda_home}/lib64, lib or targets/*/lib")
+    return problems
+
+
+def _warn(message: str) -> None:
+    print(f"fasthealth: WARNING: {message}", file=sys.stderr)
+
+
 def _want_cuda() -> bool:
     force, skip = _flag("FASTHEALTH_FORCE_CUDA"), _flag("FASTHEALTH_SKIP_CUDA")
     if skip:
@@ -53,10 +72,15 @@ def _want_cuda() -> bool:
         torch_major = int(torch.version.cuda.split(".")[0])
         if nvcc != torch_major:
             reasons.append(f"nvcc's CUDA {nvcc} does not match torch's CUDA {torch.version.cuda}")
+        reasons += cuda_toolkit_problems(cpp_extension.CUDA_HOME)
     if reasons:
         if force:
             sys.exit("fasthealth: FASTHEALTH_FORCE_CUDA=1 but " + "; ".join(reasons))
-        print("fasthealth: building the CPU kernels only: " + "; ".join(reasons))
+        if torch.version.cuda is not None:
+            _warn("building the CPU kernels only (the CUDA kernels need a full CUDA toolkit): "
+                  + "; ".join(reasons))
+        else:
+            print("fasthealth: building the CPU kernels only: " + "; ".join(reasons))
         return False
     return True
 
@@ -68,9 +92,19 @@ def _pip_cuda_includes() -> list[str]:
     return sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
 
 
+# No -std flag: torch.utils.cpp_extension picks the standard this torch needs (C++17 or 20).
+CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+
+
+def _cpu_extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    return cpp_extension.CppExtension(
+        "fasthealth._C", sources, extra_compile_args={"cxx": CXX_FLAGS},
+        extra_link_args=["-fopenmp"])
+
+
 def _extension():
-    # No -std flag: torch.utils.cpp_extension picks the standard this torch needs (C++17 or 20).
-    cxx = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
+    cxx = CXX_FLAGS
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     if _want_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -83,12 +117,26 @@ def _extension():
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )
-    return cpp_extension.CppExtension(
-        "fasthealth._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"]
-    )
+    return _cpu_extension()
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's build, falling back to the CPU kernels alone when the CUDA build fails (a
+    toolkit that compiles nothing, a missing library), unless FASTHEALTH_FORCE_CUDA=1."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:
+            cuda = any(s.endswith(".cu") for e in self.extensions for s in e.sources)
+            if not cuda or _flag("FASTHEALTH_FORCE_CUDA"):
+                raise
+            _warn(f"the CUDA build failed ({type(exc).__name__}: {exc}); building the CPU "
+                  "kernels only. FASTHEALTH_FORCE_CUDA=1 makes this an error.")
+            self.extensions = [_cpu_extension()]
+            self.distribution.ext_modules = self.extensions
+            super().run()
+
+
+if __name__ == "__main__":
+    setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})

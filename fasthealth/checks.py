@@ -7,6 +7,7 @@ One fused pass per device over all inputs; nothing here synchronizes with the de
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,16 +104,29 @@ def check_grads(
     With ``process_group``, totals are the whole model's across ranks (FSDP2 shards combined,
     DDP replicas counted once) from one collective, and ``all_finite`` is False on every rank
     when anything on any rank is non-finite; per-tensor stats stay those of the local shards.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are checked through their stored values
+    (``grad.coalesce().values()``), in the same fused pass: the norm is the dense gradient's,
+    counts and moments are those of the stored values. With no gradient at all (called before
+    ``backward()``, or everything frozen) the stats are empty and a warning says so.
     """
     grads, names, missing = [], [], []
     for name, p in _named_parameters(model_or_params, "check_grads"):
         if p.grad is None:
             missing.append(name)
         else:
-            grads.append(p.grad)
+            grads.append(grad_values(p.grad))
             names.append(name)
+    if not grads and missing:
+        warnings.warn(f"fasthealth: check_grads found no gradient on any of {len(missing)} "
+                      "parameters: call it after loss.backward()", RuntimeWarning, stacklevel=2)
     return grads_stats(grads, names, missing, backend=backend, process_group=process_group,
                        range_dtype=range_dtype)
+
+
+def grad_values(g: torch.Tensor) -> torch.Tensor:
+    """The values a gradient holds: the gradient itself, or a sparse one's stored values."""
+    return g.coalesce().values() if g.is_sparse else g
 
 
 def grads_stats(

@@ -304,3 +304,36 @@ def test_reference_total_row_matches_the_concatenation():
 
     ts = random_batch(3, 60, 50_000)
     check_multi(fh.multi_tensor_stats(ts, backend="torch").raw, ts, "torch backend")
+
+
+def test_sparse_gradients_are_checked_through_their_values():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 8, sparse=True)
+    model = torch.nn.Sequential(emb, torch.nn.Linear(8, 1))
+    ids = torch.tensor([1, 2, 2, 7])  # a repeated index: coalesced, its rows summed
+    model(ids).sum().backward()
+    s = fh.check_grads(model)
+    dense = emb.weight.grad.to_dense()
+    assert s.names == ["0.weight", "1.weight", "1.bias"] and s.ok
+    assert s["0.weight"].norm.item() == pytest.approx(dense.norm().item(), rel=1e-6)
+    assert s["0.weight"].numel.item() == 3 * 8  # the stored values: rows 1, 2 and 7
+    all_dense = [dense] + [p.grad for p in list(model.parameters())[1:]]
+    assert s.total.norm.item() == pytest.approx(
+        torch.nn.utils.get_total_norm(all_dense).item(), rel=1e-6)
+    emb.weight.grad = torch.sparse_coo_tensor([[3]], torch.full((1, 8), float("nan")), (50, 8))
+    s = fh.check_grads(model)
+    assert s.nonfinite() == ["0.weight"] and s["0.weight"].nan_count.item() == 8
+    # the Monitor too: checks, clips (sparse and dense) and skips
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    mon = fh.Monitor(model, opt, max_grad_norm=0.5, flush_every=1)
+    mon.step(model(ids).sum().detach())
+    assert [e.kind for e in mon.events] == ["nonfinite_grad"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_check_grads_before_backward_warns():
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(RuntimeWarning, match="no gradient on any of 2 parameters"):
+        s = fh.check_grads(model)
+    assert s.missing == ["weight", "bias"] and len(s) == 0 and s.ok

@@ -17,7 +17,12 @@ import torch
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
     """``clip_grad_norm_``'s rule with the global ``norm`` already computed: no second pass."""
     coef = (max_norm / (norm.float() + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, coef)
+    dense = [g for g in grads if not g.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, coef)
+    for g in grads:
+        if g.is_sparse:
+            g.mul_(coef)
 
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..checks import grads_stats, multi_tensor_stats
+from ..checks import grad_values, grads_stats, multi_tensor_stats
 from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
 from ..stats import MultiTensorStats
@@ -176,9 +176,10 @@ class Monitor:
             act.unscale(self.optimizer, self.scaler)
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
         grads = [self.params[i][1].grad for i in present]
+        values = [grad_values(g) for g in grads]  # a sparse gradient's stored values
         loss_d, loss_ok = self._loss(loss)
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
-        stats = grads_stats(grads, [self.names[i] for i in present], [], backend=self.backend,
+        stats = grads_stats(values, [self.names[i] for i in present], [], backend=self.backend,
                             process_group=self.process_group, extra_bad=~loss_ok)
         table = stats.raw.to(self.device)
         grads_ok = table[-1, COL["all_finite"]] != 0
