@@ -21,7 +21,7 @@ EVENT_COLORS = {
     "nonfinite_loss": "#d62728", "nonfinite_grad": "#ff7f0e", "loss_spike": "#9467bd",
     "grad_norm_spike": "#8c564b", "divergence": "#e377c2", "oscillation": "#17becf",
     "vanishing_grad": "#7f7f7f", "optimizer_state_nonfinite": "#bcbd22",
-    "loss_scale_collapse": "#1f77b4",
+    "loss_scale_collapse": "#1f77b4", "exploding_grad": "#393b79",
 }
 
 

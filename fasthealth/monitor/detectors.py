@@ -63,6 +63,12 @@ class Detector:
         raise NotImplementedError
 
 
+def _listed(names) -> str:
+    """The first five names, and "..." when there are more."""
+    names = list(names)
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+
 def _skipped(s: HostStep) -> bool:
     return s.values["skipped"] > 0
 
@@ -114,7 +120,7 @@ class NonFiniteGradDetector(Detector):
         if v["grads_finite"] or overflow:
             return []
         bad = {self.names[i]: int(c) for i, c in enumerate(s.per_bad) if c == c and c > 0}
-        shown = ", ".join(list(bad)[:5]) + (" ..." if len(bad) > 5 else "")
+        shown = _listed(bad)
         action = " (step skipped)" if _skipped(s) else ""
         return [("nonfinite_grad",
                  f"{int(v['nan_count'])} NaN and {int(v['inf_count'])} Inf gradient values in "
@@ -308,6 +314,13 @@ class LossTrendDetector(Detector):
     def judge(self, ys: list[float], loss: float) -> list[Found]:
         raise NotImplementedError
 
+    def once(self, found: Found) -> list[Found]:
+        """``found``, the first time in an episode (until ``active`` is cleared)."""
+        if self.active:
+            return []
+        self.active = True
+        return [found]
+
 
 class DivergenceDetector(LossTrendDetector):
     """A steady rise of the log-loss; see the module docstring."""
@@ -329,17 +342,14 @@ class DivergenceDetector(LossTrendDetector):
             if above < self.rise / 2:
                 self.active = False
             return []
-        if self.active:
-            return []
-        self.active = True
-        return [("divergence",
+        return self.once(("divergence",
                  f"loss rising steadily: {math.expm1(slope):+.1%} a step over the last "
                  f"{len(ys)} steps (t = {t:.1f}), {above:.0%} above its best "
                  f"({math.exp(self.best):.4g}). Check first: the learning rate (schedule, "
                  "warm-up end), then the data stream (a shift in what the batches hold), "
                  "then the optimizer state",
                  {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
-                  "above_best": above, "best": math.exp(self.best), "loss": loss})]
+                  "above_best": above, "best": math.exp(self.best), "loss": loss}))
 
 
 class OscillationDetector(LossTrendDetector):
@@ -366,16 +376,13 @@ class OscillationDetector(LossTrendDetector):
         if not oscillating:
             self.active = False
             return []
-        if self.active:
-            return []
-        self.active = True
-        return [("oscillation",
+        return self.once(("oscillation",
                  f"loss oscillating: successive steps alternate (autocorrelation {rho:.2f}), "
                  f"swings of {math.expm1(swing):.0%} a step, {swing / ref:.1f}x the run's usual "
                  "minibatch noise, and no downward trend. Check first: the learning rate (too "
                  "high for this stage: lower it or lengthen the warm-up), then alternating "
                  "data (unshuffled sources)",
-                 {"autocorrelation": rho, "swing": swing, "usual_swing": ref, "loss": loss})]
+                 {"autocorrelation": rho, "swing": swing, "usual_swing": ref, "loss": loss}))
 
 
 class VanishingDetector(Detector):
@@ -457,31 +464,28 @@ class TensorNormDetector(Detector):
         self.reported_high = (self.reported_high | new_high) & ~normal
         return found
 
-    def _named(self, mask: torch.Tensor, norm: torch.Tensor) -> dict[str, dict[str, float]]:
-        idx = mask.nonzero().flatten().tolist()
-        return {self.names[i]: {"norm": float(norm[i]), "level": math.exp(self.level[i])}
-                for i in idx}
-
     def _vanishing(self, mask: torch.Tensor, norm: torch.Tensor) -> Found:
-        named = self._named(mask, norm)
-        shown = ", ".join(list(named)[:5]) + (" ..." if len(named) > 5 else "")
-        return ("vanishing_grad",
-                f"the gradients of {len(named)} tensor(s) collapsed to below "
-                f"{math.exp(self.lo):g} of their usual size for {self.patience} steps: {shown}. "
-                "Check first: dead units (a ReLU layer whose pre-activations went negative: "
-                "its bias, the learning rate), saturated activations (sigmoid/tanh inputs far "
-                "from 0), then parameters frozen by mistake",
-                {"tensors": named})
+        return self._event(
+            "vanishing_grad", mask, norm,
+            f"collapsed to below {math.exp(self.lo):g} of their usual size for "
+            f"{self.patience} steps",
+            "dead units (a ReLU layer whose pre-activations went negative: its bias, the "
+            "learning rate), saturated activations (sigmoid/tanh inputs far from 0), then "
+            "parameters frozen by mistake")
 
     def _exploding(self, mask: torch.Tensor, norm: torch.Tensor) -> Found:
-        named = self._named(mask, norm)
-        shown = ", ".join(list(named)[:5]) + (" ..." if len(named) > 5 else "")
-        return ("exploding_grad",
-                f"the gradients of {len(named)} tensor(s) are over {math.exp(self.hi):g}x "
-                f"their usual size: {shown}. Check first: those tensors' weights (growing "
-                "without bound? check_params), their learning rate and weight decay, then "
-                "clipping (max_grad_norm)",
-                {"tensors": named})
+        return self._event(
+            "exploding_grad", mask, norm, f"are over {math.exp(self.hi):g}x their usual size",
+            "those tensors' weights (growing without bound? check_params), their learning "
+            "rate and weight decay, then clipping (max_grad_norm)")
+
+    def _event(self, kind: str, mask: torch.Tensor, norm: torch.Tensor, seen: str,
+               check: str) -> Found:
+        idx = mask.nonzero().flatten().tolist()
+        named = {self.names[i]: {"norm": float(norm[i]), "level": math.exp(self.level[i])}
+                 for i in idx}
+        return (kind, f"the gradients of {len(named)} tensor(s) {seen}: {_listed(named)}. "
+                f"Check first: {check}", {"tensors": named})
 
 
 class OptimizerStateDetector(Detector):
@@ -503,9 +507,8 @@ class OptimizerStateDetector(Detector):
         stats = s.info.get("opt_stats")
         names = stats.nonfinite() if stats is not None else []
         return [("optimizer_state_nonfinite",
-                 f"{int(count)} NaN/Inf values in optimizer state: "
-                 + ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
-                 + ". Check first: a checkpoint loaded into the optimizer, then a step that "
+                 f"{int(count)} NaN/Inf values in optimizer state: {_listed(names)}"
+                 ". Check first: a checkpoint loaded into the optimizer, then a step that "
                  "went through with a non-finite gradient (on_nonfinite='warn'?)",
                  {"tensors": names, "count": int(count)})]
 
