@@ -158,22 +158,27 @@ def test_transformers_garbage_batch_accumulation_and_bf16(tmp_path):
 lightning = pytest.importorskip("lightning")
 
 
-class LitRegression(lightning.pytorch.LightningModule):
-    def __init__(self, fused=True):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                       torch.nn.Linear(32, 1))
-        self.fused = fused
+def regression_module(pl, fused):
+    """A small regression LightningModule of the package ``pl`` (lightning.pytorch or
+    pytorch_lightning)."""
 
-    def loss(self, batch):
-        return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                           torch.nn.Linear(32, 1))
 
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
+        def loss(self, batch):
+            return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
+        def training_step(self, batch, batch_idx):
+            return self.loss(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=fused)
+
+    return Regression()
 
 
 class DictData(torch.utils.data.Dataset):
@@ -191,17 +196,27 @@ class DictData(torch.utils.data.Dataset):
         return {"x": self.x[i], "y": self.y[i], "idx": i}
 
 
-@pytest.mark.parametrize("fused,accumulate", [(True, 1), (False, 1), (True, 2)])
-def test_lightning_nan_sample_caught_skipped_and_replayed(tmp_path, fused, accumulate):
-    from fasthealth.integrations.lightning import HealthCallback
+@pytest.mark.parametrize("fused,accumulate,precision,package", [
+    (True, 1, "32-true", "lightning"), (False, 1, "32-true", "lightning"),
+    (True, 2, "32-true", "lightning"), (True, 1, "bf16-mixed", "lightning"),
+    (False, 1, "32-true", "pytorch_lightning")])
+def test_lightning_nan_sample_caught_skipped_and_replayed(tmp_path, fused, accumulate,
+                                                          precision, package):
+    if package == "lightning":
+        from fasthealth.integrations.lightning import HealthCallback
+        pl = lightning.pytorch
+    else:
+        pl = pytest.importorskip("pytorch_lightning")
+        from fasthealth.integrations.pytorch_lightning import HealthCallback
+    module = regression_module(pl, fused)
 
     bad = 8 * 24 * accumulate + 5  # sample 5 of optimizer step 24 (batch size 8, in order)
-    module = LitRegression(fused)
     cb = HealthCallback(warmup_steps=10)
-    trainer = lightning.pytorch.Trainer(
+    trainer = pl.Trainer(
         max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
-        accumulate_grad_batches=accumulate, default_root_dir=str(tmp_path), callbacks=[cb])
+        accumulate_grad_batches=accumulate, default_root_dir=str(tmp_path), callbacks=[cb],
+        precision=precision)
     loader = torch.utils.data.DataLoader(DictData(bad=bad), batch_size=8, shuffle=False)
     trainer.fit(module, loader)
     mon = cb.monitor
