@@ -5,9 +5,9 @@ build machines).
 Environment: FASTHEALTH_SKIP_CUDA=1 (CPU only), FASTHEALTH_FORCE_CUDA=1 (fail rather than skip
 CUDA), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (parallel compile jobs, via ninja).
 
-A CUDA toolkit that cannot build (nvcc found but no CUDA runtime headers or libcudart, or a
-CUDA compile that fails) never fails the install: the CPU kernels are built alone, with a
-warning, unless FASTHEALTH_FORCE_CUDA=1.
+A CUDA toolkit that cannot build (nvcc found but no CUDA runtime headers or libcudart, or an
+nvcc that cannot compile and link a small CUDA program) never fails the install: the CPU
+kernels are built alone, with a warning, unless FASTHEALTH_FORCE_CUDA=1.
 """
 
 import glob
@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import torch
 from setuptools import setup
@@ -51,6 +52,30 @@ def cuda_toolkit_problems(cuda_home: str) -> list[str]:
     return problems
 
 
+PROBE = """#include <cuda_runtime.h>
+__global__ void probe(int* x) { *x = 1; }
+int main() { int n = 0; return cudaGetDeviceCount(&n) == cudaSuccess ? 0 : 0; }
+"""
+
+
+def nvcc_probe(cuda_home: str) -> str | None:
+    """None if nvcc compiles and links a small CUDA program against libcudart, else why not."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "probe.cu")
+        with open(src, "w") as f:
+            f.write(PROBE)
+        try:
+            out = subprocess.run([nvcc, src, "-o", os.path.join(d, "probe"), "-lcudart"],
+                                 capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"nvcc could not run ({exc})"
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"nvcc cannot build a small CUDA program ({tail[0]})"
+    return None
+
+
 def _warn(message: str) -> None:
     print(f"fasthealth: WARNING: {message}", file=sys.stderr)
 
@@ -73,6 +98,9 @@ def _want_cuda() -> bool:
         if nvcc != torch_major:
             reasons.append(f"nvcc's CUDA {nvcc} does not match torch's CUDA {torch.version.cuda}")
         reasons += cuda_toolkit_problems(cpp_extension.CUDA_HOME)
+        if not reasons:
+            probe = nvcc_probe(cpp_extension.CUDA_HOME)
+            reasons += [probe] if probe else []
     if reasons:
         if force:
             sys.exit("fasthealth: FASTHEALTH_FORCE_CUDA=1 but " + "; ".join(reasons))
@@ -120,23 +148,6 @@ def _extension():
     return _cpu_extension()
 
 
-class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
-    """torch's build, falling back to the CPU kernels alone when the CUDA build fails (a
-    toolkit that compiles nothing, a missing library), unless FASTHEALTH_FORCE_CUDA=1."""
-
-    def run(self):
-        try:
-            super().run()
-        except Exception as exc:
-            cuda = any(s.endswith(".cu") for e in self.extensions for s in e.sources)
-            if not cuda or _flag("FASTHEALTH_FORCE_CUDA"):
-                raise
-            _warn(f"the CUDA build failed ({type(exc).__name__}: {exc}); building the CPU "
-                  "kernels only. FASTHEALTH_FORCE_CUDA=1 makes this an error.")
-            self.extensions = [_cpu_extension()]
-            self.distribution.ext_modules = self.extensions
-            super().run()
-
-
 if __name__ == "__main__":
-    setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExt})
+    setup(ext_modules=[_extension()],
+          cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)})
