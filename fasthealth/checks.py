@@ -44,6 +44,7 @@ def multi_tensor_stats(
             raise ValueError(
                 f"fasthealth: got {len(names)} names for {len(tensors)} tensors"
             )
+        _unique(names)
     rng = range_thresholds(range_dtype)
     if not tensors:
         return MultiTensorStats(ops.empty_table(), [], [], range_dtype=range_dtype)
@@ -59,6 +60,19 @@ def tensor_stats(t: torch.Tensor, *, backend: str | None = None,
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fasthealth: tensor_stats expects a torch.Tensor, got {type(t).__name__}")
     return multi_tensor_stats([t], names=["t"], backend=backend, range_dtype=range_dtype)[0]
+
+
+def _unique(names: list[str]) -> None:
+    """Raises ValueError naming the first name given twice: results are looked up by name
+    (``s["name"]``, ``to_dict()``), and a second entry would hide the first (a NaN with it)."""
+    if len(set(names)) == len(names):
+        return
+    first: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in first:
+            raise ValueError(f"fasthealth: the name {n!r} is given to inputs {first[n]} and "
+                             f"{i}; names must be unique")
+        first[n] = i
 
 
 def _named_parameters(model_or_params: Any, what: str) -> list[tuple[str, Any]]:
@@ -85,6 +99,7 @@ def _named_parameters(model_or_params: Any, what: str) -> list[tuple[str, Any]]:
         if id(item[1]) not in seen:
             seen.add(id(item[1]))
             pairs.append(item)
+    _unique([n for n, _ in pairs])
     return pairs
 
 

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -26,15 +27,22 @@ EVENT_COLORS = {
 
 
 def load(log_dir: str | Path) -> tuple[dict, list[dict], list[dict]]:
+    """meta.json, steps.jsonl and events.jsonl of a Monitor's log_dir. A partial last line (a
+    process killed mid-write) or a corrupt one is skipped, with a warning."""
+    from .monitor.sinks import read_jsonl
+
     d = Path(log_dir)
     steps_path = d / "steps.jsonl"
     if not steps_path.exists():
         raise FileNotFoundError(f"fasthealth: {steps_path} not found: is {d} a Monitor log_dir?")
     meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
-    steps = [json.loads(s) for s in steps_path.read_text().splitlines() if s.strip()]
-    ev_path = d / "events.jsonl"
-    events = ([json.loads(s) for s in ev_path.read_text().splitlines() if s.strip()]
-              if ev_path.exists() else [])
+    steps, bad = read_jsonl(steps_path)
+    events, bad_events = (read_jsonl(d / "events.jsonl") if (d / "events.jsonl").exists()
+                          else ([], 0))
+    if bad or bad_events:
+        warnings.warn(f"fasthealth report: skipped {bad + bad_events} unreadable line(s) in "
+                      f"{d} (a partial last line is what a killed process leaves)",
+                      RuntimeWarning, stacklevel=2)
     return meta, steps, events
 
 

@@ -16,22 +16,23 @@ write the JSONL logs, TensorBoard and the dumps of the steps behind events.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checks import grad_values, grads_stats, multi_tensor_stats
+from ..checks import grad_values, grads_stats
 from ..ops.layout import COL
-from ..optim import optimizer_state_tensors
 from ..stats import MultiTensorStats
 from . import act
 from .detectors import Detector, default_detectors
 from .events import FATAL_KINDS, Event, NonFiniteError, Observation
-from .record import DeviceRecord, HostStep
+from .record import DeviceRecord, HostStep, loss_scale, optimizer_nonfinite
 from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
 
 ON_NONFINITE = ("skip", "raise", "warn")
@@ -107,6 +108,7 @@ class Monitor:
         if not self.params:
             raise ValueError("fasthealth: the model has no trainable parameters to monitor")
         self.names = [n for n, _ in self.params]
+        self.names_by_id = {id(p): n for n, p in self.params}
         self.device = self.params[0][1].device
         self.record = DeviceRecord(self.names, flush_every, self.device)
         if detectors is None:
@@ -121,6 +123,8 @@ class Monitor:
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
         self._disarm = None  # the optimizer step post-hook of check()
+        self._backlog: list[HostStep] = []  # taken from the record, not yet fully flushed
+        self._write_errors: list[str] = []
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._jsonl: JsonlSink | None = None
@@ -144,6 +148,10 @@ class Monitor:
                 "started": time.time(),
                 "param_bytes": param_bytes}
         self._jsonl = JsonlSink(self.log_dir, meta)
+        self._write_errors = self._jsonl.errors
+        atexit.register(self._close_at_exit)  # the last steps reach the log even on a crash
+        if self._jsonl.last_step is not None:  # a reopened log_dir: the run goes on
+            self._next_step = self._jsonl.last_step + 1
         if param_bytes * self.flush_every <= snapshot_max_bytes:
             self._snapshots = [[torch.empty_like(p.detach()) for _, p in self.params]
                                for _ in range(self.flush_every)]
@@ -192,7 +200,8 @@ class Monitor:
             "grad_finite_norm": total[COL["finite_norm"]], "grad_amax": total[COL["amax"]],
             "nan_count": total[COL["nan_count"]], "inf_count": total[COL["inf_count"]],
             "grads_finite": grads_ok, "loss_finite": loss_ok, "skipped": skipped,
-            "loss_scale": self._loss_scale(), "optimizer_nonfinite": self._scan_optimizer(t),
+            "loss_scale": loss_scale(self.scaler, self.device),
+            "optimizer_nonfinite": self._scan_optimizer(t),
         }
         self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids))
         self.steps_seen += 1
@@ -232,27 +241,13 @@ class Monitor:
             self._disarm = opt.register_step_post_hook(act.disarm)
         return act.arm_skip(opt, bad if guard else torch.zeros_like(bad), self.scaler)
 
-    def _loss_scale(self) -> torch.Tensor:
-        scale = getattr(self.scaler, "_scale", None)
-        if scale is None:
-            return torch.full((), math.nan, dtype=torch.float64, device=self.device)
-        return scale.detach().reshape(()).to(self.device, torch.float64)
-
     def _scan_optimizer(self, t: int) -> torch.Tensor:
-        """NaN + Inf count over the optimizer's state every ``optimizer_check_every`` steps
-        (NaN on the other steps: not scanned)."""
-        nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
-        self._opt_stats = None
+        """NaN + Inf count of the optimizer's state every ``optimizer_check_every`` steps."""
         k = self.optimizer_check_every
-        if self.optimizer is None or not k or t % k:
-            return nan
-        names, tensors = optimizer_state_tensors(self.optimizer,
-                                                 {id(p): n for n, p in self.params})
-        if not tensors:
-            return nan
-        self._opt_stats = multi_tensor_stats(tensors, names=names, backend=self.backend)
-        total = self._opt_stats.raw[-1].to(self.device)
-        return total[COL["nan_count"]] + total[COL["inf_count"]]
+        due = self.optimizer is not None and k and t % k == 0
+        count, self._opt_stats = optimizer_nonfinite(
+            self.optimizer if due else None, self.names_by_id, self.backend, self.device)
+        return count
 
     def _step_info(self, t: int, batch: Any, sample_ids: Any) -> dict[str, Any]:
         """What the flush needs of this step on the host: references to the batch (no copy,
@@ -261,6 +256,7 @@ class Monitor:
         keep = self.log_dir is not None
         info = {
             "step": t, "lr": float(lr) if isinstance(lr, (int, float)) else None,
+            "slot": self.record.fill,
             "batch": map_tensors(torch.Tensor.detach, batch) if keep else None,
             "sample_ids": map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
             "rng": self._rng, "opt_stats": self._opt_stats,
@@ -272,29 +268,51 @@ class Monitor:
 
     def flush(self) -> list[Event]:
         """Copy the pending records to the host (once), run the detectors, write logs and
-        dumps. Returns the new events; raises NonFiniteError with ``on_nonfinite="raise"``."""
+        dumps. Returns the new events; raises NonFiniteError with ``on_nonfinite="raise"``.
+
+        A step leaves the backlog only once its events are in ``events`` and its lines queued:
+        an interrupted flush (Ctrl-C in a save) loses and repeats nothing. Writing failures are
+        recorded in ``write_errors``, never raised."""
+        self._backlog += self.record.take()
         new: list[Event] = []
-        lines: list[dict] = []
-        for slot, s in enumerate(self.record.take()):
-            events = self._detect(s)
-            if events and self._jsonl is not None:
-                params = self._snapshots[slot] if self._snapshots is not None else None
-                dump = write_dump(self.log_dir, s, self.names, events, params)
-                for e in events:
-                    e.dump = dump
-            per_tensor = s.step % self.per_tensor_every == 0 or bool(events)
-            lines.append(step_json(s, self.names, events, per_tensor))
+        while self._backlog:
+            s = self._backlog[0]
+            events = s.info.get("events")
+            if events is None:  # detectors see each step once, even when a flush is retried
+                events = s.info["events"] = self._detect(s)
+                self.events.extend(events)
+                new.extend(events)
+            if events and self._jsonl is not None and "dump" not in s.info:
+                s.info["dump"] = self._save_dump(s, events)
+            if self._jsonl is not None:
+                per_tensor = s.step % self.per_tensor_every == 0 or bool(events)
+                self._jsonl.queue(step_json(s, self.names, events, per_tensor), events)
             if self._tb is not None:
                 self._tb.write(s)
-            new.extend(events)
-        self.events.extend(new)
-        if self._jsonl is not None and lines:
-            self._jsonl.write(lines, new)
+            self._backlog.pop(0)
+        if self._jsonl is not None:
+            self._jsonl.drain()
         if self.on_nonfinite == "raise":
             fatal = [e for e in new if e.kind in FATAL_KINDS]
             if fatal:
                 raise NonFiniteError(fatal)
         return new
+
+    def _save_dump(self, s: HostStep, events: list[Event]) -> str | None:
+        params = self._snapshots[s.info["slot"]] if self._snapshots is not None else None
+        try:
+            dump = write_dump(self.log_dir, s, self.names, events, params)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+            self._jsonl.fail(exc)
+            return None
+        for e in events:
+            e.dump = dump
+        return dump
+
+    @property
+    def write_errors(self) -> list[str]:
+        """What could not be written to ``log_dir`` (the first one was also warned)."""
+        return list(self._write_errors)
 
     def _detect(self, s: HostStep) -> list[Event]:
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
@@ -304,7 +322,9 @@ class Monitor:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Final flush; closes the log files and removes activation hooks."""
+        """Final flush; closes the log files and removes activation hooks. Runs by itself at
+        interpreter exit (an unhandled exception included) and at the end of a ``with``."""
+        atexit.unregister(self._close_at_exit)
         try:
             self.flush()
         finally:
@@ -317,6 +337,13 @@ class Monitor:
             for h in self.hooks + ([self._disarm] if self._disarm is not None else []):
                 h.remove()
             self.hooks, self._disarm = [], None
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as exc:  # never a traceback at exit
+            warnings.warn(f"fasthealth: the final flush at exit failed: {exc}", RuntimeWarning,
+                          stacklevel=1)
 
     def __enter__(self) -> Monitor:
         return self

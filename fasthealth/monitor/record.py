@@ -92,3 +92,30 @@ class DeviceRecord:
             out.append(HostStep(info[j]["step"], values, host[j, self.norm].tolist(),
                                 host[j, self.bad].tolist(), info[j]))
         return out
+
+
+def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor:
+    """A GradScaler's scale as a 0-dim float64 tensor (read on the device: no sync); NaN
+    without one."""
+    scale = getattr(scaler, "_scale", None)
+    if scale is None:
+        return torch.full((), math.nan, dtype=torch.float64, device=device)
+    return scale.detach().reshape(()).to(device, torch.float64)
+
+
+def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], backend: str | None,
+                        device: torch.device) -> tuple[torch.Tensor, Any]:
+    """(NaN + Inf count over the optimizer's state, its MultiTensorStats): one fused pass;
+    (NaN, None) without an optimizer or state (not scanned)."""
+    from ..checks import multi_tensor_stats
+    from ..optim import optimizer_state_tensors
+
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    if optimizer is None:
+        return nan, None
+    names, tensors = optimizer_state_tensors(optimizer, names_by_id)
+    if not tensors:
+        return nan, None
+    stats = multi_tensor_stats(tensors, names=names, backend=backend)
+    total = stats.raw[-1].to(device)
+    return total[COL["nan_count"]] + total[COL["inf_count"]], stats

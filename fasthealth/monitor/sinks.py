@@ -3,8 +3,11 @@ TensorBoard, and the dumps of the steps behind events (for ``fh.replay``)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,28 +49,135 @@ def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bo
 
 
 class JsonlSink:
-    """``steps.jsonl`` and ``events.jsonl`` (appended, one JSON object a line) and ``meta.json``
-    under ``log_dir``; ``dumps/`` for the dump files."""
+    """``steps.jsonl`` and ``events.jsonl`` under ``log_dir``: one JSON object a line, each line
+    appended by one ``write`` (so that a killed process leaves at most one partial last line,
+    which ``fasthealth report`` skips), ``meta.json``, and ``dumps/`` for the dump files.
+
+    Writing never stops training: a line that cannot be written (disk full, directory removed,
+    permissions) stays pending, in order, and is retried at the next ``write``; a partial line
+    is cut back off the file, so nothing is ever written twice or half. The first failure warns;
+    every failure is kept in ``errors``. A ``log_dir`` that already holds a run is continued:
+    ``last_step`` says where it ended, and ``meta.json`` records the reopening.
+    """
+
+    MAX_PENDING = 200_000  # lines kept while writing fails; the oldest go first past that
 
     def __init__(self, log_dir: Path, meta: dict) -> None:
         self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / "dumps").mkdir(exist_ok=True)
-        self._steps = open(log_dir / "steps.jsonl", "a")
-        self._events = open(log_dir / "events.jsonl", "a")
-        (log_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        self.pending: list[tuple[str, bytes]] = []
+        self.errors: list[str] = []
+        self.dropped = 0
+        self._fds: dict[str, int] = {}
+        self.last_step = last_logged_step(log_dir / "steps.jsonl")
+        self._guard(lambda: self._write_meta(meta))
 
-    def write(self, steps: list[dict], events: list[Event]) -> None:
-        for rec in steps:
-            self._steps.write(json.dumps(rec) + "\n")
-        for e in events:
-            self._events.write(json.dumps(e.to_json()) + "\n")
-        self._events.flush()
-        self._steps.flush()
+    def _write_meta(self, meta: dict) -> None:
+        self._mkdirs()
+        path = self.log_dir / "meta.json"
+        if path.exists():  # a reopened run: keep the first meta, note this reopening
+            old = json.loads(path.read_text())
+            old.setdefault("reopened", []).append(
+                {"started": meta.get("started"), "after_step": self.last_step})
+            meta = old
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(jsonable(meta), indent=1))
+        os.replace(tmp, path)
+
+    def _mkdirs(self) -> None:
+        (self.log_dir / "dumps").mkdir(parents=True, exist_ok=True)
+
+    def queue(self, step: dict, events: list[Event]) -> None:
+        """Adds one step's line and its events' lines, to be written by ``drain``."""
+        self.pending.append(("steps.jsonl", (json.dumps(step) + "\n").encode()))
+        self.pending += [("events.jsonl", (json.dumps(e.to_json()) + "\n").encode())
+                         for e in events]
+        if len(self.pending) > self.MAX_PENDING:
+            self.dropped += len(self.pending) - self.MAX_PENDING
+            del self.pending[: len(self.pending) - self.MAX_PENDING]
+
+    def drain(self) -> bool:
+        """Writes what is pending, in order; False (recorded, not raised) when it cannot."""
+        return self._guard(self._drain)
+
+    def _drain(self) -> None:
+        self._mkdirs()
+        while self.pending:
+            name, line = self.pending[0]
+            fd = self._fd(name)
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                n = os.write(fd, line)
+                if n != len(line):
+                    raise OSError(errno.ENOSPC, f"wrote {n} of {len(line)} bytes")
+            except OSError:
+                os.ftruncate(fd, end)  # no half line left behind
+                raise
+            self.pending.pop(0)
+
+    def _fd(self, name: str) -> int:
+        """The file's descriptor, opened again when the file was removed under it."""
+        path = self.log_dir / name
+        fd = self._fds.get(name)
+        if fd is not None and not path.exists():
+            os.close(fd)
+            fd = None
+        if fd is None:
+            fd = self._fds[name] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return fd
+
+    def _guard(self, fn: Callable[[], Any]) -> bool:
+        """Runs ``fn``; a failure to write is recorded (warned the first time), not raised."""
+        try:
+            fn()
+            return True
+        except OSError as exc:
+            self.fail(exc)
+            return False
+
+    def fail(self, exc: BaseException) -> None:
+        self.errors.append(f"{type(exc).__name__}: {exc}")
+        if len(self.errors) == 1:
+            warnings.warn(
+                f"fasthealth: cannot write to {self.log_dir} ({exc}); training goes on, "
+                "events stay in Monitor.events, and the logs are written when it can "
+                "(Monitor.write_errors lists the failures)", RuntimeWarning, stacklevel=4)
 
     def close(self) -> None:
-        self._steps.close()
-        self._events.close()
+        self.drain()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def last_logged_step(path: Path) -> int | None:
+    """The step of the last whole line of a steps.jsonl, None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """The records of a JSONL file, and how many lines were skipped (a partial last line left
+    by a killed process, or a corrupt one)."""
+    records, bad = [], 0
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            bad += 1
+    return records, bad
 
 
 class TensorBoardSink:
@@ -93,19 +203,30 @@ def write_dump(log_dir: Path, s: HostStep, names: list[str], events: list[Event]
                params: list[torch.Tensor] | None) -> str:
     """Saves what ``fh.replay`` needs to re-run step ``s``: the batch and sample ids, the RNG
     state its forward started from, its record and, when captured, the parameters as they were
-    before its update. Returns the file's path."""
-    path = log_dir / "dumps" / f"step_{s.step:08d}.pt"
+    before its update. Written to a temporary file and renamed (a failure leaves no half
+    dump); a name already taken (a reopened run) gets a suffix. Returns the file's path."""
+    folder = log_dir / "dumps"
+    folder.mkdir(parents=True, exist_ok=True)
+    path, k = folder / f"step_{s.step:08d}.pt", 1
+    while path.exists():
+        path, k = folder / f"step_{s.step:08d}-{k}.pt", k + 1
     cpu = (lambda t: t.detach().cpu())  # noqa: E731
-    torch.save({
-        "step": s.step,
-        "events": [e.to_json() for e in events],
-        "batch": map_tensors(cpu, s.info.get("batch")),
-        "sample_ids": map_tensors(cpu, s.info.get("sample_ids")),
-        "record": jsonable(s.values),
-        "per_tensor": {"names": names, "norm": s.per_norm},
-        "rng": s.info.get("rng"),
-        "lr": s.info.get("lr"),
-        "params": (None if params is None
-                   else {n: t.cpu().clone() for n, t in zip(names, params)}),
-    }, path)
+    tmp = path.with_suffix(".pt.tmp")
+    try:
+        torch.save({
+            "step": s.step,
+            "events": [e.to_json() for e in events],
+            "batch": map_tensors(cpu, s.info.get("batch")),
+            "sample_ids": map_tensors(cpu, s.info.get("sample_ids")),
+            "record": jsonable(s.values),
+            "per_tensor": {"names": names, "norm": s.per_norm},
+            "rng": s.info.get("rng"),
+            "lr": s.info.get("lr"),
+            "params": (None if params is None
+                       else {n: t.cpu().clone() for n, t in zip(names, params)}),
+        }, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return str(path)

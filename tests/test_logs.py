@@ -1,0 +1,232 @@
+"""Logs and dumps that survive faults (SPEC section 6, "Writing never stops training"): a full
+disk (a real tmpfs), a log_dir removed mid-run, a process killed at random points (SIGKILL,
+SIGTERM, SIGINT), Ctrl-C inside a save, a reopened log_dir; the report reads what is left and
+escapes what it shows; duplicate names are refused."""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+import fasthealth as fh
+from fasthealth import report
+
+NAN = float("nan")
+
+
+def model_and_opt(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+
+
+def train(mon, m, opt, steps, nan_at=(), start=0):
+    g = torch.Generator().manual_seed(start)
+    for t in range(start, start + steps):
+        x = torch.randn(32, 8, generator=g)
+        if t in nan_at:
+            x[1, 1] = NAN
+        opt.zero_grad()
+        loss = ((m(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        mon.step(loss, batch=(x,), sample_ids=torch.arange(32) + 100 * t)
+
+
+def logged(log_dir):
+    lines = (log_dir / "steps.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b""  # whole lines only
+    return [json.loads(s)["step"] for s in lines[:-1]]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_warns_once_training_goes_on_and_writing_resumes(tmpfs):
+    log_dir = tmpfs / "run"
+    m, opt = model_and_opt()
+    mon = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5, warmup_steps=5)
+    filler = tmpfs / "filler"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(mon, m, opt, 10)
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # the disk fills up
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        os.close(fd)
+        train(mon, m, opt, 20, nan_at=(15, 22), start=10)
+        assert mon.write_errors, "the full disk went unnoticed"
+        filler.unlink()  # space again
+        train(mon, m, opt, 10, start=30)
+        mon.close()
+    ours = [w for w in caught if "cannot write to" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert logged(log_dir) == list(range(40))  # every step once, in order
+    assert {(e.step, e.kind) for e in mon.events} >= {(15, "nonfinite_loss"),
+                                                     (22, "nonfinite_loss")}
+    events = [json.loads(s) for s in (log_dir / "events.jsonl").read_text().splitlines()]
+    assert sorted((e["step"], e["kind"]) for e in events) == sorted(
+        (e.step, e.kind) for e in mon.events)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert not list((log_dir / "dumps").glob("*.tmp"))  # no half dump left behind
+
+
+def test_log_dir_removed_mid_run(tmp_path):
+    log_dir = tmp_path / "run"
+    m, opt = model_and_opt()
+    mon = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5)
+    train(mon, m, opt, 10)
+    shutil.rmtree(log_dir)
+    train(mon, m, opt, 10, nan_at=(14,), start=10)
+    mon.close()
+    assert logged(log_dir) == list(range(10, 20))  # written again from where it was removed
+    ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+    assert ev.step == 14 and os.path.exists(ev.dump)
+
+
+def test_ctrl_c_inside_a_save_loses_and_repeats_nothing(tmp_path, monkeypatch):
+    log_dir = tmp_path / "run"
+    m, opt = model_and_opt()
+    mon = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5)
+    real_save, calls = torch.save, {"n": 0}
+
+    def interrupted_save(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(mon, m, opt, 10, nan_at=(7,))
+    train(mon, m, opt, 10, nan_at=(12,), start=10)  # the user goes on
+    mon.close()
+    assert logged(log_dir) == list(range(20))
+    kinds = [(e.step, e.kind) for e in mon.events if e.kind == "nonfinite_loss"]
+    assert kinds == [(7, "nonfinite_loss"), (12, "nonfinite_loss")]
+    assert all(e.dump and os.path.exists(e.dump) for e in mon.events)
+
+
+def test_reopened_log_dir_continues_and_overwrites_nothing(tmp_path):
+    m, opt = model_and_opt()
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=4) as mon:
+        train(mon, m, opt, 10, nan_at=(5,))
+    first = next(e.dump for e in mon.events)
+    digest = hashlib.sha256(open(first, "rb").read()).hexdigest()
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=4) as mon2:
+        train(mon2, m, opt, 6, nan_at=(12,), start=10)  # numbering resumes at 10
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=4) as mon3:
+        for t in (5, 6):  # explicit step numbers that were used before
+            x = torch.full((4, 8), NAN if t == 5 else 1.0)
+            loss = m(x).sum()
+            opt.zero_grad()
+            loss.backward()
+            mon3.step(loss, batch=(x,), step=t)
+    assert logged(tmp_path)[:16] == list(range(16))
+    assert {e.step for e in mon2.events} == {12}
+    dumps = sorted(p.name for p in (tmp_path / "dumps").iterdir())
+    assert dumps == ["step_00000005-1.pt", "step_00000005.pt", "step_00000012.pt"], dumps
+    assert hashlib.sha256(open(first, "rb").read()).hexdigest() == digest
+    meta2 = json.loads((tmp_path / "meta.json").read_text())
+    assert meta2["started"] == meta["started"] and len(meta2["reopened"]) == 2
+    assert meta2["reopened"][0]["after_step"] == 9
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch, fasthealth as fh
+    log_dir = sys.argv[1]
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    mon = fh.Monitor(m, opt, log_dir=log_dir, flush_every=3, per_tensor_every=1)
+    for t in range(100000):
+        x = torch.randn(16, 64)
+        if t % 7 == 3:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        mon.step(loss, batch=(x,))
+        print(t, flush=True)
+        time.sleep(0.002)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killed_process_leaves_a_readable_log(tmp_path, sig):
+    rnd = random.Random(int(sig))
+    for trial in range(3):
+        log_dir = tmp_path / f"run{trial}"
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(log_dir)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = child.stdout.readline()  # training has started
+        assert first.strip() == "0", child.stderr.read()
+        time.sleep(rnd.uniform(0.05, 0.6))
+        child.send_signal(sig)
+        out, err = child.communicate(timeout=60)
+        done = [int(s) for s in (first + out).split()]
+        raw = (log_dir / "steps.jsonl").read_bytes()
+        lines = raw.split(b"\n")
+        whole = [json.loads(s) for s in lines[:-1]]  # every line but the last is whole
+        if lines[-1]:
+            with pytest.raises(ValueError):
+                json.loads(lines[-1])
+        steps = [r["step"] for r in whole]
+        assert steps == list(range(len(steps)))  # in order, none twice
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, rows, _ = report.load(log_dir)
+        assert [r["step"] for r in rows] == steps
+        if sig == signal.SIGINT:  # KeyboardInterrupt: the exit flush writes every step done
+            assert steps[-1] >= done[-1], (steps[-1], done[-1], err[-500:])
+        else:  # killed: at most the unflushed steps are missing
+            assert steps[-1] >= done[-1] - 3 - 1
+
+
+def test_report_skips_a_partial_last_line_and_escapes_what_it_shows(tmp_path):
+    m, opt = model_and_opt()
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+        train(mon, m, opt, 12, nan_at=(4,))
+    with open(tmp_path / "steps.jsonl", "ab") as f:
+        f.write(b'{"step": 12, "loss": 0.')  # what a kill mid-write leaves
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write(json.dumps({"step": "<script>alert(1)</script>", "kind": "<b>x</b>",
+                            "message": "<img src=x onerror=alert(2)>", "dump": None}) + "\n")
+    with pytest.warns(RuntimeWarning, match="skipped 1 unreadable line"):
+        path, text = report.write(tmp_path)
+    page = path.read_text()
+    assert "<script>alert" not in page and "&lt;script&gt;" in page
+    assert "<img src=x" not in page and "<b>x</b>" not in page
+    assert "steps 0..11" in text
+
+
+def test_duplicate_names_are_refused():
+    a, b = torch.ones(3), torch.full((3,), NAN)
+    with pytest.raises(ValueError, match="'w' is given to inputs 0 and 1"):
+        fh.multi_tensor_stats([a, b], names=["w", "w"])
+    pa, pb = torch.nn.Parameter(a), torch.nn.Parameter(b)
+    pa.grad, pb.grad = a.clone(), b.clone()
+    with pytest.raises(ValueError, match="names must be unique"):
+        fh.check_grads([("w", pa), ("w", pb)])
