@@ -109,6 +109,7 @@ def check_grads(
     backend: str | None = None,
     process_group: Any = None,
     range_dtype: torch.dtype | None = None,
+    replica_group: Any = None,
 ) -> MultiTensorStats:
     """Statistics of every parameter's ``.grad`` and of all gradients together.
 
@@ -116,9 +117,12 @@ def check_grads(
     parameters or of ``(name, parameter)`` pairs. Parameters without a gradient are skipped and
     listed in ``.missing``; a parameter reached twice (tied weights) is counted once.
     ``total.norm`` is the global gradient norm, ``all_finite`` gates a step without a sync.
-    With ``process_group``, totals are the whole model's across ranks (FSDP2 shards combined,
-    DDP replicas counted once) from one collective, and ``all_finite`` is False on every rank
-    when anything on any rank is non-finite; per-tensor stats stay those of the local shards.
+    With ``process_group``, totals are the whole model's across ranks from one collective, for
+    every layout (FSDP2 shards combined, DDP replicas counted once, pipeline stages added; see
+    ``fasthealth.distributed``; ``replica_group`` says which ranks hold copies when names and
+    shapes cannot), ``all_finite`` is False on every rank when anything on any rank is
+    non-finite, and replicas that disagree are counted in ``replica_mismatch``; per-tensor
+    stats stay those of the local shards.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are checked through their stored values
     (``grad.coalesce().values()``), in the same fused pass: the norm is the dense gradient's,
@@ -136,7 +140,7 @@ def check_grads(
         warnings.warn(f"fasthealth: check_grads found no gradient on any of {len(missing)} "
                       "parameters: call it after loss.backward()", RuntimeWarning, stacklevel=2)
     return grads_stats(grads, names, missing, backend=backend, process_group=process_group,
-                       range_dtype=range_dtype)
+                       range_dtype=range_dtype, replica_group=replica_group)
 
 
 def grad_values(g: torch.Tensor) -> torch.Tensor:
@@ -153,19 +157,26 @@ def grads_stats(
     process_group: Any = None,
     range_dtype: torch.dtype | None = None,
     extra_bad: torch.Tensor | None = None,
+    replica_group: Any = None,
 ) -> MultiTensorStats:
     """check_grads on collected gradients; with a process group, the total is the whole
     model's (one collective) and ``extra_bad`` joins the cross-rank non-finite flag."""
     rng = range_thresholds(range_dtype)
+    check = None
     if process_group is not None:
         from .distributed import global_table
 
-        table = global_table(grads, names, backend, rng, process_group, extra_bad)
+        table, check = global_table(grads, names, backend, rng, process_group, extra_bad,
+                                    replica_group)
     elif grads:
         table = ops.table(grads, names, backend, rng)
     else:
         table = ops.empty_table()
-    return MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
+    s = MultiTensorStats(table, names, [g.dtype for g in grads], missing, range_dtype)
+    if check is not None:
+        s.replica_mismatch = check["replica_mismatch"]
+        s.replica_mismatch_mask = check["replica_mismatch_mask"]
+    return s
 
 
 def check_params(

@@ -155,6 +155,12 @@ for _name in FIELDS:
     setattr(TensorStats, _name, _make_property(_name))
 
 
+def decode_ranks(mask: float) -> list[int]:
+    """The ranks of a bit mask held in a float64 (exact below 2**53)."""
+    m = int(mask) if mask == mask else 0
+    return [r for r in range(52) if m >> r & 1]
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v) or math.isinf(v):
@@ -188,6 +194,10 @@ class MultiTensorStats:
         self.dtypes: list[torch.dtype] = dtypes if isinstance(dtypes, list) else list(dtypes)
         self.missing: list[str] = list(missing)
         self.range_dtype = range_dtype
+        # with a process group: how many ranks' replicas disagree, and a bit mask of them (bit
+        # r for rank r < 52), 0-dim tensors on the device (see fasthealth.distributed)
+        self.replica_mismatch: torch.Tensor | None = None
+        self.replica_mismatch_mask: torch.Tensor | None = None
         wide = any(float_dtype_for(d) == torch.float64 for d in set(self.dtypes))
         self._float_dtype = torch.float64 if wide else torch.float32
 
@@ -255,6 +265,13 @@ class MultiTensorStats:
             for i, name in enumerate(self.names)
         }
         return {"total": total, "per_tensor": per, "missing": list(self.missing)}
+
+    def mismatched_ranks(self) -> list[int]:
+        """The ranks whose replicas disagree with the rest of their set (one host copy; ranks
+        below 52); empty without a process group."""
+        if self.replica_mismatch_mask is None:
+            return []
+        return decode_ranks(float(self.replica_mismatch_mask))
 
     def nonfinite(self) -> list[str]:
         """Names of the tensors holding NaN or Inf, in input order (one host copy)."""

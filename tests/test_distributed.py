@@ -1,9 +1,14 @@
 """SPEC section 8 with Gloo on CPU, 2 and 4 processes: DDP and FSDP2 totals equal the
 single-process statistics of the full gradients, one collective per call, a NaN on one rank is
-seen by every rank, and the Monitor's skip decision agrees on all ranks."""
+seen by every rank, and the Monitor's skip decision agrees on all ranks; pipeline stages (plain
+tensors that differ across ranks) are summed, stages of replicas counted once per stage,
+hand-written tensor parallelism with `replica_group=False`; replicas that disagree are counted
+and named (a `replica_divergence` event); a bad input on one rank raises there and leaves no rank
+waiting."""
 
 import os
 import tempfile
+from datetime import timedelta
 
 import pytest
 import torch
@@ -80,6 +85,92 @@ def _ddp(rank, world):
         model[0].weight.grad[1, 1] = float("nan")
     s = fh.check_grads(ddp, process_group=dist.group.WORLD)
     assert not s.all_finite.item(), f"rank {rank} did not see the NaN"
+    # ... and counted in the total, the bad replica's copy standing for its set
+    assert s.total.nan_count.item() == 1
+    # which replica went astray: the last one, when three others agree; both of two
+    want = [world - 1] if world > 2 else [0, 1]
+    assert s.mismatched_ranks() == want and s.replica_mismatch.item() == len(want), rank
+    # silent corruption: a finite value off on one rank is found too
+    model[0].weight.grad[1, 1] = 0.5
+    if rank == world - 1:
+        model[0].weight.grad[2, 2] += 1e-3
+    s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+    assert s.ok and s.mismatched_ranks() == want, rank
+    model[0].weight.grad[2, 2] = 0.25
+    s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+    assert s.replica_mismatch.item() == 0 and s.mismatched_ranks() == []
+
+
+def _stages(rank, world):
+    """Pipeline stages: rank r holds its own layers (plain tensors, names and shapes of its
+    own); with 4 ranks, 2 stages of 2 replicas each."""
+    stages = world if world == 2 else 2
+    stage = rank % stages
+    torch.manual_seed(10 + stage)
+    layer = torch.nn.Linear(6 + 3 * stage, 5)
+    g = torch.Generator().manual_seed(20 + stage)
+    for p in layer.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    named = [(f"stage{stage}.{n}", p) for n, p in layer.named_parameters()]
+    s, n_coll = count_collectives(lambda: fh.check_grads(named, process_group=dist.group.WORLD))
+    assert n_coll == 1
+    every = []
+    for st in range(stages):  # every stage's gradients, as the reference sees them
+        torch.manual_seed(10 + st)
+        other = torch.nn.Linear(6 + 3 * st, 5)
+        g = torch.Generator().manual_seed(20 + st)
+        every += [torch.randn(p.shape, generator=g) for p in other.parameters()]
+    check_total(s.raw[-1], every, f"stages rank {rank}")
+    assert s.mismatched_ranks() == [] and s.ok
+    # hand-written tensor parallelism: the same names and shapes, different values: only
+    # replica_group=False (no two ranks hold the same tensors) adds them up
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    w.grad = torch.full((4, 4), float(rank + 1))
+    s = fh.check_grads([("w", w)], process_group=dist.group.WORLD, replica_group=False)
+    check_total(s.raw[-1], [torch.full((4, 4), float(r + 1)) for r in range(world)],
+                f"tensor parallel rank {rank}")
+    # a DP group given explicitly: ranks {0, 2} and {1, 3} hold the same shard
+    if world == 4:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        w.grad = torch.full((4, 4), float(rank % 2 + 1))
+        s = fh.check_grads([("w", w)], process_group=dist.group.WORLD,
+                           replica_group=groups[rank % 2])
+        check_total(s.raw[-1], [torch.full((4, 4), 1.0), torch.full((4, 4), 2.0)],
+                    f"tp x dp rank {rank}")
+        assert s.mismatched_ranks() == []
+
+
+def _bad_input(rank, world):
+    """One rank passes a complex gradient: it raises its own error; the others get a NaN total
+    with all_finite False instead of waiting in the collective."""
+    dtype = torch.complex64 if rank == 1 else torch.float32
+    w = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    w.grad = torch.ones(3, dtype=dtype)
+    if rank == 1:
+        with pytest.raises(TypeError, match="complex"):
+            fh.check_grads([("w", w)], process_group=dist.group.WORLD)
+    else:
+        s = fh.check_grads([("w", w)], process_group=dist.group.WORLD)
+        assert not s.all_finite.item() and torch.isnan(s.total.norm).item()
+
+
+def _monitor_divergence(rank, world):
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=3)
+    for step in range(6):
+        x, y = batch(rank)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        if step == 4 and rank == world - 1:  # a bit flip on one replica after the all-reduce
+            model[2].weight.grad[0, 0] += 1.0
+        mon.step(loss)
+    mon.close()
+    ev = [e for e in mon.events if e.kind == "replica_divergence"]
+    assert [e.step for e in ev] == [4], [(e.step, e.kind) for e in mon.events]
+    assert ev[0].details["ranks"] == ([world - 1] if world > 2 else [0, 1])
 
 
 def _fsdp(rank, world):
@@ -131,10 +222,11 @@ def _fsdp(rank, world):
 
 def _worker(rank, world, init_file, scenario):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
-        {"ddp": _ddp, "fsdp": _fsdp}[scenario](rank, world)
+        {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
+         "monitor_divergence": _monitor_divergence}[scenario](rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -156,3 +248,9 @@ def test_ddp(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2(world):
     run(world, "fsdp")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["stages", "bad_input", "monitor_divergence"])
+def test_layouts_replicas_and_errors(world, scenario):
+    run(world, scenario)

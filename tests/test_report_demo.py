@@ -45,7 +45,8 @@ def test_demo_catches_every_planted_fault(tmp_path):
     assert "MISSED" not in text and "does not reproduce on replay of step 120" in text
     assert "reproduces on replay of step 80" in text
     kinds = {json.loads(s)["kind"] for s in (tmp_path / "events.jsonl").read_text().splitlines()}
-    assert set(report.EVENT_COLORS) <= kinds  # every detector fired
+    # every detector fired (replicas need a process group: tests/test_distributed.py)
+    assert set(report.EVENT_COLORS) - {"replica_divergence"} <= kinds
 
 
 def test_cli_help():

@@ -38,6 +38,8 @@ too wide to see a garbage batch; differences leave the trend out.
   work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
   down 8x within 10 steps (three back-offs: the overflow persists).
 - ``optimizer_state_nonfinite``: NaN/Inf in the optimizer's state at a scan.
+- ``replica_divergence``: under a process group, ranks whose replicas disagree
+  (``fasthealth.distributed``), named.
 """
 
 from __future__ import annotations
@@ -540,6 +542,32 @@ class LossScaleDetector(Detector):
                  {"scale": scale, "peak": peak, "min_loss_scale": self.min_loss_scale})]
 
 
+class ReplicaDivergenceDetector(Detector):
+    """Replicas (DDP's copies of the gradients) that disagree, under a process group: reported
+    once until they agree again, naming the ranks."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def observe(self, s: HostStep) -> list[Found]:
+        count = s.values.get("replica_mismatch", math.nan)
+        if not count > 0:
+            self.active = False
+            return []
+        if self.active:
+            return []
+        self.active = True
+        from ..stats import decode_ranks
+
+        ranks = decode_ranks(s.values["replica_mismatch_mask"])
+        return [("replica_divergence",
+                 f"the gradients of {int(count)} rank(s) differ from their replicas': ranks "
+                 f"{_listed(map(str, ranks))}. Check first: those ranks' hardware (silent data "
+                 "corruption: ECC errors, a failing GPU), then whether every rank runs the same "
+                 "code and data order (a desynchronised rank)",
+                 {"ranks": ranks, "count": int(count)})]
+
+
 def default_detectors(names: list[str], *, spike_zscore: float, spike_window: int,
                       warmup_steps: int, vanishing_threshold: float,
                       min_loss_scale: float | None) -> list[Detector]:
@@ -556,6 +584,7 @@ def default_detectors(names: list[str], *, spike_zscore: float, spike_window: in
                           warmup=warmup_steps),
         TensorNormDetector(names, warmup=warmup_steps),
         OptimizerStateDetector(),
+        ReplicaDivergenceDetector(),
     ]
     if scaler:
         found.append(LossScaleDetector(min_loss_scale))

@@ -17,7 +17,6 @@ write the JSONL logs, TensorBoard and the dumps of the steps behind events.
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import time
 import warnings
@@ -32,7 +31,14 @@ from ..stats import MultiTensorStats
 from . import act
 from .detectors import Detector, default_detectors
 from .events import FATAL_KINDS, Event, NonFiniteError, Observation
-from .record import DeviceRecord, HostStep, loss_scale, optimizer_nonfinite
+from .record import (
+    DeviceRecord,
+    HostStep,
+    loss_scale,
+    loss_value,
+    optimizer_nonfinite,
+    or_nan,
+)
 from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
 
 ON_NONFINITE = ("skip", "raise", "warn")
@@ -68,6 +74,8 @@ class Monitor:
     ``snapshot_max_bytes`` (256 MiB: the pre-step parameters of every pending step are kept for
     replay when they fit this budget, flush_every copies in all), ``vanishing_threshold`` (1e-8),
     ``tensorboard`` (also write scalars to TensorBoard under log_dir), ``backend``,
+    ``replica_group`` (with ``process_group``: which ranks hold copies; see
+    ``fasthealth.distributed``),
     ``detectors`` (the event rules, ``monitor.detectors.Detector`` instances, in reporting
     order; default ``default_detectors(...)`` with the options above).
     """
@@ -86,6 +94,7 @@ class Monitor:
         max_grad_norm: float | None = None,
         activations: Any = None,
         process_group: Any = None,
+        replica_group: Any = None,
         scaler: Any = None,
         min_loss_scale: float = 1.0,
         per_tensor_every: int = 50,
@@ -104,6 +113,7 @@ class Monitor:
         self.per_tensor_every = max(1, per_tensor_every)
         self.optimizer_check_every = optimizer_check_every
         self.backend, self.process_group = backend, process_group
+        self.replica_group = replica_group
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("fasthealth: the model has no trainable parameters to monitor")
@@ -185,10 +195,11 @@ class Monitor:
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
         grads = [self.params[i][1].grad for i in present]
         values = [grad_values(g) for g in grads]  # a sparse gradient's stored values
-        loss_d, loss_ok = self._loss(loss)
+        loss_d, loss_ok = loss_value(loss, self.device)
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
         stats = grads_stats(values, [self.names[i] for i in present], [], backend=self.backend,
-                            process_group=self.process_group, extra_bad=~loss_ok)
+                            process_group=self.process_group, extra_bad=~loss_ok,
+                            replica_group=self.replica_group)
         table = stats.raw.to(self.device)
         grads_ok = table[-1, COL["all_finite"]] != 0
         bad = ~grads_ok if self.process_group is not None else ~(loss_ok & grads_ok)
@@ -202,23 +213,14 @@ class Monitor:
             "grads_finite": grads_ok, "loss_finite": loss_ok, "skipped": skipped,
             "loss_scale": loss_scale(self.scaler, self.device),
             "optimizer_nonfinite": self._scan_optimizer(t),
+            "replica_mismatch": or_nan(stats.replica_mismatch, self.device),
+            "replica_mismatch_mask": or_nan(stats.replica_mismatch_mask, self.device),
         }
         self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids))
         self.steps_seen += 1
         if self.record.full:
             self.flush()
         return Observation(step=t, skip=bad, loss=loss_d, stats=stats)
-
-    def _loss(self, loss: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss as a float64 0-dim tensor, whether it is finite); an unknown loss (None)
-        is NaN and counts as finite."""
-        if loss is None:
-            nan = torch.full((), math.nan, dtype=torch.float64, device=self.device)
-            return nan, torch.ones((), dtype=torch.bool, device=self.device)
-        if not torch.is_tensor(loss):
-            loss = torch.tensor(float(loss))
-        loss_d = loss.detach().reshape(-1)[0].to(self.device, torch.float64)
-        return loss_d, torch.isfinite(loss_d)
 
     def _act(self, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
              take_step: bool) -> torch.Tensor:

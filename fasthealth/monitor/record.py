@@ -18,6 +18,7 @@ from ..ops.layout import COL
 SCALARS = (
     "loss", "grad_norm", "grad_finite_norm", "grad_amax", "nan_count", "inf_count",
     "grads_finite", "loss_finite", "skipped", "loss_scale", "optimizer_nonfinite",
+    "replica_mismatch", "replica_mismatch_mask",
 )
 
 
@@ -119,3 +120,21 @@ def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], backend: st
     stats = multi_tensor_stats(tensors, names=names, backend=backend)
     total = stats.raw[-1].to(device)
     return total[COL["nan_count"]] + total[COL["inf_count"]], stats
+
+
+def or_nan(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``x`` as a float64 0-dim tensor on ``device``; NaN (not measured) when None."""
+    if x is None:
+        return torch.full((), math.nan, dtype=torch.float64, device=device)
+    return x.to(device, torch.float64)
+
+
+def loss_value(loss: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss as a float64 0-dim tensor on ``device``, whether it is finite); an unknown
+    loss (None) is NaN and counts as finite."""
+    if loss is None:
+        return or_nan(None, device), torch.ones((), dtype=torch.bool, device=device)
+    if not torch.is_tensor(loss):
+        loss = torch.tensor(float(loss))
+    loss_d = loss.detach().reshape(-1)[0].to(device, torch.float64)
+    return loss_d, torch.isfinite(loss_d)

@@ -37,7 +37,8 @@ def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bo
     learning rate, the kinds of its events and, when asked, every tensor's gradient norm."""
     rec: dict[str, Any] = {"step": s.step, **{k: s.values[k] for k in SCALARS},
                            "lr": s.info.get("lr")}
-    for k in ("nan_count", "inf_count", "optimizer_nonfinite"):
+    for k in ("nan_count", "inf_count", "optimizer_nonfinite", "replica_mismatch",
+              "replica_mismatch_mask"):
         rec[k] = int(rec[k]) if rec[k] == rec[k] else None
     for k in ("grads_finite", "loss_finite", "skipped"):
         rec[k] = bool(rec[k])
