@@ -141,7 +141,10 @@ def _extension():
             "fasthealth._C",
             sources,
             define_macros=[("FASTHEALTH_WITH_CUDA", "1")],
-            include_dirs=_pip_cuda_includes(),
+            # the toolkit's own headers first: pip's copies of the CUDA libraries' headers only
+            # fill in what a bare toolkit lacks
+            include_dirs=[os.path.join(cpp_extension.CUDA_HOME, "include"),
+                          *_pip_cuda_includes()],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"],
         )

@@ -53,8 +53,11 @@ def time_ms(fn, arg):
     return start.elapsed_time(end)
 
 
-def measure(case, shapes, dtype, reps, l2, with_compile):
-    """Rows of one (case, dtype): every provider, interleaved, medians."""
+def measure(case, shapes, dtype, reps, l2, with_compile, backends=("cuda", "triton"),
+            baseline=True):
+    """Rows of one (case, dtype): every provider, interleaved, medians. ``backends``: the
+    fasthealth backends to time; ``baseline``: the naive loop, _foreach_norm and the read
+    limit too (once per device run, not once per backend process)."""
     dev = torch.device("cuda")
     nbytes = sum(torch.Size(s).numel() for s in shapes) * dtype.itemsize
     copies = 2 if nbytes < 8 * l2 else 1
@@ -62,15 +65,17 @@ def measure(case, shapes, dtype, reps, l2, with_compile):
             for _ in range(copies)]
     flats = [torch.cat([t.flatten() for t in ts]) for ts in sets]
     provs = {}
-    for b in ("cuda", "triton"):
+    for b in backends:
         if b in fh.available_backends():
             provs[b] = lambda ts, b=b: fh.multi_tensor_stats(ts, backend=b).raw
-    provs["naive"] = baselines.naive_loop
-    provs["foreach"] = baselines.foreach_norm_isfinite
+    if baseline:
+        provs["naive"] = baselines.naive_loop
+        provs["foreach"] = baselines.foreach_norm_isfinite
     if with_compile:
         provs["compile"] = torch.compile(reference.multi_tensor_stats)
     times = {p: [] for p in provs}
-    times["read_limit"] = []
+    if baseline:
+        times["read_limit"] = []
     for fn in provs.values():  # warm-up (and compilation)
         fn(sets[0])
     torch.cuda.synchronize()
@@ -78,7 +83,8 @@ def measure(case, shapes, dtype, reps, l2, with_compile):
         k = r % copies
         for p, fn in provs.items():
             times[p].append(time_ms(fn, sets[k]))
-        times["read_limit"].append(time_ms(baselines.read_limit, flats[k]))
+        if baseline:
+            times["read_limit"].append(time_ms(baselines.read_limit, flats[k]))
     rows = []
     for p, ts in times.items():
         ms = statistics.median(ts)
@@ -96,27 +102,58 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
+    ap.add_argument("--backends", default="cuda,triton",
+                    help="the fasthealth backends to time (bench/gpu_check.sh: one a process)")
+    ap.add_argument("--no-baselines", action="store_true",
+                    help="skip the naive loop, _foreach_norm and the read limit")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only the torch.compile provider, on GPT-2 small")
+    ap.add_argument("--rows", help="write the rows here (JSON) instead of h200.json/png")
+    ap.add_argument("--merge", nargs="*", help="merge these rows files into --out and stop")
     args = ap.parse_args(argv)
+    if args.merge is not None:
+        return merge(args)
     props = torch.cuda.get_device_properties(torch.device("cuda"))
     l2 = getattr(props, "L2_cache_size", 50 << 20)
+    backends = [b for b in args.backends.split(",") if b]
     rows = []
     # results are written after every case: a run cut short by a time limit keeps what it did
-    for case, shapes in cases(args.quick):
-        for dtype in (torch.bfloat16, torch.float32):
-            rows += measure(case, shapes, dtype, args.reps, l2, with_compile=False)
-            torch.cuda.empty_cache()
-            write(rows, props, args)
-    if not (args.quick or args.no_compile):  # last: compiling takes a minute or more
+    if not args.compile_only:
+        for case, shapes in cases(args.quick):
+            for dtype in (torch.bfloat16, torch.float32):
+                rows += measure(case, shapes, dtype, args.reps, l2, False, backends,
+                                not args.no_baselines)
+                torch.cuda.empty_cache()
+                write(rows, props, args)
+    if args.compile_only or not (args.quick or args.no_compile):  # compiling takes a minute
         shapes = dict(cases(False))["gpt2-small"]
         for dtype in (torch.bfloat16, torch.float32):
-            got = measure("gpt2-small", shapes, dtype, args.reps, l2, with_compile=True)
+            got = measure("gpt2-small", shapes, dtype, args.reps, l2, True, (), False)
             rows += [r for r in got if r["provider"] == "compile"]
             write(rows, props, args)
     for g in goals(rows):
         print(f"goal: {g['goal']:<58} {g['value']:>8} {'met' if g['met'] else 'NOT MET'}")
 
 
+def merge(args) -> None:
+    """h200.json, h200_machine.json and h200.png from the rows files of several runs."""
+    rows = []
+    for f in args.merge:
+        try:
+            rows += json.loads(Path(f).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"merge: skipping {f}: {exc}")
+    props = torch.cuda.get_device_properties(torch.device("cuda"))
+    args.rows = None
+    write(rows, props, args)
+    for g in goals(rows):
+        print(f"goal: {g['goal']:<58} {g['value']:>8} {'met' if g['met'] else 'NOT MET'}")
+
+
 def write(rows, props, args):
+    if args.rows:
+        Path(args.rows).write_text(json.dumps(rows, indent=1))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {"device": props.name, "torch": torch.__version__, "date": time.ctime(),

@@ -337,3 +337,19 @@ def test_check_grads_before_backward_warns():
     with pytest.warns(RuntimeWarning, match="no gradient on any of 2 parameters"):
         s = fh.check_grads(model)
     assert s.missing == ["weight", "bias"] and len(s) == 0 and s.ok
+
+
+def test_torch_backend_reads_large_tensors_in_pieces(monkeypatch):
+    """The reference backend bounds its temporaries by chunking: same answers as one piece."""
+    from cases import random_batch
+    from tolerances import check_multi
+
+    from fasthealth.ops import reference
+
+    monkeypatch.setattr(reference, "CHUNK", 1000)
+    ts = [t for t in random_batch(5, 40, 20_000) if t.numel() > 1000][:12]
+    ts.append(torch.randn(30, 70).t())  # non-contiguous, over a chunk
+    assert len(ts) > 3
+    check_multi(fh.multi_tensor_stats(ts, backend="torch").raw, ts, "chunked torch backend")
+    check_multi(fh.multi_tensor_stats(ts, backend="torch", range_dtype=torch.float16).raw, ts,
+                "chunked torch backend, range", range_dtype=torch.float16)

@@ -6,6 +6,8 @@ Marked `gpu`; skipped with a reason where there is no CUDA device. bench/gpu_che
 on the lent GPU.
 """
 
+import os
+
 import pytest
 import torch
 from cases import fast_path_counts, random_batch, student_t
@@ -22,12 +24,19 @@ pytestmark = [
 ]
 
 
+# FASTHEALTH_GPU_BACKENDS=cuda (or triton) runs one backend's tests: bench/gpu_check.sh runs
+# each in its own process, so that an illegal address in one cannot poison the other's
+SELECTED = [b for b in os.environ.get("FASTHEALTH_GPU_BACKENDS", "cuda,triton").split(",") if b]
+
+
 def gpu_backends():
-    return [b for b in ("cuda", "triton") if b in fh.available_backends()]
+    return [b for b in ("cuda", "triton") if b in fh.available_backends() and b in SELECTED]
 
 
 @pytest.fixture(params=["cuda", "triton"])
 def gbackend(request):
+    if request.param not in SELECTED:
+        pytest.skip(f"FASTHEALTH_GPU_BACKENDS={','.join(SELECTED)}")
     if request.param not in fh.available_backends():
         pytest.skip(f"backend {request.param!r} not available: {fh.ops.compiled.load_error or ''}")
     return request.param
