@@ -43,19 +43,42 @@ FAST, SHIFTED, SLOW = PATH_FAST, PATH_SHIFTED, PATH_EXACT
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-@pytest.fixture(scope="module")
-def exe() -> Path:
+def build(chunk: int) -> Path:
+    """run_kernels compiled with chunks of ``chunk`` elements (cached by source digest)."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
-    out = ROOT / "build" / "cuda-emu" / f"run_kernels-{digest}"
+    out = ROOT / "build" / "cuda-emu" / f"run_kernels-{chunk}-{digest}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={CHUNK}",
+        subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={chunk}",
                         "-Wall", "-Werror", "-Wno-unknown-pragmas",
                         f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'tests/cuda_emu'}", "-o", str(tmp),
                         str(ROOT / "tests/cuda_emu/run_kernels.cpp")], check=True)
         tmp.rename(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def exe() -> Path:
+    return build(CHUNK)
+
+
+def test_sixteen_bit_four_wide_loads():
+    """With 4096-element chunks each of the 256 threads reads two 16-byte vectors of a 16-bit
+    type, so the main loop's four loads in flight never run; chunks of 32768 give each thread
+    sixteen vectors: the four-wide loop runs, with fast-path counts and a misaligned view."""
+    big = build(32768)
+    t = fast_path_counts(23, 2 * 32768 + 101)
+    h = (t * 1e-4).half()  # within float16's range (1e8 would be inf: the exact path)
+    ts = [t.bfloat16(), h, t.bfloat16()[3:], h[1:]]
+    skews = [0, 0, 6, 2]  # the views' bytes start 6 and 2 bytes past a 16-byte boundary
+    for rng in ((math.inf, 0.0), (float(torch.finfo(torch.float8_e4m3fn).max),
+                                  float(torch.finfo(torch.float8_e4m3fn).tiny))):
+        table, paths = run(big, ts, skews, rng=rng)
+        check_multi(table, ts, f"emulated cuda 16-bit, 32K chunks, range {rng}",
+                    range_dtype=None if rng[0] == math.inf else torch.float8_e4m3fn)
+        n_chunks = sum(max(1, math.ceil(x.numel() / 32768)) for x in ts)
+        assert paths == (n_chunks, 0, 0), paths
 
 
 def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0)):
@@ -212,9 +235,10 @@ def test_range_and_zero_counts_on_the_fast_path(exe, range_dtype):
     # chunk stays on the fast path, where the counts are float sums (under = |x| < lo minus
     # the zeros)
     t = fast_path_counts(16, 2 * CHUNK + 37)
-    ts = [t.float(), t.bfloat16(), t[1:].float(), t[3:].bfloat16()]
+    ts = [t.float(), t.bfloat16(), t.float()[1:], t.bfloat16()[3:]]
     fi = torch.finfo(range_dtype)
-    table, paths = run(exe, ts, rng=(float(fi.max), float(fi.tiny)))
+    # the views start 4 and 6 bytes past a 16-byte boundary, as on the device
+    table, paths = run(exe, ts, [0, 0, 4, 6], rng=(float(fi.max), float(fi.tiny)))
     check_multi(table, ts, f"emulated cuda fast-path counts {range_dtype}",
                 range_dtype=range_dtype)
     assert paths == (chunks_of(ts), 0, 0), paths

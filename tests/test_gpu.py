@@ -103,8 +103,10 @@ def test_zero_and_range_counts_on_the_fast_path(gbackend):
     # finite float32/bfloat16 chunks with zeros, values under tiny and over max: the fast path
     # counts in float and takes the zeros out of |x| < lo
     t = fast_path_counts(21, 3 * 65536 + 37)
-    cpu = [t.float(), t.bfloat16(), t.half(), t[1:].float(), t[3:].bfloat16()]
-    gpu = [x.cuda() for x in cpu]
+    base = [t.float().cuda(), t.bfloat16().cuda(), t.half().cuda()]
+    gpu = [*base, base[0][1:], base[1][3:]]  # views 4 and 6 bytes past alignment
+    assert gpu[3].data_ptr() % 16 and gpu[4].data_ptr() % 16
+    cpu = [x.cpu() for x in gpu]
     for target in (torch.float16, torch.float8_e4m3fn):
         raw = fh.multi_tensor_stats(gpu, backend=gbackend, range_dtype=target).raw.cpu()
         check_multi(raw, cpu, f"{gbackend} fast-path counts {target}", range_dtype=target)

@@ -112,7 +112,7 @@ def test_range_and_zero_counts_on_the_fast_path(target):
     from fasthealth.triton_kernels import tensor_stats as ts
 
     t = fast_path_counts(19, 2 * ts.CHUNK + 37)
-    ts_ = [t.float(), t.bfloat16(), t[1:].float(), t[3:].bfloat16()]
+    ts_ = [t.float(), t.bfloat16(), t.float()[1:], t.bfloat16()[3:]]  # views: misaligned
     fi = torch.finfo(target)
     assert ts.chunk_paths(ts_, float(fi.max), float(fi.tiny)) == [0] * 12
     raw = fh.multi_tensor_stats(ts_, backend="triton", range_dtype=target).raw
