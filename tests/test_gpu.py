@@ -326,3 +326,14 @@ def test_nccl_path():
     os.unlink(init_file)
     world = torch.cuda.device_count()
     mp.spawn(_nccl_worker, args=(world, init_file), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_blocks_of_subnormal_values(gbackend, dtype):
+    """Blocks whose every value is below float32's smallest normal (the exact path): norm, mean
+    and std are not flushed to zero."""
+    vals = [1e-39, -3e-40, 2.5e-41] if dtype != torch.float64 else [1e-310, -3e-311, 2e-312]
+    ts = [torch.tensor(vals * 1400, dtype=dtype), torch.full((4096,), vals[0], dtype=dtype)]
+    raw = fh.multi_tensor_stats([t.cuda() for t in ts], backend=gbackend).raw.cpu()
+    check_multi(raw, ts, f"{gbackend} subnormal blocks {dtype}")
+    assert (raw[:, COL["norm"]] > 0).all() and (raw[:, COL["finite_std"]][:1] > 0).all()

@@ -86,6 +86,9 @@ def test_chunk_kernel_compiles(arch, variant):
     # two programs of NUM_WARPS warps fit in an SM's 65536 registers
     assert usage["REG"] <= ts.MAX_REGISTERS, usage
     assert 2 * ts.MAX_REGISTERS * 32 * ts.NUM_WARPS <= 65536
+    # the exact path's power-of-two scale comes from exponent bits, in float64: no float32
+    # exp2/floor, which the GPU flushes to zero below 2^-126 (ex2.approx.ftz.f32)
+    assert not re.search(r"(ex2\.approx|cvt\.rmi)\.ftz\.f32", k.asm["ptx"])
     vector_loads = len(re.findall(r"ld\.global[^\n]*\.v4", k.asm["ptx"]))
     if fast and aligned:  # the unrolled main loop: four 16-byte loads (or more) a thread
         assert vector_loads >= 4, "too few 16-byte loads: the alignment hint was lost"

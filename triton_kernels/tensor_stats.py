@@ -134,10 +134,22 @@ def _scaled(sa, qa, sb, qb):
 
 
 @triton.jit
+def _pow2_floor(a):
+    """The largest power of two <= a (a float64 >= 0; 0 for 0), from the exponent bits: exact
+    for subnormals too, where exp2(floor(log2(a))) is computed in float32 and flushes to zero
+    on the GPU (ex2.approx.ftz.f32)."""
+    e = (a.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+    normal = (e << 52).to(tl.float64, bitcast=True)
+    return tl.where(a > 0, tl.where(e > 0, normal, 4.9406564584124654e-324), 0.0)
+
+
+@triton.jit
 def _exact_chunk(base, start, end, hi, lo, BLOCK: tl.constexpr, ACC: tl.constexpr):
     """The record of elements [start, end): exact for any input. Per BLOCK: counts, finite
     min/max, moments by two passes over registers merged with Chan's formula, a power-of-two
-    scaled sum of squares (no overflow, no underflow), range counts."""
+    scaled sum of squares (no overflow, no underflow), range counts. In float64 whatever the
+    input (the callers pass ACC = float64): on the GPU float32's fma flushes subnormals to zero,
+    and a block of values all below 2^-126 would come out with a norm, mean and std of 0."""
     inf = float("inf")
     _, fin_n, pinf_n, ninf_n, zero_n, over_n, under_n, fmin, fmax, mean, m2, scale, ssq = (
         _empty_record())
@@ -157,8 +169,7 @@ def _exact_chunk(base, start, end, hi, lo, BLOCK: tl.constexpr, ACC: tl.constexp
         fmin = tl.minimum(fmin, tl.min(tl.where(fin, x, inf), axis=0).to(tl.float64))
         fmax = tl.maximum(fmax, tl.max(tl.where(fin, x, -inf), axis=0).to(tl.float64))
         amax = tl.max(tl.abs(xf), axis=0)
-        sb = tl.where(amax > 0, tl.exp2(tl.floor(tl.log2(tl.where(amax > 0, amax, 1.0)))),
-                      0.0)
+        sb = _pow2_floor(amax)
         y = xf / tl.where(sb > 0, sb, 1.0)
         mean_y = tl.sum(y, axis=0) / tl.maximum(nb.to(ACC), 1.0)
         d = tl.where(fin, y - mean_y, 0.0)
@@ -257,6 +268,9 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
     nprog = tl.num_programs(0)
     hi = tl.load(thresholds).to(ACC)
     lo = tl.load(thresholds + 1).to(ACC)
+    # the exact path compares in float64 the same float32-rounded thresholds
+    hi64 = hi.to(tl.float64)
+    lo64 = lo.to(tl.float64)
     for c in range(pid, n_chunks, nprog):
         t = tl.load(chunk_tensor + c)
         start = tl.load(chunk_index + c) * CHUNK
@@ -300,10 +314,10 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
             if ~ok:
                 path = tl.full((), PATH_EXACT, tl.float64)
                 fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
-                    _exact_chunk(base, start, end, hi, lo, BLOCK, ACC))
+                    _exact_chunk(base, start, end, hi64, lo64, BLOCK, tl.float64))
         else:
             fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
-                _exact_chunk(base, start, end, hi, lo, BLOCK, ACC))
+                _exact_chunk(base, start, end, hi64, lo64, BLOCK, tl.float64))
         row = part + tl.load(chunk_slot + c) * P_WIDTH
         tl.store(row + P_PATH, path)
         _store_record(row, n, fin, pinf, ninf, zero, over,
