@@ -231,6 +231,64 @@ def test_cuda_graph_capture_and_replay(gbackend):
     assert s is not None
 
 
+def test_captured_work_lists_survive_eviction(gbackend):
+    """A graph keeps reading its work list at every replay: 40 other tensor sets used after the
+    capture (more than the cache holds) must not evict and free it."""
+    gpu = [torch.randn(30_000, device="cuda") for _ in range(6)]
+    fh.multi_tensor_stats(gpu, backend=gbackend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fh.multi_tensor_stats(gpu, backend=gbackend).raw
+    for k in range(40):
+        fh.multi_tensor_stats([torch.randn(1000 + k, device="cuda")], backend=gbackend)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    for t in gpu:
+        t.copy_(torch.randn_like(t) * 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} replay after 40 new sets")
+
+
+def test_capture_with_float8_and_non_dense_inputs(gbackend):
+    """Inputs copied before the kernels read them (float8 widened, non-dense views) are copied
+    into the same buffer every call: after one warm-up the capture finds the work list."""
+    base = torch.randn(300, 200, device="cuda")
+    gpu = [base[:, ::2], (torch.randn(5000, device="cuda") * 4).to(torch.float8_e4m3fn),
+           torch.randn(4000, device="cuda")]
+    fh.multi_tensor_stats(gpu, backend=gbackend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fh.multi_tensor_stats(gpu, backend=gbackend).raw
+    base.mul_(-3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} staged inputs in a graph")
+
+
+def test_side_stream(gbackend):
+    """A work list built on one stream and used on another is freed only after both."""
+    gpu = [torch.randn(70_000, device="cuda") for _ in range(3)]
+    fh.multi_tensor_stats(gpu, backend=gbackend)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fh.multi_tensor_stats(gpu, backend=gbackend).raw
+    torch.cuda.current_stream().wait_stream(side)
+    check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} side stream")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_another_device_than_the_current(gbackend):
+    gpu = [torch.randn(20_000, device="cuda:1") for _ in range(3)]
+    with torch.cuda.device(0):
+        raw = fh.multi_tensor_stats(gpu, backend=gbackend).raw
+    assert raw.device == torch.device("cuda:1")
+    check_multi(raw.cpu(), [t.cpu() for t in gpu], f"{gbackend} on cuda:1, cuda:0 current")
+
+
 def test_launch_count_does_not_grow_with_tensors(gbackend):
     from torch.profiler import ProfilerActivity, profile
 

@@ -133,6 +133,21 @@ def test_plan_cache_reuses_device_tables():
     check_multi(s.raw, xs, "after in-place update")
 
 
+def test_copies_of_float8_and_non_dense_inputs_are_stable():
+    """Inputs the kernels cannot read as they lie get the same staging buffer every call, so the
+    plan cache hits (inside a CUDA graph a fresh copy would be refused) and new values show."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    base = torch.randn(64, 90)
+    xs = [base[:, ::3], (torch.randn(500) * 4).to(torch.float8_e4m3fn), torch.randn(300)]
+    fh.multi_tensor_stats(xs, backend="triton")
+    plans, staged = len(ts._cache), len(ts._staging)
+    base.mul_(-2.0)
+    s = fh.multi_tensor_stats(xs, backend="triton")
+    assert len(ts._cache) == plans and len(ts._staging) == staged
+    check_multi(s.raw, xs, "staged inputs after an in-place update")
+
+
 def test_paths_taken():
     """The float32 fast path finishes ordinary chunks; each fallback only where it must."""
     from fasthealth.triton_kernels import tensor_stats as ts

@@ -434,17 +434,40 @@ NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16
 # spilling (tests/test_triton_compile.py checks).
 MAX_REGISTERS = 128
 _FAST = (torch.float32, torch.float16, torch.bfloat16)  # float32 lanes with exact fallbacks
+# Plans (device work lists) by their inputs, least recently used first; those a CUDA graph has
+# captured are pinned: the graph reads them at every replay, so they are never evicted.
 _cache: OrderedDict = OrderedDict()
+_pinned: dict = {}
+# Copies of inputs the kernels cannot read as they lie (float8, non-dense views), by input:
+# the same buffer every call, refilled with copy_, so that a CUDA graph captures a stable
+# pointer (a fresh copy would miss the plan cache and be refused inside capture).
+_staging: OrderedDict = OrderedDict()
+MAX_CACHED = 32
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.float()  # widened on the device: float8 loads need sm_89+ in Triton
-    if t.is_contiguous():
-        return t
-    # a permuted dense tensor (e.g. a transpose) covers its memory exactly: read it as it lies
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    return t if t.permute(order).is_contiguous() else t.contiguous()
+    widen = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # float8 loads need sm_89+
+    if not widen:
+        if t.is_contiguous():
+            return t
+        # a permuted dense tensor (a transpose) covers its memory exactly: read it as it lies
+        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        if t.permute(order).is_contiguous():
+            return t
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    buf = _staging.get(key)
+    if buf is None:
+        buf = torch.empty(t.shape, dtype=torch.float32 if widen else t.dtype, device=t.device)
+        _staging[key] = buf
+        if len(_staging) > MAX_CACHED and not _capturing(t.device):
+            _staging.popitem(last=False)
+    else:
+        _staging.move_to_end(key)
+    return buf.copy_(t)
 
 
 def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, float]) -> dict:
@@ -453,11 +476,18 @@ def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, f
     pinned memory without a host sync, and refused inside CUDA-graph capture (the graph would
     replay a copy from a host buffer that is gone)."""
     key = (device, rng, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
-    hit = _cache.get(key)
+    capturing = _capturing(device)
+    hit = _pinned.get(key) or _cache.get(key)
     if hit is not None:
-        _cache.move_to_end(key)
+        if capturing:  # a graph now reads this plan at every replay: never evict it
+            _pinned[key] = _cache.pop(key, hit)
+        elif key in _cache:
+            _cache.move_to_end(key)
+        if device.type == "cuda" and hit["stream"] != torch.cuda.current_stream(device):
+            for t in hit["tensors"]:  # used on another stream too: freed only after it
+                t.record_stream(torch.cuda.current_stream(device))
         return hit
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing:
         raise RuntimeError(
             "fasthealth: first call with these tensors is inside CUDA-graph capture; call it "
             "once with the same tensors before capturing (the warm-up builds the device work "
@@ -490,8 +520,12 @@ def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, f
             chunk_slot=dev(slots, torch.int64), n_chunks=len(slots)))
     plan = dict(groups=groups, n_chunks=first[-1],
                 chunk_first=dev(first, torch.int64), thresholds=dev(list(rng), torch.float64))
+    plan["tensors"] = [plan["chunk_first"], plan["thresholds"]] + [
+        g[k] for g in groups for k in ("ptrs", "numels", "chunk_tensor", "chunk_index",
+                                       "chunk_slot")]
+    plan["stream"] = torch.cuda.current_stream(device) if device.type == "cuda" else None
     _cache[key] = plan
-    if len(_cache) > 32:
+    if len(_cache) > MAX_CACHED:
         _cache.popitem(last=False)
     return plan
 
@@ -545,7 +579,17 @@ def chunk_paths(tensors: list[torch.Tensor], range_hi: float = math.inf,
 
 def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = math.inf,
                               range_lo: float = 0.0) -> torch.Tensor:
-    """The table [N + 1, TABLE_WIDTH] (float64) of tensors on one device."""
+    """The table [N + 1, TABLE_WIDTH] (float64) of tensors on one device, computed on that
+    device (not the current one) and its current stream."""
+    device = tensors[0].device if tensors else None
+    if device is not None and device.type == "cuda" and device != torch.device(
+            "cuda", torch.cuda.current_device()):
+        with torch.cuda.device(device):
+            return _stats(tensors, range_hi, range_lo)
+    return _stats(tensors, range_hi, range_lo)
+
+
+def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> torch.Tensor:
     dense = _inputs(tensors)
     device = dense[0].device
     plan, part = _chunk_records(dense, range_hi, range_lo)

@@ -25,6 +25,7 @@ struct WorkList {
   at::Tensor buffer;  // uint8 on the device: [TensorMeta x n][ChunkItem x c][int64 first x n+1]
   int64_t n_tensors = 0;
   int64_t n_chunks = 0;
+  c10::StreamId stream = 0;  // where it was copied to the device
   const TensorMeta* metas() const {
     return reinterpret_cast<const TensorMeta*>(buffer.data_ptr<uint8_t>());
   }
@@ -39,28 +40,42 @@ struct WorkList {
   }
 };
 
+constexpr size_t kMaxWorkLists = 32;
+
 // Builds (or finds in a small LRU cache) the device work list for these tensors. A new list is
 // refused inside CUDA-graph capture: its copy from pinned host memory would be captured into
 // the graph and replayed from a host buffer that is gone by then (SPEC section 5 asks for one
-// warm-up call with the same tensors before capture, which builds the list).
+// warm-up call with the same tensors before capture, which builds the list). A list found
+// during capture is pinned: the graph reads it at every replay, so it is never evicted. A list
+// used on a stream other than its own is recorded there, so that it is freed after both.
 inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device device) {
   using Key = std::pair<int, std::vector<std::pair<const void*, int64_t>>>;
+  struct Entry {
+    Key key;
+    WorkList list;
+    bool pinned;
+  };
   static std::mutex mu;
-  static std::list<std::pair<Key, WorkList>> cache;
+  static std::list<Entry> cache;
   Key key{device.index(), {}};
   key.second.reserve(metas.size());
   for (const auto& m : metas) {
     key.second.emplace_back(m.ptr, (m.numel << 8) | m.dtype);
   }
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+                         c10::cuda::CaptureStatus::None;
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
   std::lock_guard<std::mutex> lock(mu);
   for (auto it = cache.begin(); it != cache.end(); ++it) {
-    if (it->first == key) {
+    if (it->key == key) {
       cache.splice(cache.begin(), cache, it);
-      return cache.front().second;
+      Entry& e = cache.front();
+      e.pinned = e.pinned || capturing;
+      if (e.list.stream != stream.id()) e.list.buffer.record_stream(stream.unwrap());
+      return e.list;
     }
   }
-  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() ==
-                  c10::cuda::CaptureStatus::None,
+  TORCH_CHECK(!capturing,
               "fasthealth: first call with these tensors is inside CUDA-graph capture; call it "
               "once with the same tensors before capturing (the warm-up builds the device work "
               "list that the graph then reuses)");
@@ -82,9 +97,64 @@ inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devi
   wl.buffer = host.to(device, /*non_blocking=*/true);
   wl.n_tensors = static_cast<int64_t>(metas.size());
   wl.n_chunks = static_cast<int64_t>(chunks.size());
-  cache.emplace_front(std::move(key), wl);
-  if (cache.size() > 32) cache.pop_back();
+  wl.stream = stream.id();
+  cache.push_front(Entry{std::move(key), wl, false});
+  // evict the least recently used list that no graph reads
+  size_t unpinned = 0;
+  for (const auto& e : cache) unpinned += e.pinned ? 0 : 1;
+  for (auto it = cache.end(); unpinned > kMaxWorkLists && it != cache.begin();) {
+    --it;
+    if (!it->pinned) {
+      it = cache.erase(it);
+      --unpinned;
+    }
+  }
   return wl;
+}
+
+// A copy of an input the kernels cannot read as it lies (float8, widened to float32; a
+// non-dense view), into the same buffer for the same input every call: a CUDA graph then
+// captures a stable pointer, and the work list of a warm-up call is found inside the capture
+// (a fresh copy would be new memory, a miss, and refused there). Buffers used during capture
+// are pinned, like the work lists.
+inline at::Tensor staged_copy(const at::Tensor& t, at::ScalarType dtype) {
+  struct Entry {
+    const void* ptr;
+    std::vector<int64_t> sizes, strides;
+    at::ScalarType from, to;
+    int device;
+    at::Tensor buffer;
+    bool pinned;
+  };
+  static std::mutex mu;
+  static std::list<Entry> cache;
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+                         c10::cuda::CaptureStatus::None;
+  const std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  const std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = cache.begin(); it != cache.end(); ++it) {
+    if (it->ptr == t.data_ptr() && it->sizes == sizes && it->strides == strides &&
+        it->from == t.scalar_type() && it->to == dtype && it->device == t.device().index()) {
+      cache.splice(cache.begin(), cache, it);
+      Entry& e = cache.front();
+      e.pinned = e.pinned || capturing;
+      return e.buffer.copy_(t);
+    }
+  }
+  at::Tensor buffer = at::empty(t.sizes(), t.options().dtype(dtype));
+  cache.push_front(Entry{t.data_ptr(), sizes, strides, t.scalar_type(), dtype,
+                         t.device().index(), buffer, capturing});
+  size_t unpinned = 0;
+  for (const auto& e : cache) unpinned += e.pinned ? 0 : 1;
+  for (auto it = cache.end(); unpinned > kMaxWorkLists && it != cache.begin();) {
+    --it;
+    if (!it->pinned) {
+      it = cache.erase(it);
+      --unpinned;
+    }
+  }
+  return buffer.copy_(t);
 }
 
 }  // namespace fasthealth

@@ -59,10 +59,14 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, doub
     TORCH_CHECK(tensors[i].device() == device, "fasthealth: input ", i, " is on ",
                 tensors[i].device(), ", input 0 on ", device);
     int code = dtype_code(tensors[i], i);
-    dense[i] = dense_view(tensors[i]);
-    if (code == kF8E4M3 || code == kF8E5M2) {  // widened on the device
-      dense[i] = dense[i].to(at::kFloat);
+    const at::Tensor& t = tensors[i];
+    if (code == kF8E4M3 || code == kF8E5M2) {  // widened on the device, into a stable buffer
+      dense[i] = staged_copy(t, at::kFloat);
       code = kF32;
+    } else if (t.is_contiguous() || t.is_non_overlapping_and_dense()) {
+      dense[i] = t;  // read as it lies (a transpose covers its memory exactly)
+    } else {
+      dense[i] = staged_copy(t, t.scalar_type());
     }
     metas[i] = {dense[i].data_ptr(), dense[i].numel(), code, 0};
   }
@@ -90,8 +94,6 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, doub
   kernels::finalize_cuda<<<kernels::finalize_blocks(n), kThreads, 0, stream>>>(
       t, n, table.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // (widened float8 copies are freed here: the caching allocator is stream-ordered, so their
-  // memory is reused only by work queued after these kernels on this stream)
   return table;
 }
 
