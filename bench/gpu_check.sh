@@ -6,7 +6,7 @@
 #            the CPU extension alone, so that the Triton steps still run;
 #   tests    tests/test_gpu.py, one process per backend (an illegal address in one backend
 #            cannot poison the other's), a per-test limit that names a hang, SIGINT at the step
-#            limit so pytest still prints its summary;
+#            limit so pytest still prints its summary; then `fasthealth selftest`;
 #   bench    bench/bench_gpu.py, one process per backend (the baselines with the first), rows
 #            written after every case; then torch.compile's provider, last and only if time is
 #            left; then the rows merged into h200.json, h200_machine.json, h200.png;
@@ -84,6 +84,9 @@ for b in $BACKENDS; do
     : > "$FASTHEALTH_HANG_LOG"
   fi
 done
+
+# the user's own validation (SPEC section 9): its table goes to tests.txt
+[ -n "$BACKENDS" ] && step selftest 120 "$OUT/tests.txt" python3 -m fasthealth selftest
 
 baselines=""
 for b in $BACKENDS; do

@@ -1,4 +1,4 @@
-"""`fasthealth` / `python -m fasthealth`: bench, demo, report (SPEC section 9)."""
+"""`fasthealth` / `python -m fasthealth`: bench, demo, report, selftest (SPEC section 9)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ COMMANDS = {
     "bench": "the CPU benchmark against the naive loop (fasthealth/benchmark.py)",
     "demo": "a small GPT-like training run with planted faults that shows every detector",
     "report": "plots and a summary from a Monitor's log directory: fasthealth report LOG_DIR",
+    "selftest": "validate the fused GPU backends on this machine and enable the fastest",
 }
 
 
@@ -31,5 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         from .report import main as report_main
 
         return report_main(rest)
+    if cmd == "selftest":
+        from .selftest import main as selftest_main
+
+        return selftest_main(rest)
     print(f"fasthealth: unknown command {cmd!r}; try `fasthealth --help`", file=sys.stderr)
     return 2

@@ -1,24 +1,26 @@
 """Which backend runs the op for tensors on a device.
 
 ``backend=None`` or ``"auto"`` takes ``FASTHEALTH_BACKEND`` if set, else the fastest available
-for the device: ``cpu`` on CPU tensors; on CUDA tensors ``cuda`` > ``triton`` once the GPU
-kernels are validated (``GPU_KERNELS_VALIDATED``), else the ``torch`` reference, which is right
-and sync-free, only slower. ``backend="cuda"``/``"triton"`` or ``FASTHEALTH_BACKEND`` select
-them explicitly.
+for the device: ``cpu`` on CPU tensors; on CUDA tensors the fastest fused backend that
+``fasthealth selftest`` validated on this machine (its record, keyed by GPU, driver, torch,
+triton and fasthealth build), else the ``torch`` reference, which is right and sync-free, only
+slower, with a warning, once, that says how to enable the fused kernels.
+``backend="cuda"``/``"triton"`` or ``FASTHEALTH_BACKEND`` select them explicitly.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
 from . import compiled
 
 BACKENDS = ("torch", "cpu", "cuda", "triton")
-# Set to True once bench/gpu_check.sh has run tests/test_gpu.py green on a GPU.
-GPU_KERNELS_VALIDATED = False
+_validated: dict[int, list[str]] = {}  # per CUDA device index: selftest's record, read once
+_told = False
 
 
 def _triton_importable() -> bool:
@@ -84,11 +86,34 @@ def resolve(backend: str | None, device: torch.device) -> str:
 
 
 def _automatic(device: torch.device) -> str:
-    if device.type == "cuda":
-        order = ("cuda", "triton") if GPU_KERNELS_VALIDATED else ()
-    else:
-        order = ("cpu",)
+    order = validated_gpu_backends(device) if device.type == "cuda" else ("cpu",)
     for name in order:
         if unsupported(name, device) is None:
             return name
+    if device.type == "cuda":
+        _tell_once()
     return "torch"
+
+
+def validated_gpu_backends(device: torch.device) -> list[str]:
+    """The fused backends ``fasthealth selftest`` validated for this machine, fastest first."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _validated:
+        from .. import selftest
+
+        try:
+            _validated[index] = selftest.validated(selftest.machine_key(index))
+        except (OSError, RuntimeError):
+            _validated[index] = []
+    return _validated[index]
+
+
+def _tell_once() -> None:
+    global _told
+    if _told or not (compiled.has_cuda() or _triton_importable()):
+        return
+    _told = True
+    warnings.warn("fasthealth: the fused GPU kernels are not validated on this machine, so "
+                  "CUDA tensors use the (slower) torch reference: run `fasthealth selftest` "
+                  "once to validate and enable them, or set FASTHEALTH_BACKEND=cuda",
+                  RuntimeWarning, stacklevel=4)

@@ -1,0 +1,271 @@
+"""`fasthealth selftest` (SPEC section 9): validates the fused GPU backends on this machine.
+
+For each compiled GPU backend (``cuda``, ``triton``), in its own process (an illegal address in
+one cannot poison the other): a correctness battery against the float64 reference (every
+dtype, sizes around the chunk and block edges, misaligned views, planted NaN/Inf/zeros/
+subnormals/extremes, range counts), the no-sync check, a CUDA-graph capture and replay, and
+timings on GPT-2-small shapes against ``get_total_norm``, ``_foreach_norm`` and the read limit.
+A table on stdout, ``--json`` for the record. A backend that passes is recorded in the user's
+cache directory under this machine's key (GPU model and capability, driver, torch, triton and
+the fasthealth build); the automatic backend choice on CUDA tensors then takes the fastest
+validated one (``ops/backends.py``). Without a CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GPU_BACKENDS = ("cuda", "triton")
+INF, NAN = float("inf"), float("nan")
+
+
+def record_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fasthealth" / "selftest.json"
+
+
+def _build_id() -> str:
+    """What the kernels were built from: the compiled module's bytes and the Triton source."""
+    from fasthealth.ops import compiled
+
+    h = hashlib.sha256()
+    files = [getattr(compiled.C, "__file__", None)]
+    files.append(str(Path(__file__).resolve().parents[1] / "triton_kernels" / "tensor_stats.py"))
+    try:
+        import fasthealth.triton_kernels.tensor_stats as ts
+
+        files.append(ts.__file__)
+    except ImportError:
+        pass
+    for f in files:
+        if f and os.path.exists(f):
+            h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def machine_key(device: int = 0) -> str:
+    """GPU model and capability, driver, torch, triton and fasthealth build: a validation holds
+    for this key only."""
+    props = torch.cuda.get_device_properties(device)
+    try:
+        driver = str(torch._C._cuda_getDriverVersion())
+    except (AttributeError, RuntimeError):
+        driver = "unknown"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return (f"{props.name}|sm{props.major}{props.minor}|driver {driver}|torch "
+            f"{torch.__version__}|triton {triton_version}|fasthealth {_build_id()}")
+
+
+def read_record() -> dict:
+    try:
+        return json.loads(record_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def validated(key: str) -> list[str]:
+    """The backends validated for ``key``, fastest first."""
+    entry = read_record().get(key, {})
+    return [b for b in entry.get("fastest_first", []) if entry.get("passed", {}).get(b)]
+
+
+def _write_record(key: str, results: dict[str, dict]) -> None:
+    record = read_record()
+    passed = {b: r["passed"] for b, r in results.items()}
+    timed = sorted((r["timings"].get("gpt2-small bfloat16", {}).get(b, INF), b)
+                   for b, r in results.items() if r["passed"])
+    record[key] = {"passed": passed, "fastest_first": [b for _, b in timed],
+                   "results": results}
+    path = record_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+# ---- the checks, in the backend's own process ------------------------------------------------
+
+def _close(got: float, want: float, rel: float, abs_: float = 0.0) -> bool:
+    if math.isnan(want) or math.isnan(got):
+        return math.isnan(want) and math.isnan(got)
+    if math.isinf(want) or math.isinf(got):
+        return got == want
+    return abs(got - want) <= max(rel * abs(want), abs_)
+
+
+def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> list[str]:
+    """Where a table row misses SPEC section 2's tolerances against the reference."""
+    from fasthealth.ops.layout import COL, COUNT_FIELDS, RANGE_FIELDS
+    from fasthealth.ops.reference import tensor_stats_row
+
+    want = tensor_stats_row(t.cpu(), *rng).tolist()
+    got = got.cpu().tolist()
+    wide = t.dtype in (torch.float64, torch.int64)
+    d = t.detach().cpu().double()
+    scale = float(d[torch.isfinite(d)].abs().mean()) if torch.isfinite(d).any() else 0.0
+    bad = []
+    for name, i in COL.items():
+        exact = name in COUNT_FIELDS or name in RANGE_FIELDS or name in (
+            "min", "max", "finite_min", "finite_max", "amax", "all_finite")
+        if exact:
+            ok = _close(got[i], want[i], 0.0)
+        elif "norm" in name:
+            ok = _close(got[i], want[i], 1e-12 if wide else 1e-5)
+        elif "mean" in name:
+            ok = _close(got[i], want[i], 0.0, (1e-12 if wide else 1e-5) * scale)
+        else:  # std: within SPEC's 1e-4 while |mean|/std <= 1e3, no promise beyond
+            m = want[COL["finite_mean"]]
+            promised = not (want[i] > 0) or abs(m) <= 1e3 * want[i]
+            ok = _close(got[i], want[i], 1e-4) or (not promised and math.isfinite(got[i]))
+        if not ok:
+            bad.append(f"{name}: {got[i]} vs {want[i]}")
+    return bad
+
+
+def battery(seed: int = 0) -> list[torch.Tensor]:
+    """Tensors meant to reach every branch of a fused kernel."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1, 7, 255, 2047, 2048, 2049, 65535, 65536, 65537, 3 * 65536 + 5]
+    plants = [[], [NAN], [INF, -INF], [0.0] * 9, [1e-39, -3e-40], [3e38, -3e38]]
+    out = []
+    for k, n in enumerate(sizes):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            t = torch.randn(n + 3, generator=g, dtype=torch.float64) * 10 ** (k % 5 - 2)
+            for j, v in enumerate(plants[k % len(plants)]):
+                t[(j * 7919) % n] = v
+            t = t.to(dtype)
+            out += [t[:n], t[3:n + 3]] if n > 3 else [t[:n]]  # aligned and misaligned
+    out += [torch.randint(-100, 100, (70_000,), generator=g, dtype=torch.int32),
+            (torch.randn(5000, generator=g) * 4).to(torch.float8_e4m3fn),
+            torch.randn(300, 200, generator=g).t()]
+    return out
+
+
+def _time(fn, arg, reps: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn(arg)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn(arg)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _check_backend(backend: str) -> dict[str, Any]:
+    """The battery, the no-sync check, capture and replay, and timings, for one backend."""
+    import fasthealth as fh
+    from fasthealth.benchmark import GPT2_SMALL, gpt2_shapes
+
+    failures: list[str] = []
+    cpu = battery()
+    gpu = [t.cuda() for t in cpu]
+    for rng in ((INF, 0.0), (65504.0, 6.103515625e-05)):
+        raw = fh.multi_tensor_stats(gpu, backend=backend).raw if rng[0] == INF else \
+            fh.multi_tensor_stats(gpu, backend=backend, range_dtype=torch.float16).raw
+        for i, t in enumerate(cpu):
+            failures += [f"input {i} ({t.dtype}, {t.numel()}): {b}"
+                         for b in compare(raw[i], t, rng)[:3]]
+    warm = [t.cuda() for t in cpu[:20]]
+    fh.multi_tensor_stats(warm, backend=backend)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        fh.multi_tensor_stats(warm, backend=backend)
+    except RuntimeError as exc:
+        failures.append(f"host sync: {exc}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fh.multi_tensor_stats(warm, backend=backend).raw
+    for t in warm:
+        t.copy_(torch.randn_like(t.float()).to(t.dtype) if t.dtype.is_floating_point else t)
+    graph.replay()
+    torch.cuda.synchronize()
+    failures += [f"graph replay, input {i}: {b}" for i, t in enumerate(warm)
+                 for b in compare(out[i], t.cpu(), (INF, 0.0))[:1]]
+    timings = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        ts = [torch.randn(s, device="cuda", dtype=dtype) * 0.02
+              for s in gpt2_shapes(**GPT2_SMALL)]
+        flat = torch.cat([t.flatten() for t in ts])
+        timings[f"gpt2-small {str(dtype)[6:]}"] = {
+            backend: _time(lambda x: fh.multi_tensor_stats(x, backend=backend).raw, ts),
+            "get_total_norm": _time(torch.nn.utils.get_total_norm, ts),
+            "_foreach_norm": _time(torch._foreach_norm, ts),
+            "read_limit": _time(torch.sum, flat),
+        }
+    return {"passed": not failures, "failures": failures[:20], "timings": timings}
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="fasthealth selftest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--backend", help=argparse.SUPPRESS)  # the child process: one backend
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fasthealth selftest: no CUDA device here, nothing to validate (the CPU kernel "
+              "is tested by `make test`); the automatic choice on CPU tensors is the compiled "
+              "CPU kernel")
+        return 0
+    if args.backend:
+        print(json.dumps(_check_backend(args.backend), default=str))
+        return 0
+    import fasthealth as fh
+
+    backends = [b for b in GPU_BACKENDS if b in fh.available_backends()]
+    results = {b: _run_child(b) for b in backends}
+    key = machine_key()
+    _write_record(key, results)
+    print(table(key, results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"key": key, "results": results}, indent=1,
+                                              default=str))
+    return 0 if results and all(r["passed"] for r in results.values()) else 1
+
+
+def _run_child(backend: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "fasthealth", "selftest", "--backend", backend],
+                         capture_output=True, text=True, timeout=600)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"passed": False, "timings": {},
+                "failures": [f"the check process failed (exit {out.returncode}): "
+                             + (out.stderr.strip().splitlines() or ["no output"])[-1]]}
+
+
+def table(key: str, results: dict[str, dict]) -> str:
+    lines = [f"fasthealth selftest on {key}"]
+    for b, r in results.items():
+        lines.append(f"  {b:<7} {'PASSED' if r['passed'] else 'FAILED'}")
+        lines += [f"          {f}" for f in r.get("failures", [])[:5]]
+        for case, t in r.get("timings", {}).items():
+            cells = "  ".join(f"{k} {v:.3f} ms" for k, v in t.items())
+            lines.append(f"          {case}: {cells}")
+    ok = [b for b, r in results.items() if r["passed"]]
+    lines.append(f"validated for the automatic choice: {', '.join(ok) or 'none'} "
+                 f"(record: {record_path()})")
+    return "\n".join(lines)
