@@ -26,13 +26,17 @@ $(BUILD_STAMP): $(ENV_STAMP) $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-# The suite (test_triton.py skips itself here: TRITON_INTERPRET is unset), the kernel tests
-# again on the portable (non-AVX) CPU kernel, then the Triton kernels through Triton's
-# interpreter in their own process (TRITON_INTERPRET must be set before triton is imported).
+# The suite (test_triton.py skips itself here: TRITON_INTERPRET is unset) on the fastest CPU
+# kernel variant, the kernel tests again on every other variant this processor runs (avx2,
+# avx, base), then the Triton kernels through Triton's interpreter in their own process
+# (TRITON_INTERPRET must be set before triton is imported).
 test: build
 	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q tests
-	FASTHEALTH_REQUIRE_CPU=1 FASTHEALTH_CPU_ISA=base $(PY) -m pytest -q -m "not slow" \
-		tests/test_kernels.py tests/test_fuzz.py
+	for isa in $$($(PY) -c "import fasthealth as f; print(' '.join(f.ops.compiled.C.cpu_isas()[1:]))"); do \
+		echo "== CPU kernel variant $$isa"; \
+		FASTHEALTH_REQUIRE_CPU=1 FASTHEALTH_CPU_ISA=$$isa $(PY) -m pytest -q -m "not slow" \
+			tests/test_kernels.py tests/test_fuzz.py tests/test_range.py || exit 1; \
+	done
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton.py
 
 test-fast: build

@@ -6,8 +6,11 @@
 
 #include <string>
 
+#include <vector>
+
 namespace fasthealth {
 const char* cpu_isa_name();
+std::vector<std::string> cpu_isas();
 }
 
 TORCH_LIBRARY(fasthealth, m) {
@@ -20,7 +23,10 @@ TORCH_LIBRARY(fasthealth, m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fasthealth compiled kernels (ops live under torch.ops.fasthealth)";
   m.def("cpu_isa", []() { return std::string(fasthealth::cpu_isa_name()); },
-        "Instruction set of the CPU kernel chosen at first use: 'avx' or 'base'.");
+        "Instruction set of the CPU kernel chosen at first use: 'avx512', 'avx2', 'avx' or "
+        "'base' (FASTHEALTH_CPU_ISA forces one).");
+  m.def("cpu_isas", &fasthealth::cpu_isas,
+        "The CPU kernel variants this processor runs, fastest first.");
   // the torch this module was compiled against: fasthealth/ops/compiled.py refuses another
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +

@@ -56,6 +56,12 @@ def foreach_norm_isfinite(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor
     return total, nonfinite
 
 
+def total_norm_isfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What a user writes in one line instead: torch's own fused global norm
+    (``torch.nn.utils.get_total_norm``) and whether it is finite. One statistic, one flag."""
+    return torch.isfinite(torch.nn.utils.get_total_norm(list(tensors)))
+
+
 def read_limit(flat: torch.Tensor) -> torch.Tensor:
     """A plain reduction over one flat buffer of the same bytes: how fast memory can be read."""
     return flat.sum()

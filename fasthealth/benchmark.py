@@ -5,6 +5,8 @@ Providers (fasthealth/baselines.py holds the baselines; tests check they compute
   naive        per tensor isnan().any(), isinf().any(), norm(), each with .item()
   naive_full   the same loop computing the full statistic set, one .item() per value
   foreach      torch._foreach_norm plus a per-tensor non-finite count, one sync at the end
+  total_norm   torch.nn.utils.get_total_norm plus isfinite: the one-line alternative (one
+               statistic and one flag, where fasthealth computes 18 per tensor and the total)
   read_limit   torch.sum over one flat buffer of the same bytes: the memory read limit
 
 Method: every provider runs once per round, rounds interleave providers (in a rotating order)
@@ -92,6 +94,7 @@ def providers(model: _GradModel, flat: torch.Tensor) -> dict[str, Callable[[], o
         "naive": lambda: baselines.naive_loop(grads),
         "naive_full": lambda: baselines.naive_full_loop(grads),
         "foreach": lambda: baselines.foreach_norm_isfinite(grads)[1].item(),
+        "total_norm": lambda: baselines.total_norm_isfinite(grads).item(),
         "read_limit": lambda: baselines.read_limit(flat).item(),
     }
 
@@ -146,6 +149,8 @@ def run_case(case: dict, rounds: int, slow_rounds: int) -> list[dict]:
         # stretch of the machine hits both sides of a ratio.
         paired = sorted(a / b for a, b in zip(times[name], times["read_limit"]))
         q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        # and fasthealth's speed-up over the one-line alternative, round by round
+        vs_total = sorted(b / a for a, b in zip(times["fasthealth"], times["total_norm"]))
         rows.append({
             "case": case["name"], "dtype": str(case["dtype"]).replace("torch.", ""),
             "provider": name, "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 3),
@@ -153,7 +158,39 @@ def run_case(case: dict, rounds: int, slow_rounds: int) -> list[dict]:
             "x_read_paired_iqr": [round(q[0], 3), round(q[2], 3)],
             "runs": len(times[name]), "tensors": len(grads), "elements": flat.numel(),
         })
+        if name == "fasthealth":
+            rows[-1]["x_faster_than_total_norm_paired_median"] = round(
+                statistics.median(vs_total), 3)
     return rows
+
+
+# Issue 15's goals, on the paired medians: fasthealth's time over the read limit, per case
+READ_GOALS = {("gpt2-small", "float32"): 1.15, ("gpt2-small", "bfloat16"): 1.25,
+              ("4000-small", "float32"): 1.5, ("4000-tiny", "float32"): 4.0}
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """The goals, read off the rows: the paired ratio to the read limit per case, 1.6x faster
+    than get_total_norm + isfinite in every case, 15x faster than the naive loop."""
+    out = []
+    by = {(r["case"], r["dtype"], r["provider"]): r for r in rows}
+    for (case, dtype, prov), r in by.items():
+        if prov != "fasthealth":
+            continue
+        if (case, dtype) in READ_GOALS:
+            out.append({"goal": f"{case} {dtype}: x read limit (paired)",
+                        "value": r["x_read_paired_median"],
+                        "met": r["x_read_paired_median"] <= READ_GOALS[(case, dtype)]})
+        if "x_faster_than_total_norm_paired_median" in r:
+            x = r["x_faster_than_total_norm_paired_median"]
+            out.append({"goal": f"{case} {dtype}: x faster than get_total_norm (paired)",
+                        "value": x, "met": x >= 1.6})
+        naive = by.get((case, dtype, "naive"))
+        if naive:
+            x = round(naive["ms"] / r["ms"], 1)
+            out.append({"goal": f"{case} {dtype}: x faster than the naive loop", "value": x,
+                        "met": x >= 15})
+    return out
 
 
 def machine() -> dict:
@@ -173,6 +210,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "kernel_isa": compiled.cpu_isa(),
+        "kernel_isas_runnable": compiled.C.cpu_isas() if compiled.C is not None else [],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -208,7 +246,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     groups = list(dict.fromkeys((r["case"], r["dtype"]) for r in rows))
     provs = list(dict.fromkeys(r["provider"] for r in rows))
     colors = {"fasthealth": "#d62728", "read_limit": "#7f7f7f", "naive": "#1f77b4",
-              "naive_full": "#9467bd", "foreach": "#2ca02c"}
+              "naive_full": "#9467bd", "foreach": "#2ca02c", "total_norm": "#ff7f0e"}
     fig, ax = plt.subplots(figsize=(2.6 * len(groups) + 2, 4.8))
     width = 0.8 / len(provs)
     for j, p in enumerate(provs):
@@ -256,10 +294,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows += run_case(case, args.rounds, min(args.slow_rounds, args.rounds))
     print(table(rows))
+    for g in goals(rows):
+        print(f"goal: {g['goal']:<52} {g['value']:>7} {'met' if g['met'] else 'NOT MET'}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "cpu-quick" if args.quick else "cpu"
-    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows,
+                                                  "goals": goals(rows)}, indent=1))
     title = (f"fasthealth check_grads vs baselines, {info['cpu']}, {info['torch_threads']} "
              f"threads, torch {info['torch']}")
     plotted = plot(rows, out / f"{stem}.png", title)

@@ -180,10 +180,12 @@ class MultiTensorStats:
         self,
         table: torch.Tensor,
         names: Sequence[str],
-        dtypes: Sequence[torch.dtype],
+        dtypes: Sequence[torch.dtype] | Sequence[torch.Tensor],
         missing: Sequence[str] = (),
         range_dtype: torch.dtype | None = None,
     ) -> None:
+        """``dtypes``: the inputs' dtypes, or the inputs themselves, whose dtypes are then read
+        only when needed (the hot path of check_grads pays no Python loop for them)."""
         if tuple(table.shape) != (len(names) + 1, TABLE_WIDTH):
             raise ValueError(
                 f"fasthealth: stats table has shape {tuple(table.shape)}, "
@@ -191,15 +193,32 @@ class MultiTensorStats:
             )
         self._table = table
         self.names: list[str] = names if isinstance(names, list) else list(names)
-        self.dtypes: list[torch.dtype] = dtypes if isinstance(dtypes, list) else list(dtypes)
+        self._dtypes_of = dtypes
+        self._dtypes: list[torch.dtype] | None = None
+        self._wide: torch.dtype | None = None
         self.missing: list[str] = list(missing)
         self.range_dtype = range_dtype
         # with a process group: how many ranks' replicas disagree, and a bit mask of them (bit
         # r for rank r < 52), 0-dim tensors on the device (see fasthealth.distributed)
         self.replica_mismatch: torch.Tensor | None = None
         self.replica_mismatch_mask: torch.Tensor | None = None
-        wide = any(float_dtype_for(d) == torch.float64 for d in set(self.dtypes))
-        self._float_dtype = torch.float64 if wide else torch.float32
+
+    @property
+    def dtypes(self) -> list[torch.dtype]:
+        """The inputs' dtypes, in input order."""
+        if self._dtypes is None:
+            self._dtypes = [d.dtype if isinstance(d, torch.Tensor) else d
+                            for d in self._dtypes_of]
+            self._dtypes_of = ()
+        return self._dtypes
+
+    @property
+    def _float_dtype(self) -> torch.dtype:
+        """float64 when any input is 64-bit, else float32: the dtype of the total's fields."""
+        if self._wide is None:
+            wide = any(float_dtype_for(d) == torch.float64 for d in set(self.dtypes))
+            self._wide = torch.float64 if wide else torch.float32
+        return self._wide
 
     def __len__(self) -> int:
         return len(self.names)

@@ -20,9 +20,19 @@ def test_compiled_cpu_backend_present_when_required():
     if os.environ.get("FASTHEALTH_REQUIRE_CPU") == "1":
         assert "cpu" in fh.available_backends(), fh.ops.compiled.load_error
         want = os.environ.get("FASTHEALTH_CPU_ISA")
-        if want:
-            assert fh.ops.compiled.C.cpu_isa() == want
+        isas = fh.ops.compiled.C.cpu_isas()
+        assert isas[-1] == "base" and fh.ops.compiled.C.cpu_isa() == (want or isas[0])
     assert fh.available_backends()[-1] == "torch"
+
+
+def test_cpu_isa_names_a_variant_this_processor_runs():
+    if "cpu" not in fh.available_backends():
+        pytest.skip(f"needs the compiled CPU kernel ({fh.ops.compiled.load_error})")
+    code = ("import fasthealth as fh, torch\n"
+            "fh.multi_tensor_stats([torch.ones(3)], backend='cpu')\n")
+    env = dict(os.environ, FASTHEALTH_CPU_ISA="sse9")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "must be one of avx512, avx2, avx, base" in out.stderr
 
 
 def test_tensor_stats_fields_dtypes_and_device():

@@ -21,7 +21,9 @@ def test_baselines_agree_with_fasthealth():
     total, nonfinite = baselines.foreach_norm_isfinite(ts)
     assert total.item() == pytest.approx(s.total.norm.item(), rel=1e-5)
     assert nonfinite.item() == 0
+    assert baselines.total_norm_isfinite(ts).item() is True
     ts[1][3] = float("nan")
+    assert baselines.total_norm_isfinite(ts).item() is False
     assert baselines.naive_loop(ts)["any_nan"] is True
     assert baselines.foreach_norm_isfinite(ts)[1].item() == 1
     flat = torch.cat([t.flatten() for t in ts])

@@ -32,9 +32,16 @@ namespace {
 
 constexpr int64_t kBlock = 2048;
 
-// Vector width: 256-bit lanes with AVX, 128-bit (SSE2 / NEON) otherwise. GCC vector
-// extensions keep one source for both; the few operations they express badly use intrinsics.
-#if defined(FH_ISA_AVX)
+// Vector width: 512-bit lanes with AVX-512, 256-bit with AVX and AVX2, 128-bit (SSE2 / NEON)
+// otherwise. GCC vector extensions keep one source for all; the few operations they express
+// badly use intrinsics. Every variant folds its float32 sums into float64 every 16 terms per
+// lane and merges in the same order, so the numerics (and their bounds) are the same; the
+// roundings differ with the lane count, within SPEC's tolerances.
+#if defined(FH_ISA_AVX512)
+constexpr int FW = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef double vd __attribute__((vector_size(64)));
+#elif defined(FH_ISA_AVX)
 constexpr int FW = 8;
 typedef float vf __attribute__((vector_size(32)));
 typedef double vd __attribute__((vector_size(32)));
@@ -58,7 +65,16 @@ inline vd loadd(const double* p) {
   return v;
 }
 
-#if defined(FH_ISA_AVX)
+#if defined(FH_ISA_AVX512)
+inline vd lo_d(vf v) { return (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v)); }
+inline vd hi_d(vf v) { return (vd)_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)v, 1)); }
+inline int count_zero(vf v) {
+  return __builtin_popcount(_mm512_cmp_ps_mask((__m512)v, _mm512_setzero_ps(), _CMP_EQ_OQ));
+}
+inline int count_zero(vd v) {
+  return __builtin_popcount(_mm512_cmp_pd_mask((__m512d)v, _mm512_setzero_pd(), _CMP_EQ_OQ));
+}
+#elif defined(FH_ISA_AVX)
 inline vd lo_d(vf v) { return (vd)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v)); }
 inline vd hi_d(vf v) { return (vd)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1)); }
 inline int count_zero(vf v) {
@@ -145,7 +161,10 @@ struct LoadF32 {
 struct LoadBF16 {  // bfloat16 is the high half of a float32
   using T = uint16_t;
   static vf load(const T* p) {
-#if defined(FH_ISA_AVX)
+#if defined(FH_ISA_AVX512)
+    return (vf)_mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#elif defined(FH_ISA_AVX)
     const __m128i h = _mm_loadu_si128((const __m128i*)p);
     const __m128i z = _mm_setzero_si128();
     const __m128 lo = _mm_castsi128_ps(_mm_unpacklo_epi16(z, h));
@@ -161,7 +180,17 @@ struct LoadBF16 {  // bfloat16 is the high half of a float32
 #endif
   }
   static void load2(const T* p, vf& a, vf& b) {
-#if defined(FH_ISA_AVX)
+#if defined(FH_ISA_AVX512)
+    // One 64-byte load of 32 bf16 = 16 words: masking each word's low half gives the odd
+    // elements, shifting the low halves up the even ones.
+    const __m512i w = _mm512_loadu_si512((const void*)p);
+    a = (vf)_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+    b = (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#elif defined(FH_ISA_AVX2)
+    const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+    a = (vf)_mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+    b = (vf)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#elif defined(FH_ISA_AVX)
     // One 32-byte load of 16 bf16 = 8 words: masking each word's low half gives the 8 odd
     // elements with no shuffle; shifting the low halves up gives the 8 even ones.
     const __m256 w = _mm256_loadu_ps((const float*)p);
@@ -181,7 +210,9 @@ struct LoadBF16 {  // bfloat16 is the high half of a float32
 struct LoadF16 {
   using T = uint16_t;
   static vf load(const T* p) {
-#if defined(FH_ISA_AVX)
+#if defined(FH_ISA_AVX512)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#elif defined(FH_ISA_AVX)
     return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
 #else
     vf v;

@@ -6,16 +6,27 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "../inputs.h"
 
 namespace fasthealth {
 
+#if defined(__x86_64__) || defined(_M_X64)
+namespace avx512 {
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
+                    double range_lo);
+}
+namespace avx2 {
+Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
+                    double range_lo);
+}
 namespace avx {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
 }
+#endif
 namespace base {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
@@ -30,21 +41,40 @@ struct Isa {
   const char* name;
 };
 
-// FASTHEALTH_CPU_ISA=base forces the portable kernel (the tests run both).
-Isa select_isa() {
-  const char* env = std::getenv("FASTHEALTH_CPU_ISA");
-  const bool want_base = env != nullptr && std::strcmp(env, "base") == 0;
-  TORCH_CHECK(env == nullptr || want_base || std::strcmp(env, "avx") == 0,
-              "fasthealth: FASTHEALTH_CPU_ISA must be 'avx' or 'base', got '", env, "'");
+// The variants this processor runs, fastest first (as PyTorch's CPU_CAPABILITY builds do):
+// AVX-512 (F, BW, VL, DQ), AVX2 + FMA + F16C, AVX + FMA + F16C, and the portable baseline.
+std::vector<Isa> runnable() {
+  std::vector<Isa> out;
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  const bool has_avx = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma") &&
-                       __builtin_cpu_supports("f16c");
-  TORCH_CHECK(!(env != nullptr && !want_base && !has_avx),
-              "fasthealth: FASTHEALTH_CPU_ISA=avx but this CPU lacks AVX, FMA or F16C");
-  if (has_avx && !want_base) return {&avx::chunk_stats, "avx"};
+  const bool avx = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+  const bool avx2 = avx && __builtin_cpu_supports("avx2");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  if (avx512) out.push_back({&avx512::chunk_stats, "avx512"});
+  if (avx2) out.push_back({&avx2::chunk_stats, "avx2"});
+  if (avx) out.push_back({&avx::chunk_stats, "avx"});
 #endif
-  return {&base::chunk_stats, "base"};
+  out.push_back({&base::chunk_stats, "base"});
+  return out;
+}
+
+// The fastest runnable variant, or the one FASTHEALTH_CPU_ISA names (the tests run each).
+Isa select_isa() {
+  const std::vector<Isa> ok = runnable();
+  const char* env = std::getenv("FASTHEALTH_CPU_ISA");
+  if (env == nullptr || *env == '\0') return ok.front();
+  for (const Isa& v : ok) {
+    if (std::strcmp(env, v.name) == 0) return v;
+  }
+  const bool known = std::strcmp(env, "avx512") == 0 || std::strcmp(env, "avx2") == 0 ||
+                     std::strcmp(env, "avx") == 0;
+  TORCH_CHECK(known, "fasthealth: FASTHEALTH_CPU_ISA must be one of avx512, avx2, avx, base; "
+              "got '", env, "'");
+  TORCH_CHECK(false, "fasthealth: FASTHEALTH_CPU_ISA=", env, " but this processor lacks it");
+  return ok.back();
 }
 
 const Isa& isa() {
@@ -65,6 +95,12 @@ struct Chunk {
 }  // namespace
 
 const char* cpu_isa_name() { return isa().name; }
+
+std::vector<std::string> cpu_isas() {
+  std::vector<std::string> out;
+  for (const Isa& v : runnable()) out.emplace_back(v.name);
+  return out;
+}
 
 at::Tensor multi_tensor_stats_cpu(at::TensorList tensors, double range_hi, double range_lo) {
   check_range(range_hi, range_lo);
