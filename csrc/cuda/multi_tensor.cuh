@@ -42,6 +42,21 @@ struct WorkList {
 
 constexpr size_t kMaxWorkLists = 32;
 
+// Drops the least recently used entries (at the back) that no CUDA graph reads, down to
+// kMaxWorkLists of them; pinned entries stay.
+template <typename List>
+void evict_unpinned(List* cache) {
+  size_t unpinned = 0;
+  for (const auto& e : *cache) unpinned += e.pinned ? 0 : 1;
+  for (auto it = cache->end(); unpinned > kMaxWorkLists && it != cache->begin();) {
+    --it;
+    if (!it->pinned) {
+      it = cache->erase(it);
+      --unpinned;
+    }
+  }
+}
+
 // Builds (or finds in a small LRU cache) the device work list for these tensors. A new list is
 // refused inside CUDA-graph capture: its copy from pinned host memory would be captured into
 // the graph and replayed from a host buffer that is gone by then (SPEC section 5 asks for one
@@ -99,16 +114,7 @@ inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devi
   wl.n_chunks = static_cast<int64_t>(chunks.size());
   wl.stream = stream.id();
   cache.push_front(Entry{std::move(key), wl, false});
-  // evict the least recently used list that no graph reads
-  size_t unpinned = 0;
-  for (const auto& e : cache) unpinned += e.pinned ? 0 : 1;
-  for (auto it = cache.end(); unpinned > kMaxWorkLists && it != cache.begin();) {
-    --it;
-    if (!it->pinned) {
-      it = cache.erase(it);
-      --unpinned;
-    }
-  }
+  evict_unpinned(&cache);
   return wl;
 }
 
@@ -145,15 +151,7 @@ inline at::Tensor staged_copy(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor buffer = at::empty(t.sizes(), t.options().dtype(dtype));
   cache.push_front(Entry{t.data_ptr(), sizes, strides, t.scalar_type(), dtype,
                          t.device().index(), buffer, capturing});
-  size_t unpinned = 0;
-  for (const auto& e : cache) unpinned += e.pinned ? 0 : 1;
-  for (auto it = cache.end(); unpinned > kMaxWorkLists && it != cache.begin();) {
-    --it;
-    if (!it->pinned) {
-      it = cache.erase(it);
-      --unpinned;
-    }
-  }
+  evict_unpinned(&cache);
   return buffer.copy_(t);
 }
 
