@@ -363,3 +363,22 @@ def test_torch_backend_reads_large_tensors_in_pieces(monkeypatch):
     check_multi(fh.multi_tensor_stats(ts, backend="torch").raw, ts, "chunked torch backend")
     check_multi(fh.multi_tensor_stats(ts, backend="torch", range_dtype=torch.float16).raw, ts,
                 "chunked torch backend, range", range_dtype=torch.float16)
+
+
+def test_check_grads_sees_parameters_replaced_between_calls():
+    """The module's parameter list is kept between calls; replacing or adding a parameter, even
+    behind the registration hooks, must not leave check_grads on stale tensors."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    m(torch.ones(2, 3)).sum().backward()
+    assert len(fh.check_grads(m)) == 4
+    m[1].weight = torch.nn.Parameter(torch.zeros(1, 3))  # through setattr: the hook fires
+    m[1].weight.grad = torch.full((1, 3), float("nan"))
+    assert fh.check_grads(m).nonfinite() == ["1.weight"]
+    new = torch.nn.Parameter(torch.zeros(3))  # behind the hooks
+    m[0]._parameters["bias"] = new
+    new.grad = torch.full((3,), float("inf"))
+    assert set(fh.check_grads(m).nonfinite()) == {"0.bias", "1.weight"}
+    m[1].extra = torch.nn.Parameter(torch.ones(2))  # a new parameter, no gradient yet
+    s = fh.check_grads(m)
+    assert s.missing == ["1.extra"] and len(s) == 4
+    assert [n for n, _ in m.named_parameters()] == s.names + s.missing
