@@ -1,6 +1,6 @@
 """Evaluates the Monitor's event rules on the corpus of bench/detectors/corpus.py.
 
-    python bench/bench_detectors.py            # calibration seeds and held-out seeds; ~3 min
+    python bench/bench_detectors.py            # calibration and held-out seeds; ~7 min
     python bench/bench_detectors.py --quick    # the CI size: one seed of every run
 
 Writes bench/results/detectors.json (or --out) and prints a table: false alarms per healthy
@@ -24,9 +24,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "detectors"))
 
 # Calibration: the thresholds in fasthealth/monitor/detectors.py were chosen on these seeds.
-# Held out: seeds never looked at while choosing them; their table is the honest estimate.
+# Second round: held out in the first round; its 3 false alarms and 2 misses were then looked
+# at to revise the rules, so it is calibration data now. Held out: seeds never looked at while
+# choosing or revising the rules; their table is the honest estimate.
 FULL = {"seeds": range(5), "healthy_steps": 700, "fault_steps": 500}
-HELD_OUT = {"seeds": range(5, 15), "fault_seeds": range(5, 10), "healthy_steps": 700,
+SECOND_ROUND = {"seeds": range(5, 15), "fault_seeds": range(5, 10), "healthy_steps": 700,
+                "fault_steps": 500}
+HELD_OUT = {"seeds": range(15, 30), "fault_seeds": range(10, 20), "healthy_steps": 700,
             "fault_steps": 500}
 QUICK = {"seeds": range(1), "healthy_steps": 700, "fault_steps": 500}
 
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     out = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
     for name, size in ([("quick", QUICK)] if args.quick else
-                       [("calibration", FULL), ("held_out", HELD_OUT)]):
+                       [("calibration", FULL), ("second_round", SECOND_ROUND),
+                        ("held_out", HELD_OUT)]):
         res = evaluate(size, args.workers)
         print(f"== {name}\n{table(res)}\n")
         out[name] = res
@@ -151,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out['wall_seconds']} s wall")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    first = out["quick" if args.quick else "calibration"]
-    return 0 if perfect(first) else 1
+    tuned = ["quick"] if args.quick else ["calibration", "second_round"]
+    return 0 if all(perfect(out[k]) for k in tuned) else 1
 
 
 def perfect(res: dict) -> bool:

@@ -37,7 +37,7 @@ SCHEDULE = [
     dict(at=330, fault="fp16-style overflow: Inf loss for 12 steps, the GradScaler backs off",
          expect=[("loss_scale_collapse", 330, 345)]),
     dict(at=380, fault="learning-rate jump x300",
-         expect=[("divergence", 380, 420)]),
+         expect=[("lr_jump", 380, 380), ("divergence", 380, 420)]),
 ]
 STEPS = 440
 FOLLOW_ON = 25  # steps after a fault in which its consequences (recovery, re-spikes) may show

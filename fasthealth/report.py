@@ -23,7 +23,7 @@ EVENT_COLORS = {
     "grad_norm_spike": "#8c564b", "divergence": "#e377c2", "oscillation": "#17becf",
     "vanishing_grad": "#7f7f7f", "optimizer_state_nonfinite": "#bcbd22",
     "loss_scale_collapse": "#1f77b4", "exploding_grad": "#393b79",
-    "replica_divergence": "#e7ba52",
+    "replica_divergence": "#e7ba52", "lr_jump": "#637939",
 }
 
 

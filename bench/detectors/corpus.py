@@ -558,7 +558,7 @@ FAULTS: dict[str, FaultSpec] = {
     "lr_too_high_from_start": FaultSpec(too_high_lr, NONFINITE + SPIKES + (
         "divergence", "oscillation"), 100, onset=0.0),
     "alternating_sources": FaultSpec(h_regression, ("oscillation",), 40, before=f_alternate),
-    "lr_jump": FaultSpec(h_char_transformer, SPIKES + ("divergence", "oscillation"), 10,
+    "lr_jump": FaultSpec(h_char_transformer, SPIKES + ("divergence", "oscillation", "lr_jump"), 10,
                          before=f_lr_jump),
     "slow_divergence": FaultSpec(h_char_transformer, ("divergence",), 40, onset=0.5,
                                  before=f_drift),

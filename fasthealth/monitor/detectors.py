@@ -19,20 +19,29 @@ too wide to see a garbage batch; differences leave the trend out.
   recent median, the noise measured over the last ``window`` (128) finite, non-spike values,
   after ``warmup`` (20) of them,
   on the linear and the log scale both (near a loss floor of 0.01 healthy batches reach 50x the
-  median: far on the log scale, near on the linear one); or the loss and the gradient norm of a
-  step both above 2/3 of that (a bad batch moves both); or 3 steps in a row above 0.6 of it (a
-  level shift: an LR jump). Before the window is armed, a loss above 4x or a gradient norm above
-  100x their first values (an LR far too high from the start). 5 spikes in a row: a new level.
+  median: far on the log scale, near on the linear one); or more than ``extreme`` (5) times
+  that on the linear scale with half of it on the log one (at such a floor a batch 400x the
+  level, mislabelled, is hundreds of linear noise units out but only ~5 log ones; healthy
+  batches never passed 11 linear units in the corpus); or the loss and the gradient norm of a
+  step both above ``joint`` (0.85) of the threshold (a bad batch moves both); or 3 steps in a
+  row above 0.6 of it (a level shift). Before the window is armed, a loss above 4x or a
+  gradient norm above 100x their first values (an LR far too high from the start). 5 spikes in
+  a row: a new level.
 - ``divergence``: the log-loss rises steadily: a line through the last 40 losses climbs with a
   t-statistic above 5 and by more than 20%, and the recent median stands 20% above the best
   median seen so far.
+- ``lr_jump``: the learning rate (the optimizer's first group) more than 3x the highest it has
+  been, after ``warmup`` steps: the cause, read off at the step, before the loss shows it (an
+  LR jump that moves the loss 5% is otherwise seen only late, or not at all).
 - ``oscillation``: over the last 32 losses, deviations from the trend alternate (lag-1
   autocorrelation below -0.8), the swings are 3x the run's usual ones, and the loss does not
   trend down. Minibatch noise goes up and down too, but with the swings of its own past.
 - ``vanishing_grad``: the global norm below ``abs_threshold`` (1e-8) or 1e4 times below its
   recent median for 3 steps; or some tensors' gradients below 1e-3 of their own recent level
   (an exponential average of the log norm) for 3 steps (dead ReLUs, saturated sigmoids).
-- ``exploding_grad``: a tensor's gradient norm above 100x its own recent level.
+- ``exploding_grad``: a tensor's gradient norm above 100x its own recent level; or the global
+  gradient norm climbing steadily several-fold (the divergence rule on the log norm over 24
+  steps, t above 6, 3.5x): weights growing without bound.
 - ``nonfinite_loss``, ``nonfinite_grad``: at the step itself. Under a ``GradScaler`` an overflow
   step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
   work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
@@ -144,18 +153,23 @@ def level_and_noise(values: list[float], recent: int = 32) -> tuple[float, float
     return statistics.median(values[-recent:]), noise
 
 
-def spike_score(values: list[float], x: float) -> float:
-    """How far ``x`` stands above the recent level of ``values``, in noise units, on both the
-    linear and the log scale (the smaller of the two: a spike must stand out on both; the log
-    scale only when every value is positive)."""
+def spike_scores(values: list[float], x: float) -> tuple[float, float]:
+    """How far ``x`` stands above the recent level of ``values``, in noise units, on the linear
+    and on the log scale (the log one only when every value is positive, else equal to the
+    linear one)."""
     def z(vs: list[float], v: float) -> float:
         level, noise = level_and_noise(vs)
         return (v - level) / noise if noise > 0 else (math.inf if v > level else 0.0)
 
-    score = z(values, x)
+    lin = z(values, x)
     if x > 0 and min(values) > 0:
-        score = min(score, z([math.log(v) for v in values], math.log(x)))
-    return score
+        return lin, z([math.log(v) for v in values], math.log(x))
+    return lin, lin
+
+
+def spike_score(values: list[float], x: float) -> float:
+    """The smaller of ``spike_scores``: a spike must stand out on both scales."""
+    return min(spike_scores(values, x))
 
 
 class _Series:
@@ -170,15 +184,16 @@ class _Series:
         self.high = 0  # steps in a row above the shift threshold
         self.shifted = False
 
-    def score(self, value: float, warmup: int) -> float | None:
-        """The spike score of ``value``; None while the window is not armed (or no value)."""
+    def score(self, value: float, warmup: int) -> tuple[float, float] | None:
+        """The linear and log spike scores of ``value``; None while the window is not armed (or
+        no value)."""
         if not math.isfinite(value):
             return None
         if len(self.first) < 3:
             self.first.append(value)
         if len(self.values) < max(warmup, 3):
             return None
-        return spike_score(list(self.values), value)
+        return spike_scores(list(self.values), value)
 
     def early(self, value: float) -> float | None:
         """value / its first values, when that exceeds ``early_ratio`` (no window needed)."""
@@ -217,9 +232,11 @@ class SpikeDetector(Detector):
     }
 
     def __init__(self, zscore: float = 6.0, window: int = 128, warmup: int = 20,
-                 joint: float = 2 / 3, shift: float = 0.6, shift_steps: int = 3,
-                 max_run: int = 5, early_loss: float = 4.0, early_grad_norm: float = 100.0):
+                 joint: float = 0.85, shift: float = 0.6, shift_steps: int = 3,
+                 max_run: int = 5, early_loss: float = 4.0, early_grad_norm: float = 100.0,
+                 extreme: float = 5.0):
         self.zscore, self.joint, self.warmup, self.max_run = zscore, joint, warmup, max_run
+        self.extreme = extreme
         self.shift, self.shift_steps = shift, shift_steps
         self.series = {
             "loss": _Series("loss", window, early_loss, self.ADVICE["loss"]),
@@ -230,7 +247,8 @@ class SpikeDetector(Detector):
     def observe(self, s: HostStep) -> list[Found]:
         values = {"loss": s.values["loss"],
                   "grad_norm": s.values["grad_norm"] if s.values["grads_finite"] else math.nan}
-        z = {k: self.series[k].score(v, self.warmup) for k, v in values.items()}
+        scores = {k: self.series[k].score(v, self.warmup) for k, v in values.items()}
+        z = {k: None if x is None else min(x) for k, x in scores.items()}
         both = all(x is not None and x > self.joint * self.zscore for x in z.values())
         found = []
         for key, ser in self.series.items():
@@ -242,8 +260,10 @@ class SpikeDetector(Detector):
                 elif math.isfinite(v) and len(ser.values) < max(self.warmup, 3):
                     ser.values.append(v)
                 continue
-            if ser.settle(v, zk > self.zscore or both, self.max_run):
-                found.append(self._spike(key, ser, v, zk, both))
+            lin, log = scores[key]
+            extreme = lin > self.extreme * self.zscore and log > self.zscore / 2
+            if ser.settle(v, zk > self.zscore or both or extreme, self.max_run):
+                found.append(self._spike(key, ser, v, max(zk, lin) if extreme else zk, both))
             elif self._shifted(ser, zk):
                 found.append(self._shift(key, ser, v, zk))
         return found
@@ -331,19 +351,27 @@ class DivergenceDetector(LossTrendDetector):
                  warmup: int = 20, short: int = 10):
         super().__init__(window, window, warmup)
         self.t_min, self.rise, self.short = t_min, rise, short
-        self.best = math.inf  # lowest median of `short` losses seen
+        self.best = math.inf  # lowest median of `short` values seen
 
-    def judge(self, ys: list[float], loss: float) -> list[Found]:
+    def rising(self, ys: list[float]) -> tuple[float, float, float, float] | None:
+        """(slope a step, its t, total rise over the window, rise above the best) when the
+        window climbs by the rules, else None (and the episode ends once it is back down)."""
         recent = statistics.median(ys[-self.short:])
         self.best = min(self.best, recent)
         slope, t = _slope_t(ys)
         total = math.expm1(slope * (len(ys) - 1))
         above = math.expm1(recent - self.best)
-        rising = t > self.t_min and total > self.rise and above > self.rise
-        if not rising:
-            if above < self.rise / 2:
-                self.active = False
+        if t > self.t_min and total > self.rise and above > self.rise:
+            return slope, t, total, above
+        if above < self.rise / 2:
+            self.active = False
+        return None
+
+    def judge(self, ys: list[float], loss: float) -> list[Found]:
+        found = self.rising(ys)
+        if found is None:
             return []
+        slope, t, total, above = found
         return self.once(("divergence",
                  f"loss rising steadily: {math.expm1(slope):+.1%} a step over the last "
                  f"{len(ys)} steps (t = {t:.1f}), {above:.0%} above its best "
@@ -352,6 +380,61 @@ class DivergenceDetector(LossTrendDetector):
                  "then the optimizer state",
                  {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
                   "above_best": above, "best": math.exp(self.best), "loss": loss}))
+
+
+class GradNormTrendDetector(DivergenceDetector):
+    """The global gradient norm climbing steadily, several-fold (``exploding_grad``): weights
+    growing without bound show there long before the loss moves. The divergence rule on the
+    log of the norm, with a stricter t (``t_min`` 6) and a larger rise (``rise`` 2.5: 3.5x over
+    the window and above the lowest level seen): early in training healthy norms climb 2-3x."""
+
+    def __init__(self, window: int = 24, t_min: float = 6.0, rise: float = 2.5,
+                 warmup: int = 20, short: int = 10):
+        super().__init__(window, t_min, rise, warmup, short)
+
+    def observe(self, s: HostStep) -> list[Found]:
+        return self.update(s.values["grad_norm"]) if s.values["grads_finite"] else []
+
+    def judge(self, ys: list[float], norm: float) -> list[Found]:
+        found = self.rising(ys)
+        if found is None:
+            return []
+        slope, t, total, above = found
+        return self.once(("exploding_grad",
+                 f"global gradient norm climbing steadily: {math.expm1(slope):+.1%} a step, "
+                 f"{total + 1:.2g}x over the last {len(ys)} steps (t = {t:.1f}), now {norm:.3g} "
+                 f"against a low of {math.exp(self.best):.3g}. Check first: the weights "
+                 "(check_params: a layer growing without bound, weight decay off or negative), "
+                 "then the learning rate, then clipping (max_grad_norm)",
+                 {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
+                  "above_best": above, "best": math.exp(self.best), "grad_norm": norm}))
+
+
+class LRJumpDetector(Detector):
+    """The learning rate more than ``ratio`` (3) times the highest it has been, after
+    ``warmup`` steps (``lr_jump``): a schedule stepped at the wrong rate, a resumed run with
+    another configuration, a hand edit. Warm-ups climb a few percent a step and restarts
+    (SGDR, cycles) return to the old peak, never 3x above it."""
+
+    def __init__(self, ratio: float = 3.0, warmup: int = 20):
+        self.ratio, self.warmup = ratio, warmup
+        self.peak = 0.0
+        self.seen = 0
+
+    def observe(self, s: HostStep) -> list[Found]:
+        lr = s.info.get("lr")
+        if lr is None or not math.isfinite(lr):
+            return []
+        self.seen += 1
+        peak, self.peak = self.peak, max(self.peak, lr)
+        if self.seen <= self.warmup or not (peak > 0 and lr > self.ratio * peak):
+            return []
+        return [("lr_jump",
+                 f"learning rate {lr:.4g} is {lr / peak:.3g}x the highest it had been ({peak:.4g}). "
+                 "Check first: the scheduler (stepped per batch instead of per epoch? a resumed "
+                 "scheduler state?), then the run's configuration; if the jump is intended, "
+                 "watch the loss and gradient norm over the next steps",
+                 {"lr": lr, "previous_peak": peak, "ratio": lr / peak})]
 
 
 class OscillationDetector(LossTrendDetector):
@@ -579,6 +662,8 @@ def default_detectors(names: list[str], *, spike_zscore: float, spike_window: in
         NonFiniteGradDetector(names, scaler=scaler),
         SpikeDetector(spike_zscore, spike_window, warmup_steps),
         DivergenceDetector(warmup=warmup_steps),
+        GradNormTrendDetector(warmup=warmup_steps),
+        LRJumpDetector(warmup=warmup_steps),
         OscillationDetector(warmup=warmup_steps),
         VanishingDetector(abs_threshold=vanishing_threshold, window=spike_window,
                           warmup=warmup_steps),
