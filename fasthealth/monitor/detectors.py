@@ -430,7 +430,8 @@ class LRJumpDetector(Detector):
         if self.seen <= self.warmup or not (peak > 0 and lr > self.ratio * peak):
             return []
         return [("lr_jump",
-                 f"learning rate {lr:.4g} is {lr / peak:.3g}x the highest it had been ({peak:.4g}). "
+                 f"learning rate {lr:.4g} is {lr / peak:.3g}x the highest it had been "
+                 f"({peak:.4g}). "
                  "Check first: the scheduler (stepped per batch instead of per epoch? a resumed "
                  "scheduler state?), then the run's configuration; if the jump is intended, "
                  "watch the loss and gradient norm over the next steps",
