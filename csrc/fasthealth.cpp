@@ -1,17 +1,120 @@
 // Op schemas and the Python module fasthealth._C. Kernels register themselves per device:
 // cpu/tensor_stats.cpp (CPU) and cuda/tensor_stats.cu (CUDA); triton_kernels/ adds its own op.
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <string>
-
 #include <vector>
+
+#include "inputs.h"
 
 namespace fasthealth {
 const char* cpu_isa_name();
 std::vector<std::string> cpu_isas();
+
+namespace {
+
+// A CPU gradient the kernel reads directly: dense storage, no Python subclass (DTensor,
+// functorch and fake tensors go through the dispatcher).
+bool plain_cpu(const at::Tensor& g) {
+  if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu()) return false;
+  if (!g.is_contiguous() && !g.is_non_overlapping_and_dense()) return false;
+  const c10::DispatchKeySet keys = g.key_set();
+  return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::Functionalize) &&
+         !keys.has(c10::DispatchKey::FuncTorchBatched) &&
+         !keys.has(c10::DispatchKey::FuncTorchGradWrapper);
 }
+
+void prefetch(const void* p, int lines) {
+  for (int k = 0; k < lines; ++k) __builtin_prefetch(static_cast<const char*>(p) + 64 * k);
+}
+
+// Parameters gathered a block at a time, one level of pointers per sweep (the Python object,
+// its TensorImpl, its autograd meta, the gradient's TensorImpl, its storage), each sweep
+// prefetching the next level for the whole block: the loads of a block overlap instead of
+// waiting on each other, which is what a gradient list costs when the caches are cold.
+constexpr Py_ssize_t kBlock = 128;
+
+// check_grads' front door for CPU models (fasthealth/checks.py): (the table, the list) of the
+// gradients of `params`, each still held by its module (`dicts[i][keys[i]] is params[i]`), read
+// without a Python attribute access or a dispatcher call per tensor. None when that does not
+// apply (a slot replaced, a gradient missing, sparse, strided, on another device, a tensor
+// subclass, an unsupported dtype): the caller then takes the general path, which handles each
+// case and names any bad input.
+py::object param_grads_table(py::list params, py::list dicts, py::list keys, double range_hi,
+                             double range_lo) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  if (n == 0 || PyList_GET_SIZE(dicts.ptr()) != n || PyList_GET_SIZE(keys.ptr()) != n ||
+      !(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi)) {
+    return py::none();
+  }
+  std::vector<at::Tensor> grads(n);
+  std::vector<CpuInput> inputs(n);
+  c10::TensorImpl* impl[kBlock];
+  c10::AutogradMetaInterface* meta[kBlock];
+  for (Py_ssize_t b = 0; b < n; b += kBlock) {
+    const Py_ssize_t m = std::min(kBlock, n - b);
+    PyObject** ps = &PyList_GET_ITEM(params.ptr(), b);
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      prefetch(ps[i], 1);
+      prefetch(PyList_GET_ITEM(dicts.ptr(), b + i), 1);
+    }
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      PyObject* d = PyList_GET_ITEM(dicts.ptr(), b + i);
+      if (!PyDict_Check(d) || !THPVariable_Check(ps[i])) return py::none();
+      PyObject* held = PyDict_GetItemWithError(d, PyList_GET_ITEM(keys.ptr(), b + i));
+      if (held != ps[i]) {  // replaced behind the registration hooks: the general path
+        PyErr_Clear();
+        return py::none();
+      }
+      impl[i] = THPVariable_Unpack(ps[i]).unsafeGetTensorImpl();
+      prefetch(impl[i], 4);
+    }
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      meta[i] = impl[i]->autograd_meta();
+      if (meta[i] == nullptr) return py::none();  // no gradient
+      prefetch(meta[i], 2);
+    }
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      const at::Tensor& g = meta[i]->grad();
+      if (!g.defined()) return py::none();
+      impl[i] = g.unsafeGetTensorImpl();
+      prefetch(impl[i], 4);
+    }
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      const at::Tensor& g = meta[i]->grad();
+      if (!plain_cpu(g)) return py::none();
+      if (g.has_storage()) prefetch(g.storage().unsafeGetStorageImpl(), 1);
+    }
+    for (Py_ssize_t i = 0; i < m; ++i) {
+      const at::Tensor& g = meta[i]->grad();
+      int code = 0;
+      try {
+        code = dtype_code(g, static_cast<size_t>(b + i));
+      } catch (const c10::Error&) {  // the general path names the input
+        return py::none();
+      }
+      grads[b + i] = g;  // kept alive while the kernel runs without the GIL
+      inputs[b + i] = {g.data_ptr(), g.numel(), code, static_cast<int>(g.element_size())};
+    }
+  }
+  at::Tensor out;
+  {
+    py::gil_scoped_release no_gil;
+    out = cpu_stats_table(inputs, range_hi, range_lo);
+  }
+  py::list held(n);  // the gradients themselves, as the general path keeps them
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyList_SET_ITEM(held.ptr(), i, THPVariable_Wrap(grads[i]));
+  }
+  return py::make_tuple(out, held);
+}
+
+}  // namespace
+}  // namespace fasthealth
 
 TORCH_LIBRARY(fasthealth, m) {
   // Row i < N: statistics of tensors[i]; row N: of all elements together. Columns: the fields of
@@ -27,6 +130,10 @@ PYBIND11_MODULE(_C, m) {
         "'base' (FASTHEALTH_CPU_ISA forces one).");
   m.def("cpu_isas", &fasthealth::cpu_isas,
         "The CPU kernel variants this processor runs, fastest first.");
+  m.def("param_grads_table", &fasthealth::param_grads_table, py::arg("params"),
+        py::arg("dicts"), py::arg("keys"), py::arg("range_hi"), py::arg("range_lo"),
+        "check_grads' CPU front door: (stats table, gradients) of the parameters, or None "
+        "when the general path must run (see csrc/fasthealth.cpp).");
   // the torch this module was compiled against: fasthealth/ops/compiled.py refuses another
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "stats.h"
 
 namespace fasthealth {
@@ -29,14 +31,6 @@ inline int dtype_code(const at::Tensor& t, size_t index) {
   return -1;
 }
 
-// Returns a tensor whose `numel` elements lie densely from data_ptr(), in any order (statistics
-// do not depend on order): the input itself when it is contiguous or merely permuted, else a
-// contiguous copy (expanded and sliced views).
-inline at::Tensor dense_view(const at::Tensor& t) {
-  if (t.is_contiguous() || t.is_non_overlapping_and_dense()) return t;
-  return t.contiguous();
-}
-
 inline void check_input(const at::Tensor& t, size_t index, c10::DeviceType device_type) {
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, "fasthealth: input ", index,
                    " is a ", t.layout(), " tensor; only strided (dense) tensors are supported");
@@ -44,6 +38,21 @@ inline void check_input(const at::Tensor& t, size_t index, c10::DeviceType devic
               t.device(), " but this kernel runs on ", device_type, " tensors");
   dtype_code(t, index);
 }
+
+// One input as the CPU kernel reads it: `numel` elements of type `code` lying densely from
+// `data` (`elem_bytes` each), kept alive by its owner for the call.
+struct CpuInput {
+  const void* data;
+  int64_t numel;
+  int code;
+  int elem_bytes;
+};
+
+// The CPU table of inputs already checked (cpu/tensor_stats.cpp): what
+// multi_tensor_stats_cpu runs after validating its tensors, and what check_grads' front door
+// (fasthealth.cpp) runs on the gradients it gathered.
+at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
+                           double range_lo);
 
 inline void check_range(double range_hi, double range_lo) {
   TORCH_CHECK(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi,

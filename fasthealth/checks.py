@@ -8,6 +8,7 @@ One fused pass per device over all inputs; nothing here synchronizes with the de
 from __future__ import annotations
 
 import operator
+import os
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -84,7 +85,41 @@ def _unique(names: list[str]) -> None:
 # kept parameter is still the one its module holds (a replacement behind the hooks,
 # module._parameters[name] = ..., is seen too).
 _structure = 0
-_kept: dict[int, tuple[Any, int, list[tuple[str, Any]], list[dict], list[str], list[Any]]] = {}
+
+
+class _Kept:
+    """One module's parameters as ``named_parameters()`` lists them (tied ones once), with the
+    dict and key each is held under."""
+
+    __slots__ = ("module", "structure", "pairs", "names", "dicts", "keys", "params")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = weakref.ref(module)
+        self.structure = _structure
+        self.pairs: list[tuple[str, Any]] = []
+        self.dicts: list[dict] = []
+        self.keys: list[str] = []
+        seen: set[int] = set()
+        for prefix, mod in module.named_modules():
+            for k, p in mod._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                self.pairs.append((f"{prefix}.{k}" if prefix else k, p))
+                self.dicts.append(mod._parameters)
+                self.keys.append(k)
+        self.names = [n for n, _ in self.pairs]
+        self.params = [p for _, p in self.pairs]
+
+    def current(self, module: torch.nn.Module) -> bool:
+        """Still ``module``'s, nothing registered since (the slots are checked apart)."""
+        return self.module() is module and self.structure == _structure
+
+    def slots_hold(self) -> bool:
+        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.params))
+
+
+_kept: dict[int, _Kept] = {}
 
 
 def _changed(*args: Any) -> None:
@@ -98,23 +133,26 @@ torch.nn.modules.module.register_module_module_registration_hook(_changed)
 
 def _module_parameters(module: torch.nn.Module) -> list[tuple[str, Any]]:
     kept = _kept.get(id(module))
-    if (kept is not None and kept[0]() is module and kept[1] == _structure
-            and all(map(operator.is_, map(dict.get, kept[3], kept[4]), kept[5]))):
-        return kept[2]
-    pairs, dicts, keys, seen = [], [], [], set()
-    for prefix, mod in module.named_modules():  # as named_parameters(): tied ones once
-        for k, p in mod._parameters.items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            pairs.append((f"{prefix}.{k}" if prefix else k, p))
-            dicts.append(mod._parameters)
-            keys.append(k)
+    if kept is not None and kept.current(module) and kept.slots_hold():
+        return kept.pairs
     if len(_kept) > 64:
         _kept.clear()
-    _kept[id(module)] = (weakref.ref(module), _structure, pairs, dicts, keys,
-                         [p for _, p in pairs])
-    return pairs
+    kept = _kept[id(module)] = _Kept(module)
+    return kept.pairs
+
+
+def _front_door(model: Any, backend: str | None, rng: tuple[float, float]
+                ) -> tuple[torch.Tensor, list[torch.Tensor], _Kept] | None:
+    """check_grads of a CPU module whose parameter list is kept and whose parameters all have
+    plain dense CPU gradients, in one call into the compiled CPU kernel (``_C``'s
+    ``param_grads_table`` checks each slot and reads each ``.grad`` in C++); None otherwise."""
+    kept = _kept.get(id(model))
+    if (kept is None or not kept.current(model) or ops.compiled.C is None
+            or torch.compiler.is_compiling() or backend not in (None, "auto", "cpu")
+            or os.environ.get("FASTHEALTH_BACKEND", "auto") not in ("", "auto", "cpu")):
+        return None
+    found = ops.compiled.C.param_grads_table(kept.params, kept.dicts, kept.keys, *rng)
+    return None if found is None else (*found, kept)
 
 
 def _named_parameters(model_or_params: Any, what: str) -> list[tuple[str, Any]]:
@@ -171,6 +209,12 @@ def check_grads(
     counts and moments are those of the stored values. With no gradient at all (called before
     ``backward()``, or everything frozen) the stats are empty and a warning says so.
     """
+    if process_group is None and isinstance(model_or_params, torch.nn.Module):
+        rng = range_thresholds(range_dtype)
+        fast = _front_door(model_or_params, backend, rng)
+        if fast is not None:
+            table, grads, kept = fast
+            return MultiTensorStats(table, list(kept.names), grads, (), range_dtype)
     pairs = _named_parameters(model_or_params, "check_grads")
     all_grads = [p.grad for _, p in pairs]
     if any(g is None for g in all_grads):

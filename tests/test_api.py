@@ -382,3 +382,56 @@ def test_check_grads_sees_parameters_replaced_between_calls():
     s = fh.check_grads(m)
     assert s.missing == ["1.extra"] and len(s) == 4
     assert [n for n, _ in m.named_parameters()] == s.names + s.missing
+
+
+def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
+    """On a CPU module, check_grads reads the gradients in one call into the compiled kernel
+    (fasthealth/checks.py, _front_door): its table must equal the op's on the same gradients
+    for every dtype and a transposed (dense, not contiguous) gradient; whatever it cannot take
+    (a sliced gradient, a missing one, a sparse one, backend='torch', FASTHEALTH_BACKEND) goes
+    the general path with the same results."""
+    _needs_cpu_op()
+    from fasthealth import checks
+
+    m = torch.nn.Module()
+    g = torch.Generator().manual_seed(0)
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                               torch.float32]):
+        p = torch.nn.Parameter(torch.zeros(70, 30, dtype=dtype))
+        p.grad = torch.randn(70, 30, generator=g).to(dtype)
+        m.register_parameter(f"p{i}", p)
+    m.p0.grad[3, 4] = NAN
+    m.p4.grad = torch.randn(30, 70, generator=g).t()  # transposed: read as it lies
+    rng = fh.ops.layout.range_thresholds(torch.float16)
+
+    def general(names=None):
+        named = [(n, p) for n, p in m.named_parameters() if p.grad is not None]
+        return fh.ops.run("cpu", [p.grad for _, p in named], *rng)
+
+    fh.check_grads(m)  # keeps the parameter list
+    assert checks._front_door(m, None, rng) is not None
+    s = fh.check_grads(m, range_dtype=torch.float16)
+    assert torch.equal(s.raw.nan_to_num(), general().nan_to_num())
+    assert s.nonfinite() == ["p0"] and s.dtypes[1] == torch.bfloat16 and s.missing == []
+    check_multi(s.raw, [p.grad for p in m.parameters()], "front door",
+                range_dtype=torch.float16)
+
+    calls = []
+    real = checks.grads_stats
+    monkeypatch.setattr(checks, "grads_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fh.check_grads(m)
+    assert calls == []  # the front door took it
+    m.p2.grad = torch.randn(70, 60, generator=g).to(torch.float16)[:, ::2]  # sliced: a copy
+    s = fh.check_grads(m, range_dtype=torch.float16)
+    assert calls == [1] and torch.equal(s.raw.nan_to_num(), general().nan_to_num())
+    m.p2.grad = None
+    s = fh.check_grads(m)
+    assert s.missing == ["p2"] and len(s) == 4 and len(calls) == 2
+    m.p2.grad = torch.randn(70, 30, generator=g).to(torch.float16)
+    fh.check_grads(m, backend="torch")
+    monkeypatch.setenv("FASTHEALTH_BACKEND", "torch")
+    fh.check_grads(m)
+    assert len(calls) == 4
+    monkeypatch.delenv("FASTHEALTH_BACKEND")
+    fh.check_grads(m)
+    assert len(calls) == 4
