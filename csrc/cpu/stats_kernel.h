@@ -65,6 +65,30 @@ inline vd loadd(const double* p) {
   return v;
 }
 
+// Running min and max: `a < m ? a : m` (and `a > m ? a : m`), which is exactly what MINPS
+// (MAXPS) computes with `a` first, NaN included (the running value is kept). Spelled with the
+// instruction because GCC, given the ternary on a bfloat16 vector widened from memory, reloads
+// and re-widens the input under a mask instead (four vector operations where two do: about 20%
+// of the bfloat16 loop's throughput).
+inline vf vmin(vf a, vf m) {
+#if defined(FH_ISA_AVX512)
+  return (vf)_mm512_min_ps((__m512)a, (__m512)m);
+#elif defined(FH_ISA_AVX)
+  return (vf)_mm256_min_ps((__m256)a, (__m256)m);
+#else
+  return a < m ? a : m;
+#endif
+}
+inline vf vmax(vf a, vf m) {
+#if defined(FH_ISA_AVX512)
+  return (vf)_mm512_max_ps((__m512)a, (__m512)m);
+#elif defined(FH_ISA_AVX)
+  return (vf)_mm256_max_ps((__m256)a, (__m256)m);
+#else
+  return a > m ? a : m;
+#endif
+}
+
 #if defined(FH_ISA_AVX512)
 inline vd lo_d(vf v) { return (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v)); }
 inline vd hi_d(vf v) { return (vd)_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)v, 1)); }
@@ -388,10 +412,10 @@ Partial block_f32(const typename L::T* x, int64_t n) {
       __builtin_prefetch(x + i + kPrefetch);
       vf a, b;
       L::load2(x + i, a, b);
-      mn0 = a < mn0 ? a : mn0;
-      mn1 = b < mn1 ? b : mn1;
-      mx0 = a > mx0 ? a : mx0;
-      mx1 = b > mx1 ? b : mx1;
+      mn0 = vmin(a, mn0);
+      mn1 = vmin(b, mn1);
+      mx0 = vmax(a, mx0);
+      mx1 = vmax(b, mx1);
       zero += count_zero(a) + count_zero(b);
       const vf da = a - kv, db = b - kv;
       d0 += da;
