@@ -91,14 +91,13 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
     }
     for (Py_ssize_t i = 0; i < m; ++i) {
       const at::Tensor& g = meta[i]->grad();
-      int code = 0;
       try {
-        code = dtype_code(g, static_cast<size_t>(b + i));
+        const int code = dtype_code(g, static_cast<size_t>(b + i));
+        inputs[b + i] = {g.data_ptr(), g.numel(), code, static_cast<int>(g.element_size())};
       } catch (const c10::Error&) {  // the general path names the input
         return py::none();
       }
       grads[b + i] = g;  // kept alive while the kernel runs without the GIL
-      inputs[b + i] = {g.data_ptr(), g.numel(), code, static_cast<int>(g.element_size())};
     }
   }
   at::Tensor out;
