@@ -257,3 +257,47 @@ def test_watch_in_a_plain_loop(tmp_path):
     steps = read_jsonl(tmp_path / "steps.jsonl")
     assert len(steps) == 12 and steps[7]["skipped"] and steps[3]["loss"] > 0
     assert not hasattr(opt, "found_inf")  # the skip is taken away after the step
+
+
+def test_transformers_train_again_after_a_crash(tmp_path):
+    """A train() that raises never reaches on_train_end. The next train() on the same Trainer
+    (a notebook after a crash) must clip as the user asked and check each gradient once, not
+    run with max_grad_norm=0 left behind or with the dead run's hooks still on the model."""
+    from fasthealth.integrations.transformers import HealthCallback
+
+    model = tiny_gpt2()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=8,
+        learning_rate=5e-3, report_to="none", save_strategy="no", logging_steps=1000,
+        use_cpu=True, disable_tqdm=True, seed=0)
+    cb = HealthCallback(warmup_steps=5)
+
+    class Crash(transformers.TrainerCallback):
+        armed = True
+
+        def on_step_end(self, args, state, control, **k):
+            if self.armed and state.global_step == 5:
+                raise RuntimeError("data loader died")
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=EmbedDataset(),
+                                   callbacks=[cb, Crash()])
+    with pytest.raises(RuntimeError, match="data loader died"):
+        trainer.train()
+    assert args.max_grad_norm == 0.0  # ours, mid-run: nothing could put it back yet
+    first = cb.monitor
+    checks = {"n": 0}
+    real = fh.Monitor.check
+
+    def counting(self, *a, **k):
+        checks["n"] += 1
+        return real(self, *a, **k)
+
+    Crash.armed = False
+    fh.Monitor.check = counting
+    try:
+        trainer.train()
+    finally:
+        fh.Monitor.check = real
+    assert cb.monitor is not first and cb.monitor.max_grad_norm == 1.0
+    assert checks["n"] == 12  # one check a step: the first run's hooks are gone
+    assert args.max_grad_norm == 1.0  # given back at the end

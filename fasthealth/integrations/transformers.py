@@ -46,8 +46,10 @@ class HealthCallback(TrainerCallback):
         self.log_dir, self.sample_ids, self.options = log_dir, sample_ids, monitor_options
         self.monitor: Monitor | None = None
         self._clip: float | None = None
+        self._open = False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._end_of_run(args)  # a train() that raised never reached on_train_end
         options = dict(self.options)
         if args.max_grad_norm and args.max_grad_norm > 0:
             options.setdefault("max_grad_norm", float(args.max_grad_norm))
@@ -57,6 +59,7 @@ class HealthCallback(TrainerCallback):
             log_dir = os.path.join(args.output_dir, "fasthealth")
         self.monitor = Monitor(model, optimizer, log_dir=log_dir or None,
                                scaler=getattr(optimizer, "scaler", None), **options)
+        self._open = True
         capture = ForwardCapture(model, self.sample_ids)
         sync = _sync_step()
 
@@ -68,7 +71,17 @@ class HealthCallback(TrainerCallback):
         self.monitor.hooks += [capture, BackwardEnd(model, after_backward)]
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._end_of_run(args)
+
+    def _end_of_run(self, args) -> None:
+        """Gives the Trainer its clipping back and closes the monitor (a final flush, its hooks
+        off the model): at the end of training, or at the next train() when the last one
+        raised (a crash in a notebook, then train() again, must neither run without clipping
+        nor check every gradient twice)."""
         if self._clip is not None:
-            args.max_grad_norm, self._clip = self._clip, None
-        if self.monitor is not None:
-            self.monitor.close()
+            if not args.max_grad_norm:  # still ours
+                args.max_grad_norm = self._clip
+            self._clip = None
+        if self.monitor is not None and self._open:
+            self.monitor.close()  # kept: callback.monitor.events stays readable after training
+        self._open = False
