@@ -95,12 +95,28 @@ class DeviceRecord:
         return out
 
 
+_NANS: dict[torch.device, torch.Tensor] = {}
+
+
+def not_measured(device: torch.device) -> torch.Tensor:
+    """A float64 NaN 0-dim tensor on ``device`` (a field not measured this step), made once per
+    device: the record only reads it, and a step should not pay a fill kernel per absent
+    field (up to four of them)."""
+    nan = _NANS.get(device)
+    if nan is None:
+        nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return nan  # in a graph's private pool: not to be kept beyond it
+        _NANS[device] = nan
+    return nan
+
+
 def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor:
     """A GradScaler's scale as a 0-dim float64 tensor (read on the device: no sync); NaN
     without one."""
     scale = getattr(scaler, "_scale", None)
     if scale is None:
-        return torch.full((), math.nan, dtype=torch.float64, device=device)
+        return not_measured(device)
     return scale.detach().reshape(()).to(device, torch.float64)
 
 
@@ -111,7 +127,7 @@ def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], backend: st
     from ..checks import multi_tensor_stats
     from ..optim import optimizer_state_tensors
 
-    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    nan = not_measured(device)
     if optimizer is None:
         return nan, None
     names, tensors = optimizer_state_tensors(optimizer, names_by_id)
@@ -125,15 +141,16 @@ def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], backend: st
 def or_nan(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """``x`` as a float64 0-dim tensor on ``device``; NaN (not measured) when None."""
     if x is None:
-        return torch.full((), math.nan, dtype=torch.float64, device=device)
+        return not_measured(device)
     return x.to(device, torch.float64)
 
 
 def loss_value(loss: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss as a float64 0-dim tensor on ``device``, whether it is finite); an unknown
     loss (None) is NaN and counts as finite."""
-    if loss is None:
-        return or_nan(None, device), torch.ones((), dtype=torch.bool, device=device)
+    if loss is None:  # a tensor of its own: it goes back to the user in the Observation
+        return (torch.full((), math.nan, dtype=torch.float64, device=device),
+                torch.ones((), dtype=torch.bool, device=device))
     if not torch.is_tensor(loss):
         loss = torch.tensor(float(loss))
     loss_d = loss.detach().reshape(-1)[0].to(device, torch.float64)
