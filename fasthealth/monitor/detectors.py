@@ -367,19 +367,22 @@ class DivergenceDetector(LossTrendDetector):
             self.active = False
         return None
 
-    def judge(self, ys: list[float], loss: float) -> list[Found]:
+    def judge(self, ys: list[float], value: float) -> list[Found]:
         found = self.rising(ys)
         if found is None:
             return []
         slope, t, total, above = found
-        return self.once(("divergence",
-                 f"loss rising steadily: {math.expm1(slope):+.1%} a step over the last "
-                 f"{len(ys)} steps (t = {t:.1f}), {above:.0%} above its best "
-                 f"({math.exp(self.best):.4g}). Check first: the learning rate (schedule, "
-                 "warm-up end), then the data stream (a shift in what the batches hold), "
-                 "then the optimizer state",
-                 {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
-                  "above_best": above, "best": math.exp(self.best), "loss": loss}))
+        trend = {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
+                 "above_best": above, "best": math.exp(self.best)}
+        return self.once(self.finding(trend, len(ys), value))
+
+    def finding(self, trend: dict, window: int, loss: float) -> Found:
+        return ("divergence",
+                f"loss rising steadily: {trend['slope_per_step']:+.1%} a step over the last "
+                f"{window} steps (t = {trend['t']:.1f}), {trend['above_best']:.0%} above its "
+                f"best ({trend['best']:.4g}). Check first: the learning rate (schedule, "
+                "warm-up end), then the data stream (a shift in what the batches hold), then "
+                "the optimizer state", {**trend, "loss": loss})
 
 
 class GradNormTrendDetector(DivergenceDetector):
@@ -395,19 +398,14 @@ class GradNormTrendDetector(DivergenceDetector):
     def observe(self, s: HostStep) -> list[Found]:
         return self.update(s.values["grad_norm"]) if s.values["grads_finite"] else []
 
-    def judge(self, ys: list[float], norm: float) -> list[Found]:
-        found = self.rising(ys)
-        if found is None:
-            return []
-        slope, t, total, above = found
-        return self.once(("exploding_grad",
-                 f"global gradient norm climbing steadily: {math.expm1(slope):+.1%} a step, "
-                 f"{total + 1:.2g}x over the last {len(ys)} steps (t = {t:.1f}), now {norm:.3g} "
-                 f"against a low of {math.exp(self.best):.3g}. Check first: the weights "
-                 "(check_params: a layer growing without bound, weight decay off or negative), "
-                 "then the learning rate, then clipping (max_grad_norm)",
-                 {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
-                  "above_best": above, "best": math.exp(self.best), "grad_norm": norm}))
+    def finding(self, trend: dict, window: int, norm: float) -> Found:
+        return ("exploding_grad",
+                f"global gradient norm climbing steadily: {trend['slope_per_step']:+.1%} a "
+                f"step, {trend['rise'] + 1:.2g}x over the last {window} steps (t = "
+                f"{trend['t']:.1f}), now {norm:.3g} against a low of {trend['best']:.3g}. Check "
+                "first: the weights (check_params: a layer growing without bound, weight decay "
+                "off or negative), then the learning rate, then clipping (max_grad_norm)",
+                {**trend, "grad_norm": norm})
 
 
 class LRJumpDetector(Detector):
