@@ -17,15 +17,18 @@ std::vector<std::string> cpu_isas();
 
 namespace {
 
-// A CPU gradient the kernel reads directly: dense storage, no Python subclass (DTensor,
-// functorch and fake tensors go through the dispatcher).
+// A CPU gradient the kernel reads directly: dense storage and exactly the dispatch keys of a
+// plain CPU tensor. Anything else goes through the dispatcher, which resolves it first: a lazy
+// negation or conjugation (a `_neg_view` read raw would flip every sign), an efficient zero
+// tensor, a Python subclass (DTensor), functorch and fake tensors.
 bool plain_cpu(const at::Tensor& g) {
   if (!g.defined() || g.layout() != at::kStrided || !g.device().is_cpu()) return false;
   if (!g.is_contiguous() && !g.is_non_overlapping_and_dense()) return false;
-  const c10::DispatchKeySet keys = g.key_set();
-  return !keys.has(c10::DispatchKey::Python) && !keys.has(c10::DispatchKey::Functionalize) &&
-         !keys.has(c10::DispatchKey::FuncTorchBatched) &&
-         !keys.has(c10::DispatchKey::FuncTorchGradWrapper);
+  static const c10::DispatchKeySet plain({c10::DispatchKey::CPU,
+                                          c10::DispatchKey::ADInplaceOrView,
+                                          c10::DispatchKey::AutogradCPU,
+                                          c10::DispatchKey::AutocastCPU});
+  return plain.isSupersetOf(g.key_set());
 }
 
 void prefetch(const void* p, int lines) {

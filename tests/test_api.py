@@ -388,8 +388,8 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     """On a CPU module, check_grads reads the gradients in one call into the compiled kernel
     (fasthealth/checks.py, _front_door): its table must equal the op's on the same gradients
     for every dtype and a transposed (dense, not contiguous) gradient; whatever it cannot take
-    (a sliced gradient, a missing one, a sparse one, backend='torch', FASTHEALTH_BACKEND) goes
-    the general path with the same results."""
+    (a sliced gradient, a missing one, a lazily negated one, backend='torch',
+    FASTHEALTH_BACKEND) goes the general path with the same results."""
     _needs_cpu_op()
     from fasthealth import checks
 
@@ -428,10 +428,14 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     s = fh.check_grads(m)
     assert s.missing == ["p2"] and len(s) == 4 and len(calls) == 2
     m.p2.grad = torch.randn(70, 30, generator=g).to(torch.float16)
+    m.p1.grad = torch._neg_view(torch.ones(70, 30, dtype=torch.bfloat16))  # a lazy negation
+    s = fh.check_grads(m)
+    assert len(calls) == 3 and s["p1"].mean.item() == -1.0  # resolved first, never read raw
+    m.p1.grad = torch.randn(70, 30, generator=g).to(torch.bfloat16)
     fh.check_grads(m, backend="torch")
     monkeypatch.setenv("FASTHEALTH_BACKEND", "torch")
     fh.check_grads(m)
-    assert len(calls) == 4
+    assert len(calls) == 5
     monkeypatch.delenv("FASTHEALTH_BACKEND")
     fh.check_grads(m)
-    assert len(calls) == 4
+    assert len(calls) == 5
