@@ -166,13 +166,19 @@ def test_float64_extreme_magnitudes_exact_norm():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("offset", [1e3, -1e3])
+@pytest.mark.parametrize("offset", [900.0, -900.0, 8.0])
 def test_std_accuracy_when_mean_dominates(backend, dtype, offset):
+    # Up to SPEC's limit (|mean|/std <= 1e3; the check skips rows past it, so the offsets stay
+    # inside it whatever the sample's std): sums of x and x^2 alone would cancel here (at 8,
+    # sum x^2 / M2 = 65, past the fast path's budget of 32), so the kernel must notice and
+    # recompute those blocks.
     g = torch.Generator().manual_seed(11)
-    scale = 1.0 if dtype != torch.bfloat16 else 8.0  # bf16 cannot hold 1000 +- 1
-    t = (offset * scale + torch.randn(1_000_003, generator=g, dtype=torch.float64) * scale)
-    t = t.to(dtype)
-    check_tensor(stats_row(t, backend), t, f"{dtype} mean/std=1e3")
+    if dtype == torch.bfloat16:
+        offset /= 10  # its 8-bit mantissa cannot hold 900 +- 1
+    t = (offset + torch.randn(1_000_003, generator=g, dtype=torch.float64)).to(dtype)
+    ref = t.double()
+    assert abs(ref.mean().item()) / ref.std().item() < 1e3  # inside what check_tensor checks
+    check_tensor(stats_row(t, backend), t, f"{dtype} mean/std={offset}")
 
 
 def test_std_with_outlier_at_block_start(backend):

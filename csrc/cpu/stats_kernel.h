@@ -6,9 +6,14 @@
 // for the same reason.
 //
 // Reference: fasthealth/ops/reference.py. Method, per block of kBlock elements (it stays in L1):
-//  - fast path: vectorized min/max/zero count and float64 sums of x and x^2 (float64 keeps the
-//    unshifted variance well conditioned: its error is ~kBlock * 1e-16 * (mean/std)^2, far
-//    inside SPEC's 1e-4 for |mean|/std <= 1e3, and squares of float32 cannot overflow it);
+//  - fast path (block_f32, inputs of 32 bits or fewer): vectorized min/max, zero count, and
+//    float32 sums of x and x^2 folded into float64 every 16 terms per lane; its variance is kept
+//    when the mean does not dominate the spread (stats.h: kCancelBudget), else the block is
+//    redone with sums shifted by its first element (block_f32_shifted);
+//  - wide path (block_f32_wide, block_f64): float64 sums (float64 keeps the unshifted variance
+//    well conditioned: its error is ~kBlock * 1e-16 * (mean/std)^2, far inside SPEC's 1e-4 for
+//    |mean|/std <= 1e3, and squares of float32 cannot overflow it), for blocks the float32 lanes
+//    cannot serve (magnitudes outside [2^-40, 2^60], or cancellation even after the shift);
 //  - the block's float64 sum is finite iff every element is (for float64 inputs, iff also the
 //    magnitudes are in a range where squares neither overflow nor underflow); otherwise the
 //    block is redone by the exact scalar slow path: counts NaN/+inf/-inf, two-pass moments,
@@ -170,6 +175,25 @@ inline float f8e4m3fn_to_float(uint8_t b) {
 
 // ---- loaders: FW elements as float32 lanes straight from memory (no staging buffer) ----------
 
+// Zeros among the 2 * FW 16-bit floats (bfloat16 or float16) at p: +-0 are exactly the words
+// whose bits other than the sign are clear, so one test on the raw words counts them all (a
+// compare per float32 vector and a mask move each otherwise).
+inline int count_zero16(const uint16_t* p) {
+#if defined(FH_ISA_AVX512)
+  const __m512i w = _mm512_loadu_si512((const void*)p);
+  return __builtin_popcount(_mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x7fff)));
+#elif defined(FH_ISA_AVX2)
+  const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+  const __m256i z = _mm256_cmpeq_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7fff)),
+                                       _mm256_setzero_si256());
+  return __builtin_popcount((unsigned)_mm256_movemask_epi8(z)) >> 1;  // 2 bits per word
+#else
+  int c = 0;
+  for (int k = 0; k < 2 * FW; ++k) c += (p[k] & 0x7fffu) == 0;
+  return c;
+#endif
+}
+
 // load2 fills two vectors with the next 2 * FW elements, in any order (the statistics do not
 // depend on it).
 struct LoadF32 {
@@ -179,6 +203,7 @@ struct LoadF32 {
     a = loadf(p);
     b = loadf(p + FW);
   }
+  static int zeros2(const T*, vf a, vf b) { return count_zero(a) + count_zero(b); }
   static double load1(const T* p) { return *p; }
 };
 
@@ -228,6 +253,13 @@ struct LoadBF16 {  // bfloat16 is the high half of a float32
     b = load(p + FW);
 #endif
   }
+  static int zeros2(const T* p, vf a, vf b) {
+#if defined(FH_ISA_AVX512) || defined(FH_ISA_AVX2)
+    return count_zero16(p);
+#else
+    return count_zero(a) + count_zero(b);
+#endif
+  }
   static double load1(const T* p) { return bits_to_float((uint32_t)*p << 16); }
 };
 
@@ -247,6 +279,13 @@ struct LoadF16 {
   static void load2(const T* p, vf& a, vf& b) {
     a = load(p);
     b = load(p + FW);
+  }
+  static int zeros2(const T* p, vf a, vf b) {
+#if defined(FH_ISA_AVX512) || defined(FH_ISA_AVX2)
+    return count_zero16(p);
+#else
+    return count_zero(a) + count_zero(b);
+#endif
   }
   static double load1(const T* p) { return half_to_float(*p); }
 };
@@ -387,13 +426,12 @@ Partial block_f32_wide(const typename L::T* x, int64_t n) {
 constexpr double kF32Hi = 1.152921504606847e+18;  // 2^60
 constexpr double kMaxCancel = kCancelBudget / 16;
 
-// Fast path for inputs of 32 bits or fewer: float32 lanes throughout, sums of x, (x - K) and
-// (x - K)^2 folded into float64 every 16 elements per lane (so float32 rounding stays ~1e-6
-// relative), K the block's first element. Blocks it cannot serve exactly (non-finite values,
-// extreme magnitudes, a shift far from the mean) go to block_f32_wide.
+// Second try for a block whose mean dominates its spread (block_f32 below refused it): float32
+// lanes, sums of x^2, (x - K) and (x - K)^2 folded into float64 every 16 elements per lane, K
+// the block's first element. Blocks it cannot serve exactly either (K far from the mean too)
+// go to block_f32_wide.
 template <typename L>
-Partial block_f32(const typename L::T* x, int64_t n) {
-  if (n < 4 * FW) return block_f32_wide<L>(x, n);
+Partial block_f32_shifted(const typename L::T* x, int64_t n) {
   const float k = (float)L::load1(x);
   const vf kv = splatf(k);
   const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
@@ -416,7 +454,7 @@ Partial block_f32(const typename L::T* x, int64_t n) {
       mn1 = vmin(b, mn1);
       mx0 = vmax(a, mx0);
       mx1 = vmax(b, mx1);
-      zero += count_zero(a) + count_zero(b);
+      zero += L::zeros2(x + i, a, b);
       const vf da = a - kv, db = b - kv;
       d0 += da;
       d1 += db;
@@ -466,6 +504,75 @@ Partial block_f32(const typename L::T* x, int64_t n) {
   p.m2 = m2 > 0.0 ? m2 : 0.0;
   p.ssq = pp;
   return p;
+}
+
+// Fast path for inputs of 32 bits or fewer: float32 lanes throughout (running min/max, a zero
+// count, sums of x and x^2 folded into float64 every 16 elements per lane, so float32 rounding
+// stays ~1e-6 relative), M2 = sum x^2 - (sum x)^2 / n. That M2 is kept when the mean does not
+// dominate the spread (sum x^2 <= kMaxCancel * M2: gradients nearly always); otherwise the block
+// goes to block_f32_shifted, and a block with non-finite values or extreme magnitudes to
+// block_f32_wide. 12 vector operations per 2 * FW elements (16 with a shift, 18 for bfloat16 with
+// float32 zero compares before): the bfloat16 loop is compute-bound on this project's machines.
+template <typename L>
+Partial block_f32(const typename L::T* x, int64_t n) {
+  if (n < 4 * FW) return block_f32_wide<L>(x, n);
+  const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
+  const vf zf = splatf(0.0f);
+  vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
+  vd ss = splatd(0), sp = ss;
+  int64_t zero = 0;
+  int64_t i = 0;
+  constexpr int64_t kSub = 16 * 2 * FW;  // elements per float32 sub-block
+  // Streaming from DRAM, the hardware prefetcher alone leaves this loop waiting on memory.
+  constexpr int64_t kPrefetch = 2048 / sizeof(typename L::T);
+  while (i + 2 * FW <= n) {
+    const int64_t stop = i + kSub <= n ? i + kSub : n - (n - i) % (2 * FW);
+    vf s0 = zf, s1 = zf, p0 = zf, p1 = zf;
+    for (; i < stop; i += 2 * FW) {
+      __builtin_prefetch(x + i + kPrefetch);
+      vf a, b;
+      L::load2(x + i, a, b);
+      mn0 = vmin(a, mn0);
+      mn1 = vmin(b, mn1);
+      mx0 = vmax(a, mx0);
+      mx1 = vmax(b, mx1);
+      zero += L::zeros2(x + i, a, b);
+      s0 += a;
+      s1 += b;
+      p0 += a * a;
+      p1 += b * b;
+    }
+    s0 += s1;
+    p0 += p1;
+    ss += lo_d(s0) + hi_d(s0);
+    sp += lo_d(p0) + hi_d(p0);
+  }
+  mn0 = mn1 < mn0 ? mn1 : mn0;
+  mx0 = mx1 > mx0 ? mx1 : mx0;
+  double mn = __builtin_huge_val(), mx = -mn, s = 0, q = 0;
+  for (int k = 0; k < FW; ++k) {
+    mn = mn0[k] < mn ? mn0[k] : mn;
+    mx = mx0[k] > mx ? mx0[k] : mx;
+  }
+  for (int k = 0; k < DW; ++k) {
+    s += ss[k];
+    q += sp[k];
+  }
+  for (; i < n; ++i) {
+    const double v = L::load1(x + i);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    zero += v == 0.0;
+    s += v;
+    q += v * v;
+  }
+  const double amax = -mn > mx ? -mn : mx;
+  if (!(is_finite(s) && is_finite(q)) || (amax != 0.0 && (amax < kFastMinAmax || amax > kF32Hi))) {
+    return block_f32_wide<L>(x, n);
+  }
+  const double m2 = q - s * s / (double)n;
+  if (q > kMaxCancel * m2) return block_f32_shifted<L>(x, n);
+  return block_from_sums(n, zero, mn, mx, s, q);
 }
 
 Partial block_f64(const double* x, int64_t n) {
