@@ -41,12 +41,14 @@ void prefetch(const void* p, int lines) {
 // waiting on each other, which is what a gradient list costs when the caches are cold.
 constexpr Py_ssize_t kBlock = 128;
 
-// check_grads' front door for CPU models (fasthealth/checks.py): (the table, the list) of the
-// gradients of `params`, each still held by its module (`dicts[i][keys[i]] is params[i]`), read
-// without a Python attribute access or a dispatcher call per tensor. None when that does not
-// apply (a slot replaced, a gradient missing, sparse, strided, on another device, a tensor
-// subclass, an unsupported dtype): the caller then takes the general path, which handles each
-// case and names any bad input.
+// check_grads' front door for CPU models (fasthealth/checks.py): (the table, the list of the
+// gradients, the indices of the parameters without one) for `params`, each still held by its
+// module (`dicts[i][keys[i]] is params[i]`), read without a Python attribute access or a
+// dispatcher call per tensor. A parameter without a gradient (frozen, as in LoRA fine-tuning,
+// or unused this step) is skipped and listed, as the general path does. None when the front
+// door does not apply (a slot replaced, no gradient at all, a gradient sparse, strided, on
+// another device, a tensor subclass, an unsupported dtype): the caller then takes the general
+// path, which handles each case and names any bad input.
 py::object param_grads_table(py::list params, py::list dicts, py::list keys, double range_hi,
                              double range_lo) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
@@ -54,10 +56,14 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
       !(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi)) {
     return py::none();
   }
-  std::vector<at::Tensor> grads(n);
-  std::vector<CpuInput> inputs(n);
+  std::vector<at::Tensor> grads;
+  std::vector<CpuInput> inputs;
+  grads.reserve(n);
+  inputs.reserve(n);
+  std::vector<Py_ssize_t> missing;
   c10::TensorImpl* impl[kBlock];
   c10::AutogradMetaInterface* meta[kBlock];
+  bool has[kBlock];
   for (Py_ssize_t b = 0; b < n; b += kBlock) {
     const Py_ssize_t m = std::min(kBlock, n - b);
     PyObject** ps = &PyList_GET_ITEM(params.ptr(), b);
@@ -77,42 +83,49 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
       prefetch(impl[i], 4);
     }
     for (Py_ssize_t i = 0; i < m; ++i) {
-      meta[i] = impl[i]->autograd_meta();
-      if (meta[i] == nullptr) return py::none();  // no gradient
-      prefetch(meta[i], 2);
+      meta[i] = impl[i]->autograd_meta();  // none: a tensor that never required a gradient
+      has[i] = meta[i] != nullptr;
+      if (has[i]) prefetch(meta[i], 2);
     }
     for (Py_ssize_t i = 0; i < m; ++i) {
-      const at::Tensor& g = meta[i]->grad();
-      if (!g.defined()) return py::none();
-      impl[i] = g.unsafeGetTensorImpl();
+      has[i] = has[i] && meta[i]->grad().defined();
+      if (!has[i]) continue;
+      impl[i] = meta[i]->grad().unsafeGetTensorImpl();
       prefetch(impl[i], 4);
     }
     for (Py_ssize_t i = 0; i < m; ++i) {
+      if (!has[i]) continue;
       const at::Tensor& g = meta[i]->grad();
       if (!plain_cpu(g)) return py::none();
       if (g.has_storage()) prefetch(g.storage().unsafeGetStorageImpl(), 1);
     }
     for (Py_ssize_t i = 0; i < m; ++i) {
+      if (!has[i]) {
+        missing.push_back(b + i);
+        continue;
+      }
       const at::Tensor& g = meta[i]->grad();
       try {
         const int code = dtype_code(g, static_cast<size_t>(b + i));
-        inputs[b + i] = {g.data_ptr(), g.numel(), code, static_cast<int>(g.element_size())};
+        inputs.push_back({g.data_ptr(), g.numel(), code, static_cast<int>(g.element_size())});
       } catch (const c10::Error&) {  // the general path names the input
         return py::none();
       }
-      grads[b + i] = g;  // kept alive while the kernel runs without the GIL
+      grads.push_back(g);  // kept alive while the kernel runs without the GIL
     }
   }
+  if (inputs.empty()) return py::none();  // the general path warns that backward() is missing
   at::Tensor out;
   {
     py::gil_scoped_release no_gil;
     out = cpu_stats_table(inputs, range_hi, range_lo);
   }
-  py::list held(n);  // the gradients themselves, as the general path keeps them
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  const Py_ssize_t k = static_cast<Py_ssize_t>(grads.size());
+  py::list held(k);  // the gradients themselves, as the general path keeps them
+  for (Py_ssize_t i = 0; i < k; ++i) {
     PyList_SET_ITEM(held.ptr(), i, THPVariable_Wrap(grads[i]));
   }
-  return py::make_tuple(out, held);
+  return py::make_tuple(out, held, py::cast(missing));
 }
 
 }  // namespace

@@ -142,10 +142,11 @@ def _module_parameters(module: torch.nn.Module) -> list[tuple[str, Any]]:
 
 
 def _front_door(model: Any, backend: str | None, rng: tuple[float, float]
-                ) -> tuple[torch.Tensor, list[torch.Tensor], _Kept] | None:
-    """check_grads of a CPU module whose parameter list is kept and whose parameters all have
-    plain dense CPU gradients, in one call into the compiled CPU kernel (``_C``'s
-    ``param_grads_table`` checks each slot and reads each ``.grad`` in C++); None otherwise."""
+                ) -> tuple[torch.Tensor, list[torch.Tensor], list[int], _Kept] | None:
+    """check_grads of a CPU module whose parameter list is kept and whose gradients are all
+    plain dense CPU tensors, in one call into the compiled CPU kernel (``_C``'s
+    ``param_grads_table`` checks each slot and reads each ``.grad`` in C++; parameters without
+    a gradient come back as indices); None otherwise."""
     kept = _kept.get(id(model))
     if (kept is None or not kept.current(model) or ops.compiled.C is None
             or torch.compiler.is_compiling() or backend not in (None, "auto", "cpu")
@@ -213,8 +214,13 @@ def check_grads(
         rng = range_thresholds(range_dtype)
         fast = _front_door(model_or_params, backend, rng)
         if fast is not None:
-            table, grads, kept = fast
-            return MultiTensorStats(table, list(kept.names), grads, (), range_dtype)
+            table, grads, absent, kept = fast
+            if not absent:
+                return MultiTensorStats(table, list(kept.names), grads, (), range_dtype)
+            skip = set(absent)
+            names = [n for i, n in enumerate(kept.names) if i not in skip]
+            missing = [kept.names[i] for i in absent]
+            return MultiTensorStats(table, names, grads, missing, range_dtype)
     pairs = _named_parameters(model_or_params, "check_grads")
     all_grads = [p.grad for _, p in pairs]
     if any(g is None for g in all_grads):

@@ -424,10 +424,25 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     m.p2.grad = torch.randn(70, 60, generator=g).to(torch.float16)[:, ::2]  # sliced: a copy
     s = fh.check_grads(m, range_dtype=torch.float16)
     assert calls == [1] and torch.equal(s.raw.nan_to_num(), general().nan_to_num())
+    # Parameters without a gradient (unused this step; frozen, as in LoRA fine-tuning, with no
+    # autograd metadata at all) are skipped and listed, by the front door itself.
     m.p2.grad = None
-    s = fh.check_grads(m)
-    assert s.missing == ["p2"] and len(s) == 4 and len(calls) == 2
-    m.p2.grad = torch.randn(70, 30, generator=g).to(torch.float16)
+    m.p3.requires_grad_(False)
+    m.p3.grad = None
+    s = fh.check_grads(m, range_dtype=torch.float16)
+    assert s.missing == ["p2", "p3"] and s.names == ["p0", "p1", "p4"] and len(calls) == 1
+    assert torch.equal(s.raw.nan_to_num(), general().nan_to_num())
+    assert s.nonfinite() == ["p0"] and s.dtypes == [torch.float32, torch.bfloat16, torch.float32]
+    check_multi(s.raw, [m.p0.grad, m.p1.grad, m.p4.grad], "front door, two missing",
+                range_dtype=torch.float16)
+    for p in m.parameters():  # none at all: the general path, which warns
+        p.grad = None
+    with pytest.warns(RuntimeWarning, match="no gradient"):
+        assert len(fh.check_grads(m)) == 0
+    assert len(calls) == 2
+    m.p3.requires_grad_(True)
+    for i, p in enumerate(m.parameters()):
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
     m.p1.grad = torch._neg_view(torch.ones(70, 30, dtype=torch.bfloat16))  # a lazy negation
     s = fh.check_grads(m)
     assert len(calls) == 3 and s["p1"].mean.item() == -1.0  # resolved first, never read raw
@@ -437,5 +452,5 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     fh.check_grads(m)
     assert len(calls) == 5
     monkeypatch.delenv("FASTHEALTH_BACKEND")
-    fh.check_grads(m)
-    assert len(calls) == 5
+    s = fh.check_grads(m)
+    assert len(calls) == 5 and s.missing == [] and len(s) == 5
