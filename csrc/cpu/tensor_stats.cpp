@@ -144,17 +144,20 @@ at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
     }
   });
 
-  std::vector<Partial> per_tensor(n);
-  for (int64_t i = 0; i < n; ++i) {
-    per_tensor[i] = partial_merge_range(parts.data() + first_chunk[i],
-                                        first_chunk[i + 1] - first_chunk[i]);
-  }
-  const Partial total = partial_merge_range(per_tensor.data(), n);
-
+  // Each tensor's chunks merge and its row is written on the threads (a division and two
+  // square roots a row: 4000 tiny tensors' serial tail went from about 70 to 53 us); the
+  // total's merge over the tensors stays one fixed tree, whatever the thread count.
   at::Tensor out = at::empty({n + 1, kTableWidth}, at::TensorOptions().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
-  for (int64_t i = 0; i < n; ++i) partial_finalize(per_tensor[i], o + i * kTableWidth);
-  partial_finalize(total, o + n * kTableWidth);
+  std::vector<Partial> per_tensor(n);
+  at::parallel_for(0, n, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      per_tensor[i] = partial_merge_range(parts.data() + first_chunk[i],
+                                          first_chunk[i + 1] - first_chunk[i]);
+      partial_finalize(per_tensor[i], o + i * kTableWidth);
+    }
+  });
+  partial_finalize(partial_merge_range(per_tensor.data(), n), o + n * kTableWidth);
   return out;
 }
 
