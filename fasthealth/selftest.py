@@ -141,7 +141,7 @@ def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> lis
 def battery(seed: int = 0) -> list[torch.Tensor]:
     """Tensors meant to reach every branch of a fused kernel."""
     g = torch.Generator().manual_seed(seed)
-    sizes = [1, 7, 255, 2047, 2048, 2049, 65535, 65536, 65537, 3 * 65536 + 5]
+    sizes = [1, 7, 255, 2047, 2048, 2049, 4095, 4096, 4097, 65535, 65536, 65537, 3 * 65536 + 5]
     plants = [[], [NAN], [INF, -INF], [0.0] * 9, [1e-39, -3e-40], [3e38, -3e38]]
     out = []
     for k, n in enumerate(sizes):

@@ -1,5 +1,5 @@
 """Every compiled CPU backend against fasthealth/ops/reference.py, on planted special values,
-all dtypes, sizes around vector widths, block (2048) and chunk (65536) boundaries, odd layouts
+all dtypes, sizes around vector widths, block (4096) and chunk (65536) boundaries, odd layouts
 and many tensors.
 
 Run twice by `make test`: once with the CPU kernel chosen for this machine and once with
@@ -19,7 +19,7 @@ NAN, INF = float("nan"), float("inf")
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
 SIZES = [1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 257,
-         2047, 2048, 2049, 4097, 65535, 65536, 65537, 150001]
+         2047, 2048, 2049, 4095, 4096, 4097, 8193, 65535, 65536, 65537, 150001]
 PLANTS = {
     "none": [],
     "nan": [NAN],
