@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import ops
-from .ops.layout import range_thresholds
+from .ops.layout import DTYPES_BY_CODE, range_thresholds
 from .stats import MultiTensorStats, TensorStats
 
 
@@ -142,18 +142,37 @@ def _module_parameters(module: torch.nn.Module) -> list[tuple[str, Any]]:
 
 
 def _front_door(model: Any, backend: str | None, rng: tuple[float, float]
-                ) -> tuple[torch.Tensor, list[torch.Tensor], list[int], _Kept] | None:
+                ) -> tuple[torch.Tensor, _CodedDtypes, list[int], _Kept] | None:
     """check_grads of a CPU module whose parameter list is kept and whose gradients are all
     plain dense CPU tensors, in one call into the compiled CPU kernel (``_C``'s
-    ``param_grads_table`` checks each slot and reads each ``.grad`` in C++; parameters without
-    a gradient come back as indices); None otherwise."""
+    ``param_grads_table`` checks each slot and reads each ``.grad`` in C++; the gradients'
+    dtypes come back as codes, parameters without a gradient as indices); None otherwise."""
     kept = _kept.get(id(model))
     if (kept is None or not kept.current(model) or ops.compiled.C is None
             or torch.compiler.is_compiling() or backend not in (None, "auto", "cpu")
             or os.environ.get("FASTHEALTH_BACKEND", "auto") not in ("", "auto", "cpu")):
         return None
     found = ops.compiled.C.param_grads_table(kept.params, kept.dicts, kept.keys, *rng)
-    return None if found is None else (*found, kept)
+    if found is None:
+        return None
+    table, codes, absent = found
+    return table, _CodedDtypes(codes), absent, kept
+
+
+class _CodedDtypes:
+    """The gradients' dtypes as the front door reports them, one code a byte
+    (``fasthealth.ops.layout.DTYPE_CODES``), turned into torch dtypes only when read."""
+
+    __slots__ = ("codes",)
+
+    def __init__(self, codes: bytes):
+        self.codes = codes
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __iter__(self):
+        return map(DTYPES_BY_CODE.__getitem__, self.codes)
 
 
 def _named_parameters(model_or_params: Any, what: str) -> list[tuple[str, Any]]:
@@ -214,13 +233,13 @@ def check_grads(
         rng = range_thresholds(range_dtype)
         fast = _front_door(model_or_params, backend, rng)
         if fast is not None:
-            table, grads, absent, kept = fast
+            table, dtypes, absent, kept = fast
             if not absent:
-                return MultiTensorStats(table, list(kept.names), grads, (), range_dtype)
+                return MultiTensorStats(table, list(kept.names), dtypes, (), range_dtype)
             skip = set(absent)
             names = [n for i, n in enumerate(kept.names) if i not in skip]
             missing = [kept.names[i] for i in absent]
-            return MultiTensorStats(table, names, grads, missing, range_dtype)
+            return MultiTensorStats(table, names, dtypes, missing, range_dtype)
     pairs = _named_parameters(model_or_params, "check_grads")
     all_grads = [p.grad for _, p in pairs]
     if any(g is None for g in all_grads):

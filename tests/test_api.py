@@ -441,7 +441,7 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
         assert len(fh.check_grads(m)) == 0
     assert len(calls) == 2
     m.p3.requires_grad_(True)
-    for i, p in enumerate(m.parameters()):
+    for p in m.parameters():
         p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
     m.p1.grad = torch._neg_view(torch.ones(70, 30, dtype=torch.bfloat16))  # a lazy negation
     s = fh.check_grads(m)

@@ -61,6 +61,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.uint8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.bool: 9,
     torch.float8_e4m3fn: 10, torch.float8_e5m2: 11,
 }
+DTYPES_BY_CODE: dict[int, torch.dtype] = {c: d for d, c in DTYPE_CODES.items()}
 
 FAST_MIN_AMAX = 2.0 ** -40  # stats.h kFastMinAmax
 CANCEL_BUDGET = 512.0  # stats.h kCancelBudget: cancellation x terms per float32 lane
