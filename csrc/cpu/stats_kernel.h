@@ -526,8 +526,9 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
 // stays ~1e-6 relative), M2 = sum x^2 - (sum x)^2 / n. That M2 is kept when the mean does not
 // dominate the spread (sum x^2 <= kMaxCancel * M2: gradients nearly always); otherwise the block
 // goes to block_f32_shifted, and a block with non-finite values or extreme magnitudes to
-// block_f32_wide. 12 vector operations per 2 * FW elements (16 with a shift, 18 for bfloat16 with
-// float32 zero compares before): the bfloat16 loop is compute-bound on this project's machines.
+// block_f32_wide. About 12 vector operations per 2 * FW elements, mask moves included (with the
+// shifted sums and bfloat16 zeros compared as float32, as before: 18, and bfloat16 was then
+// compute-bound on 2 cores; docs/design.md has the rates).
 template <typename L>
 Partial block_f32(const typename L::T* x, int64_t n) {
   if (n < 4 * FW) return block_f32_wide<L>(x, n);
