@@ -382,6 +382,36 @@ inline Partial block_from_sums(int64_t n, int64_t zero, double mn, double mx, do
   return p;
 }
 
+// The end of a float-lane block: the running min/max and the sums' lanes reduced to scalars,
+// then the elements [i, n) the vector loop left, one at a time.
+template <typename L>
+inline void reduce_lanes_and_tail(vf mn0, vf mn1, vf mx0, vf mx1, vd s_lanes, vd q_lanes,
+                                  const typename L::T* x, int64_t i, int64_t n, double& mn,
+                                  double& mx, double& s, double& q, int64_t& zero) {
+  mn0 = mn1 < mn0 ? mn1 : mn0;
+  mx0 = mx1 > mx0 ? mx1 : mx0;
+  mn = __builtin_huge_val();
+  mx = -mn;
+  s = 0;
+  q = 0;
+  for (int k = 0; k < FW; ++k) {
+    mn = mn0[k] < mn ? mn0[k] : mn;
+    mx = mx0[k] > mx ? mx0[k] : mx;
+  }
+  for (int k = 0; k < DW; ++k) {
+    s += s_lanes[k];
+    q += q_lanes[k];
+  }
+  for (; i < n; ++i) {
+    const double v = L::load1(x + i);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+    zero += v == 0.0;
+    s += v;
+    q += v * v;
+  }
+}
+
 // Wide path for inputs of 32 bits or fewer: float64 lanes for the sums (exact enough whatever
 // the shift or the magnitudes; non-finite blocks go on to block_slow).
 template <typename L>
@@ -409,27 +439,10 @@ Partial block_f32_wide(const typename L::T* x, int64_t n) {
     q2 += b0 * b0;
     q3 += b1 * b1;
   }
-  mn0 = mn1 < mn0 ? mn1 : mn0;
-  mx0 = mx1 > mx0 ? mx1 : mx0;
   s0 += s1 + s2 + s3;
   q0 += q1 + q2 + q3;
-  double mn = __builtin_huge_val(), mx = -mn, s = 0, q = 0;
-  for (int k = 0; k < FW; ++k) {
-    mn = mn0[k] < mn ? mn0[k] : mn;
-    mx = mx0[k] > mx ? mx0[k] : mx;
-  }
-  for (int k = 0; k < DW; ++k) {
-    s += s0[k];
-    q += q0[k];
-  }
-  for (; i < n; ++i) {
-    const double v = L::load1(x + i);
-    mn = v < mn ? v : mn;
-    mx = v > mx ? v : mx;
-    zero += v == 0.0;
-    s += v;
-    q += v * v;
-  }
+  double mn, mx, s, q;
+  reduce_lanes_and_tail<L>(mn0, mn1, mx0, mx1, s0, q0, x, i, n, mn, mx, s, q, zero);
   // Finite float32 values cannot make a float64 sum non-finite: this is the NaN/Inf test.
   if (!is_finite(s) || !is_finite(q)) return block_slow<L>(x, n);
   return block_from_sums(n, zero, mn, mx, s, q);
@@ -563,25 +576,8 @@ Partial block_f32(const typename L::T* x, int64_t n) {
     ss += lo_d(s0) + hi_d(s0);
     sp += lo_d(p0) + hi_d(p0);
   }
-  mn0 = mn1 < mn0 ? mn1 : mn0;
-  mx0 = mx1 > mx0 ? mx1 : mx0;
-  double mn = __builtin_huge_val(), mx = -mn, s = 0, q = 0;
-  for (int k = 0; k < FW; ++k) {
-    mn = mn0[k] < mn ? mn0[k] : mn;
-    mx = mx0[k] > mx ? mx0[k] : mx;
-  }
-  for (int k = 0; k < DW; ++k) {
-    s += ss[k];
-    q += sp[k];
-  }
-  for (; i < n; ++i) {
-    const double v = L::load1(x + i);
-    mn = v < mn ? v : mn;
-    mx = v > mx ? v : mx;
-    zero += v == 0.0;
-    s += v;
-    q += v * v;
-  }
+  double mn, mx, s, q;
+  reduce_lanes_and_tail<L>(mn0, mn1, mx0, mx1, ss, sp, x, i, n, mn, mx, s, q, zero);
   const double amax = -mn > mx ? -mn : mx;
   if (!(is_finite(s) && is_finite(q)) || (amax != 0.0 && (amax < kFastMinAmax || amax > kF32Hi))) {
     return block_f32_wide<L>(x, n);
