@@ -91,7 +91,7 @@ class _Kept:
     """One module's parameters as ``named_parameters()`` lists them (tied ones once), with the
     dict and key each is held under."""
 
-    __slots__ = ("module", "structure", "pairs", "names", "dicts", "keys", "params")
+    __slots__ = ("module", "structure", "pairs", "names", "dicts", "keys", "params", "split")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = weakref.ref(module)
@@ -110,6 +110,17 @@ class _Kept:
                 self.keys.append(k)
         self.names = [n for n, _ in self.pairs]
         self.params = [p for _, p in self.pairs]
+        # (indices without a gradient, names with one, names without): the last split, since
+        # the same parameters stay frozen step after step
+        self.split: tuple[list[int], list[str], list[str]] = ([], self.names, [])
+
+    def names_split(self, absent: list[int]) -> tuple[list[str], list[str]]:
+        """The names of the parameters with a gradient and of those without (``absent``)."""
+        if absent != self.split[0]:
+            skip = set(absent)
+            self.split = (absent, [n for i, n in enumerate(self.names) if i not in skip],
+                          [self.names[i] for i in absent])
+        return list(self.split[1]), list(self.split[2])
 
     def current(self, module: torch.nn.Module) -> bool:
         """Still ``module``'s, nothing registered since (the slots are checked apart)."""
@@ -236,9 +247,7 @@ def check_grads(
             table, dtypes, absent, kept = fast
             if not absent:
                 return MultiTensorStats(table, list(kept.names), dtypes, (), range_dtype)
-            skip = set(absent)
-            names = [n for i, n in enumerate(kept.names) if i not in skip]
-            missing = [kept.names[i] for i in absent]
+            names, missing = kept.names_split(absent)
             return MultiTensorStats(table, names, dtypes, missing, range_dtype)
     pairs = _named_parameters(model_or_params, "check_grads")
     all_grads = [p.grad for _, p in pairs]

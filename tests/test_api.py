@@ -435,6 +435,11 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     assert s.nonfinite() == ["p0"] and s.dtypes == [torch.float32, torch.bfloat16, torch.float32]
     check_multi(s.raw, [m.p0.grad, m.p1.grad, m.p4.grad], "front door, two missing",
                 range_dtype=torch.float16)
+    m.p2.grad = torch.randn(70, 30, generator=g).to(torch.float16)  # the names split follows
+    s = fh.check_grads(m)
+    assert s.missing == ["p3"] and s.names == ["p0", "p1", "p2", "p4"] and len(calls) == 1
+    assert torch.equal(s.raw.nan_to_num(), general().nan_to_num())
+    m.p2.grad = None
     for p in m.parameters():  # none at all: the general path, which warns
         p.grad = None
     with pytest.warns(RuntimeWarning, match="no gradient"):
