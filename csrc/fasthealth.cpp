@@ -48,9 +48,10 @@ constexpr Py_ssize_t kBlock = 128;
 // or unused this step) is skipped and listed, as the general path does. None when the front
 // door does not apply (a slot replaced, no gradient at all, a gradient sparse, strided, on
 // another device, a tensor subclass, an unsupported dtype): the caller then takes the general
-// path, which handles each case and names any bad input.
+// path, which handles each case and names any bad input. read_floor: the same gather and pass
+// with a kernel that only reads (`fasthealth bench`'s roofline; the table is then no statistics).
 py::object param_grads_table(py::list params, py::list dicts, py::list keys, double range_hi,
-                             double range_lo) {
+                             double range_lo, bool read_floor) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   if (n == 0 || PyList_GET_SIZE(dicts.ptr()) != n || PyList_GET_SIZE(keys.ptr()) != n ||
       !(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi)) {
@@ -118,7 +119,7 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
   at::Tensor out;
   {
     py::gil_scoped_release no_gil;
-    out = cpu_stats_table(inputs, range_hi, range_lo);
+    out = cpu_stats_table(inputs, range_hi, range_lo, read_floor);
   }
   // The dtypes, for the stats' float fields, as one code a byte: a list of the gradients would
   // touch each one's Python object again (140 us of 4000 tiny tensors' 1.8 ms, caches cold).
@@ -146,8 +147,11 @@ PYBIND11_MODULE(_C, m) {
         "The CPU kernel variants this processor runs, fastest first.");
   m.def("param_grads_table", &fasthealth::param_grads_table, py::arg("params"),
         py::arg("dicts"), py::arg("keys"), py::arg("range_hi"), py::arg("range_lo"),
-        "check_grads' CPU front door: (stats table, gradients) of the parameters, or None "
-        "when the general path must run (see csrc/fasthealth.cpp).");
+        py::arg("read_floor") = false,
+        "check_grads' CPU front door: (stats table, dtype codes, indices without a gradient) "
+        "of the parameters, or None when the general path must run (see "
+        "csrc/fasthealth.cpp). read_floor=True runs the same pass with a kernel that only "
+        "reads, for the benchmark's roofline: its table is not statistics.");
   // the torch this module was compiled against: fasthealth/ops/compiled.py refuses another
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +

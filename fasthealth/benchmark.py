@@ -8,6 +8,16 @@ Providers (fasthealth/baselines.py holds the baselines; tests check they compute
   total_norm   torch.nn.utils.get_total_norm plus isfinite: the one-line alternative (one
                statistic and one flag, where fasthealth computes 18 per tensor and the total)
   read_limit   torch.sum over one flat buffer of the same bytes: the memory read limit
+  floor_flat   fasthealth's own pass over that flat buffer with a kernel that only reads
+  floor        the same over the model's gradients: check_grads(model)'s gather, chunks and
+               prefetches, without the statistics (the roofline's layout term)
+
+Roofline (printed and saved per case): the read limit (memory, as one flat buffer), the compute
+roof (the kernel's rate with its data in L2, one thread, times the threads), and fasthealth's
+time split into reading one buffer, reading these tensors (floor - floor_flat: their number and
+scatter), and the statistics with the Python around them (fasthealth - floor). The speed-up over
+get_total_norm that any check reading every byte could reach is get_total_norm's time over the
+read limit: where that is under the goal, memory bounds it, not the kernel.
 
 Method: every provider runs once per round, rounds interleave providers (in a rotating order)
 so machine noise hits all alike; a warm-up round first; the median over rounds is reported,
@@ -30,7 +40,7 @@ from pathlib import Path
 import torch
 
 from . import baselines
-from .checks import check_grads
+from .checks import _kept, check_grads
 from .ops import compiled
 
 GPT2_SMALL = dict(vocab=50257, ctx=1024, d=768, layers=12)
@@ -86,9 +96,34 @@ def cases(quick: bool) -> list[dict]:
     return out
 
 
+def read_floor(model: torch.nn.Module) -> Callable[[], object] | None:
+    """check_grads(model)'s CPU front door (gather, chunks, prefetches, merge) with a kernel that
+    only reads every byte (csrc/cpu/stats_kernel.h: chunk_touch); None where the front door does
+    not serve this model (no compiled kernel, gradients it leaves to the general path)."""
+    check_grads(model)  # keeps the parameter list
+    kept, C = _kept.get(id(model)), compiled.C
+    if kept is None or C is None:
+        return None
+
+    def run():
+        return C.param_grads_table(kept.params, kept.dicts, kept.keys, math.inf, 0.0, True)
+
+    return run if run() is not None else None
+
+
+class _FlatModel(torch.nn.Module):
+    """One parameter whose gradient is `flat`: the read floor over one buffer."""
+
+    def __init__(self, flat: torch.Tensor):
+        super().__init__()
+        # the parameter's own values are never read: a stride-0 tensor of flat's shape
+        self.p = torch.nn.Parameter(torch.empty(1, dtype=flat.dtype).expand(flat.shape))
+        self.p.grad = flat
+
+
 def providers(model: _GradModel, flat: torch.Tensor) -> dict[str, Callable[[], object]]:
     grads = model.grads()
-    return {
+    out = {
         # .ok forces the one host sync fasthealth needs to act on its result
         "fasthealth": lambda: check_grads(model).ok,
         "naive": lambda: baselines.naive_loop(grads),
@@ -97,6 +132,40 @@ def providers(model: _GradModel, flat: torch.Tensor) -> dict[str, Callable[[], o
         "total_norm": lambda: baselines.total_norm_isfinite(grads).item(),
         "read_limit": lambda: baselines.read_limit(flat).item(),
     }
+    floor, floor_flat = read_floor(model), read_floor(_FlatModel(flat))
+    if floor is not None and floor_flat is not None:
+        out["floor_flat"] = floor_flat
+        out["floor"] = floor
+    return out
+
+
+def kernel_rate(dtype: torch.dtype, calls: int = 100, repeats: int = 7) -> float | None:
+    """The compiled kernel's rate with its data in L2, G elements/s on one thread: a 64K-element
+    tensor checked `calls` times, less the same on 64 elements (the op's fixed cost per call),
+    median of `repeats` (bench/bench_kernel_rate.py runs it per variant)."""
+    if compiled.C is None:
+        return None
+    op = torch.ops.fasthealth.multi_tensor_stats
+    g = torch.Generator().manual_seed(0)
+    big = (torch.randn(65536, generator=g) * 0.02).to(dtype)
+    small = (torch.randn(64, generator=g) * 0.02).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        per = {}
+        for name, t in (("big", big), ("small", small)):
+            for _ in range(calls // 4):
+                op([t], math.inf, 0.0)
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    op([t], math.inf, 0.0)
+                ts.append((time.perf_counter() - t0) / calls)
+            per[name] = statistics.median(ts)
+    finally:
+        torch.set_num_threads(threads)
+    return (big.numel() - small.numel()) / max(per["big"] - per["small"], 1e-12) / 1e9
 
 
 def _progress(total: int, desc: str):
@@ -157,6 +226,7 @@ def run_case(case: dict, rounds: int, slow_rounds: int) -> list[dict]:
             "x_read_paired_median": round(statistics.median(paired), 3),
             "x_read_paired_iqr": [round(q[0], 3), round(q[2], 3)],
             "runs": len(times[name]), "tensors": len(grads), "elements": flat.numel(),
+            "bytes": nbytes,
         })
         if name == "fasthealth":
             rows[-1]["x_faster_than_total_norm_paired_median"] = round(
@@ -169,22 +239,107 @@ READ_GOALS = {("gpt2-small", "float32"): 1.15, ("gpt2-small", "bfloat16"): 1.25,
               ("4000-small", "float32"): 1.5, ("4000-tiny", "float32"): 4.0}
 
 
+def roofline(rows: list[dict], rates: dict[str, float | None]) -> list[dict]:
+    """Per case, what bounds fasthealth: the memory roof (the read limit's GB/s), the compute
+    roof (the kernel's L2 rate times the threads, in GB/s of this dtype), and fasthealth's time
+    in read limits (paired medians) split into one flat buffer read by its own pass
+    (floor_flat), the layout of these tensors (floor - floor_flat) and the statistics with the
+    Python around them (fasthealth - floor); and the speed-up over get_total_norm that a check
+    at the read limit would reach (get_total_norm's paired ratio to the read limit)."""
+    out = []
+    by = {(r["case"], r["dtype"], r["provider"]): r for r in rows}
+    threads = torch.get_num_threads()
+    for case, dtype in dict.fromkeys((r["case"], r["dtype"]) for r in rows):
+        get = {p: by.get((case, dtype, p)) for p in
+               ("fasthealth", "read_limit", "floor", "floor_flat", "total_norm")}
+        if get["fasthealth"] is None or get["read_limit"] is None:
+            continue
+        x = {p: (r["x_read_paired_median"] if r else None) for p, r in get.items()}
+        fh = get["fasthealth"]
+        elem = fh["bytes"] / fh["elements"]
+        rate = rates.get(dtype)
+        roof = round(rate * threads * elem, 1) if rate else None
+        mem = get["read_limit"]["gbps"]
+        row = {"case": case, "dtype": dtype, "tensors": fh["tensors"],
+               "mb": round(fh["bytes"] / 1e6, 1),
+               "memory_roof_gbps": mem, "compute_roof_gbps": roof,
+               "kernel_G_elements_per_s_per_thread": round(rate, 2) if rate else None,
+               "fasthealth_gbps": fh["gbps"], "x_read": x["fasthealth"],
+               "compute_below_memory": roof is not None and roof < mem}
+        fastest_read = 1.0
+        if x["floor"] is not None and x["floor_flat"] is not None:
+            split = {"one_buffer": x["floor_flat"],
+                     "layout": round(x["floor"] - x["floor_flat"], 3),
+                     "statistics_and_python": round(x["fasthealth"] - x["floor"], 3)}
+            row["split_x_read"] = split
+            row["bound"] = max(split, key=split.get)
+            fastest_read = min(1.0, x["floor_flat"])
+        if x["total_norm"] is not None:
+            row["total_norm_x_read"] = x["total_norm"]
+            # the speed-up of a check that cost only the fastest read of these bytes measured
+            row["total_norm_ceiling"] = round(x["total_norm"] / fastest_read, 3)
+        out.append(row)
+    return out
+
+
+BOUND_WORDS = {"one_buffer": "memory bandwidth", "layout": "the tensors' number and scatter",
+               "statistics_and_python": "the statistics and the Python around them"}
+
+
+def roofline_text(roof: list[dict]) -> str:
+    lines = ["roofline (ratios: paired medians over the read limit)"]
+    for r in roof:
+        comp = (f"compute roof {r['compute_roof_gbps']:.0f} GB/s "
+                f"({r['kernel_G_elements_per_s_per_thread']:.1f} G el/s a thread in L2)"
+                if r["compute_roof_gbps"] else "compute roof not measured")
+        below = " (below the memory roof!)" if r["compute_below_memory"] else ""
+        lines.append(f"  {r['case']} {r['dtype']} ({r['tensors']} tensors, {r['mb']} MB): "
+                     f"memory roof {r['memory_roof_gbps']:.1f} GB/s, {comp}{below}; "
+                     f"fasthealth {r['fasthealth_gbps']:.1f} GB/s = {r['x_read']:.2f}x")
+        sp = r.get("split_x_read")
+        if sp:
+            lines.append(f"    = {sp['one_buffer']:.2f} reading one buffer (own pass, no "
+                         f"statistics) + {sp['layout']:.2f} reading these {r['tensors']} tensors "
+                         f"instead + {sp['statistics_and_python']:.2f} statistics and Python; "
+                         f"largest: {BOUND_WORDS[r['bound']]}")
+        if "total_norm_ceiling" in r:
+            lines.append(f"    get_total_norm + isfinite takes {r['total_norm_x_read']:.2f}x: a "
+                         f"check costing only the fastest read measured would be "
+                         f"{r['total_norm_ceiling']:.2f}x faster than it")
+    return "\n".join(lines)
+
+
 def goals(rows: list[dict]) -> list[dict]:
     """The goals, read off the rows: the paired ratio to the read limit per case, 1.6x faster
-    than get_total_norm + isfinite in every case, 15x faster than the naive loop."""
+    than get_total_norm + isfinite in every case, 15x faster than the naive loop. Each goal
+    says what bounds it (`bound`): for the read limit, how much of it reading these tensors
+    without any statistics takes; for get_total_norm, the most a check at the read limit
+    could reach."""
     out = []
     by = {(r["case"], r["dtype"], r["provider"]): r for r in rows}
     for (case, dtype, prov), r in by.items():
         if prov != "fasthealth":
             continue
+        floor = by.get((case, dtype, "floor"))
         if (case, dtype) in READ_GOALS:
-            out.append({"goal": f"{case} {dtype}: x read limit (paired)",
-                        "value": r["x_read_paired_median"],
-                        "met": r["x_read_paired_median"] <= READ_GOALS[(case, dtype)]})
+            g = {"goal": f"{case} {dtype}: x read limit (paired)",
+                 "value": r["x_read_paired_median"],
+                 "met": r["x_read_paired_median"] <= READ_GOALS[(case, dtype)]}
+            if floor:
+                g["bound"] = (f"reading these tensors without statistics: "
+                              f"{floor['x_read_paired_median']:.2f}x")
+            out.append(g)
         if "x_faster_than_total_norm_paired_median" in r:
             x = r["x_faster_than_total_norm_paired_median"]
-            out.append({"goal": f"{case} {dtype}: x faster than get_total_norm (paired)",
-                        "value": x, "met": x >= 1.6})
+            g = {"goal": f"{case} {dtype}: x faster than get_total_norm (paired)",
+                 "value": x, "met": x >= 1.6}
+            tn = by.get((case, dtype, "total_norm"))
+            flat = by.get((case, dtype, "floor_flat"))
+            if tn:
+                best = min(1.0, flat["x_read_paired_median"]) if flat else 1.0
+                g["bound"] = (f"at most {tn['x_read_paired_median'] / best:.2f}x for a check "
+                              f"costing only the fastest read")
+            out.append(g)
         naive = by.get((case, dtype, "naive"))
         if naive:
             x = round(naive["ms"] / r["ms"], 1)
@@ -244,7 +399,8 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return False
     groups = list(dict.fromkeys((r["case"], r["dtype"]) for r in rows))
-    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    provs = [p for p in dict.fromkeys(r["provider"] for r in rows)
+             if p not in ("floor", "floor_flat")]  # the roofline's probes: in the table only
     colors = {"fasthealth": "#d62728", "read_limit": "#7f7f7f", "naive": "#1f77b4",
               "naive_full": "#9467bd", "foreach": "#2ca02c", "total_norm": "#ff7f0e"}
     fig, ax = plt.subplots(figsize=(2.6 * len(groups) + 2, 4.8))
@@ -293,14 +449,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.case and key not in args.case and case["name"] not in args.case:
             continue
         rows += run_case(case, args.rounds, min(args.slow_rounds, args.rounds))
+    rates = {str(dt).replace("torch.", ""): kernel_rate(dt)
+             for dt in dict.fromkeys(c["dtype"] for c in cases(args.quick))}
+    roof = roofline(rows, rates)
     print(table(rows))
+    print(roofline_text(roof))
     for g in goals(rows):
-        print(f"goal: {g['goal']:<52} {g['value']:>7} {'met' if g['met'] else 'NOT MET'}")
+        why = f"  ({g['bound']})" if "bound" in g else ""
+        print(f"goal: {g['goal']:<52} {g['value']:>7} {'met' if g['met'] else 'NOT MET'}{why}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "cpu-quick" if args.quick else "cpu"
     (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows,
-                                                  "goals": goals(rows)}, indent=1))
+                                                  "roofline": roof, "goals": goals(rows)},
+                                                 indent=1))
     title = (f"fasthealth check_grads vs baselines, {info['cpu']}, {info['torch_threads']} "
              f"threads, torch {info['torch']}")
     plotted = plot(rows, out / f"{stem}.png", title)

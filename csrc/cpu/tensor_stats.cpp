@@ -18,19 +18,23 @@ namespace fasthealth {
 namespace avx512 {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
+Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
 }
 namespace avx2 {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
+Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
 }
 namespace avx {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
+Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
 }
 #endif
 namespace base {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
+Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
 }
 
 namespace {
@@ -39,6 +43,7 @@ using ChunkFn = Partial (*)(const void*, int, int64_t, int64_t, double, double);
 
 struct Isa {
   ChunkFn fn;
+  ChunkFn touch;  // the benchmark's read floor (stats_kernel.h: chunk_touch)
   const char* name;
 };
 
@@ -54,11 +59,11 @@ std::vector<Isa> runnable() {
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
-  if (avx512) out.push_back({&avx512::chunk_stats, "avx512"});
-  if (avx2) out.push_back({&avx2::chunk_stats, "avx2"});
-  if (avx) out.push_back({&avx::chunk_stats, "avx"});
+  if (avx512) out.push_back({&avx512::chunk_stats, &avx512::chunk_touch, "avx512"});
+  if (avx2) out.push_back({&avx2::chunk_stats, &avx2::chunk_touch, "avx2"});
+  if (avx) out.push_back({&avx::chunk_stats, &avx::chunk_touch, "avx"});
 #endif
-  out.push_back({&base::chunk_stats, "base"});
+  out.push_back({&base::chunk_stats, &base::chunk_touch, "base"});
   return out;
 }
 
@@ -103,22 +108,28 @@ std::vector<std::string> cpu_isas() {
   return out;
 }
 
-// The first bytes of the chunk the thread reads next: tensors of a few KB each start cold, and
-// the hardware prefetcher only follows a stream once it has begun (4000 tiny gradients read
-// from memory: 1.8 ms without, 1.5-1.6 ms with, see docs/design.md). 4 KB, the distance the
-// kernel's own loop prefetches ahead (stats_kernel.h: kPrefetchAhead), so together they cover
-// every line once (with the loop at 4 KB: 4 KB here 3% faster than 2 KB on tiny tensors, the
-// same on 4000 of 4K-64K).
+// The first bytes of the chunks the thread reads next: tensors of a few KB each start cold, at
+// scattered addresses, and the hardware prefetcher only follows a stream once it has begun. Up
+// to 4 KB of each chunk (the kernel loop's own distance, stats_kernel.h: kPrefetchAhead, so
+// together they cover every line once), for as many chunks as make kAheadBytes: 4000 gradients
+// of 64-4K elements, caches emptied before each call, 1.39 -> 1.30 ms a call against a 0.42 ms
+// read (one chunk ahead -> 16 KB; 8-32 KB alike, 64 KB worse for 4000 of 4K-64K elements; see
+// docs/design.md).
 constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kAheadBytes = 16384;
 
-inline void prefetch_chunk(const CpuInput& in, const Chunk& ch) {
+inline int64_t head_bytes(const CpuInput& in, const Chunk& ch) {
+  return std::min<int64_t>((ch.end - ch.begin) * in.elem_bytes, kPrefetchBytes);
+}
+
+inline void prefetch_head(const CpuInput& in, const Chunk& ch) {
   const char* p = static_cast<const char*>(in.data) + ch.begin * in.elem_bytes;
-  const int64_t bytes = std::min<int64_t>((ch.end - ch.begin) * in.elem_bytes, kPrefetchBytes);
+  const int64_t bytes = head_bytes(in, ch);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
 at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
-                           double range_lo) {
+                           double range_lo, bool read_floor) {
   const int64_t n = static_cast<int64_t>(inputs.size());
   std::vector<int64_t> first_chunk(n + 1, 0);
   std::vector<Chunk> chunks;
@@ -132,14 +143,25 @@ at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
   }
   first_chunk[n] = static_cast<int64_t>(chunks.size());
 
-  const ChunkFn fn = isa().fn;
+  const ChunkFn fn = read_floor ? isa().touch : isa().fn;
   std::vector<Partial> parts(chunks.size());
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-    if (lo < hi) prefetch_chunk(inputs[chunks[lo].tensor], chunks[lo]);
+    int64_t next = lo;  // the heads of chunks [c, next) are prefetched,
+    int64_t ahead = 0;  // those after c's making `ahead` bytes
     for (int64_t c = lo; c < hi; ++c) {
-      if (c + 1 < hi) prefetch_chunk(inputs[chunks[c + 1].tensor], chunks[c + 1]);
       const Chunk& ch = chunks[c];
       const CpuInput& in = inputs[ch.tensor];
+      if (next == c) {
+        prefetch_head(in, ch);
+        ++next;
+      } else {
+        ahead -= head_bytes(in, ch);
+      }
+      for (; next < hi && ahead < kAheadBytes; ++next) {
+        const CpuInput& later = inputs[chunks[next].tensor];
+        prefetch_head(later, chunks[next]);
+        ahead += head_bytes(later, chunks[next]);
+      }
       parts[c] = fn(in.data, in.code, ch.begin, ch.end, range_hi, range_lo);
     }
   });
