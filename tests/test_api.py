@@ -384,6 +384,59 @@ def test_check_grads_sees_parameters_replaced_between_calls():
     assert [n for n, _ in m.named_parameters()] == s.names + s.missing
 
 
+def test_front_door_releases_the_gil_for_large_gradients_and_keeps_them_alive():
+    """Gradients over 32 MB are read with the GIL released (csrc/fasthealth.cpp:
+    kHoldGilBytes), so other Python threads run during the pass; a thread that drops the
+    gradient then cannot free it under the kernel: the statistics are the dropped gradient's.
+    A thread waiting for the GIL runs at once when the pass releases it, early in the call;
+    held, it would run only after the pass (the switch interval is made long, so Python does
+    not hand the GIL over on its own)."""
+    import threading
+    import time
+
+    _needs_cpu_op()
+    from fasthealth import checks
+
+    n = 64 * 1024 * 1024  # 256 MB of float32: a pass of several ms
+    m = torch.nn.Module()
+    m.p = torch.nn.Parameter(torch.zeros(1).expand(n))  # its values are never read
+    m.p.grad = torch.full((n,), 2.0)
+    fh.check_grads(m)  # keeps the parameter list
+    assert checks._front_door(m, None, (math.inf, 0.0)) is not None
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    early = []
+    try:
+        for _ in range(3):
+            m.p.grad = torch.full((n,), 2.0)
+            go, ran = threading.Event(), []
+
+            def drop(go=go, ran=ran):
+                go.wait()
+                ran.append(time.perf_counter())
+                m.p.grad = None  # the last reference the module held
+
+            t = threading.Thread(target=drop)
+            t.start()
+            time.sleep(0.01)  # the thread now waits on the event
+            t0 = time.perf_counter()
+            go.set()
+            s = fh.check_grads(m)
+            t1 = time.perf_counter()
+            t.join()
+            assert m.p.grad is None
+            if len(s) == 0:  # the thread ran before the gradient was gathered: again
+                continue
+            assert s.names == ["p"] and int(s["p"].numel) == n
+            assert s["p"].min.item() == 2.0 and s["p"].max.item() == 2.0
+            early.append(ran[0] - t0 < 0.5 * (t1 - t0))
+            if early[-1]:
+                break
+    finally:
+        sys.setswitchinterval(interval)
+    assert any(early), "no other thread ran during the pass: the GIL was held"
+
+
 def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     """On a CPU module, check_grads reads the gradients in one call into the compiled kernel
     (fasthealth/checks.py, _front_door): its table must equal the op's on the same gradients
