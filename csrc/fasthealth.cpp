@@ -87,7 +87,9 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
         return py::none();
       }
       impl[i] = THPVariable_Unpack(ps[i]).unsafeGetTensorImpl();
-      prefetch(impl[i], 4);
+      // Only its autograd meta pointer is read, in the first line (after the vtable, the
+      // counts and the storage): 4 lines here made 4000 tiny tensors 2-4% slower, paired.
+      prefetch(impl[i], 1);
     }
     for (Py_ssize_t i = 0; i < m; ++i) {
       meta[i] = impl[i]->autograd_meta();  // none: a tensor that never required a gradient
