@@ -76,9 +76,12 @@ inline vd loadd(const double* p) {
 // Software prefetch kPrefetchAhead bytes ahead of the loads: every 64-byte line of the 2 * FW
 // elements one loop iteration reads (a float32 iteration under AVX-512 reads two lines; the loop
 // used to prefetch only the first, and GPT-2 small streamed at 1.19x torch.sum instead of 1.07x,
-// paired, quiet rounds). 4 KB ahead: 2-4 KB measured the same on float32, 4 KB best on bfloat16
-// (0.93x against 1.02x at 2 KB) and on 4000 tiny tensors.
-constexpr int64_t kPrefetchAhead = 4096;
+// paired, quiet rounds). 8 KB ahead: on a quieter host a core streams faster and 4 KB no
+// longer covers memory's latency. Seven runs with GPT-2 float32 read in 7.2-8.8 ms, paired
+// ratios to the read limit: float32 1.06-1.20x against 1.08-1.23x at 4 KB (lower in each run),
+// bfloat16 0.97-1.02x against 1.06-1.11x, 4000 of 4K-64K within 2%; contended (11-12 ms),
+// 2-16 KB measure alike. 16 KB was as good on GPT-2 and worse on 4000 of 4K-64K.
+constexpr int64_t kPrefetchAhead = 8192;
 template <int64_t kBytes>
 inline void prefetch_ahead(const void* p) {
   const char* c = static_cast<const char*>(p) + kPrefetchAhead;
