@@ -447,6 +447,55 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+def plot_roofline(roof: list[dict], path: Path, title: str) -> bool:
+    """fasthealth's time per case in read limits, stacked as the roofline splits it, with
+    issue 15's goal for the case marked."""
+    rows = [r for r in roof if "split_x_read" in r]
+    if not rows:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    parts = [("one_buffer", "one buffer, fasthealth's own pass without statistics", "#7f7f7f"),
+             ("layout", "+ reading these tensors instead of one buffer", "#1f77b4"),
+             ("statistics_and_python", "+ the statistics and the Python around them",
+              "#d62728")]
+    fig, ax = plt.subplots(figsize=(9, 1.8 + 0.75 * len(rows)))
+    labels = [f"{r['case']} {r['dtype']}\n({r['tensors']} tensors, {r['mb']} MB)" for r in rows]
+    ys = list(range(len(rows)))[::-1]
+    for key, label, color in parts:
+        left = [sum(max(r["split_x_read"][k], 0.0) for k, _, _ in parts[:[p[0] for p in
+                                                                         parts].index(key)])
+                for r in rows]
+        width = [max(r["split_x_read"][key], 0.0) for r in rows]
+        ax.barh(ys, width, left=left, color=color, label=label, height=0.6)
+    right = 0.0
+    for y, r in zip(ys, rows):
+        end = sum(max(v, 0.0) for v in r["split_x_read"].values())
+        goal = READ_GOALS.get((r["case"], r["dtype"]))
+        if goal:
+            ax.plot([goal, goal], [y - 0.38, y + 0.38], color="black", lw=1.5,
+                    label="issue 15's goal" if y == ys[0] else None)
+        at = max(end, goal or 0.0)
+        ax.annotate(f"{r['x_read']:.2f}x", (at, y), xytext=(5, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+        right = max(right, at)
+    ax.axvline(1.0, color="#7f7f7f", lw=0.8, ls="--")
+    ax.set_xlim(0, right * 1.12)
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.set_xlabel("time over the read limit (torch.sum of one flat buffer), paired medians")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fasthealth bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -483,7 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"fasthealth check_grads vs baselines, {info['cpu']}, {info['torch_threads']} "
              f"threads, torch {info['torch']}")
     plotted = plot(rows, out / f"{stem}.png", title)
-    print(f"wrote {out / f'{stem}.json'}" + (f" and {out / f'{stem}.png'}" if plotted else ""))
+    plot_roofline(roof, out / f"{stem}-roofline.png",
+                  f"Where fasthealth's time goes, {info['cpu']}, kernel {info['kernel_isa']}, "
+                  f"{info['date']}")
+    print(f"wrote {out / f'{stem}.json'}" + (f" and {out / f'{stem}.png'}, "
+                                              f"{out / f'{stem}-roofline.png'}" if plotted
+                                              else ""))
     return 0
 
 

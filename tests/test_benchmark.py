@@ -16,6 +16,7 @@ def test_quick_bench_writes_roofline_and_goals(tmp_path):
                            "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "cpu-quick.json").read_text())
     assert (tmp_path / "cpu-quick.png").stat().st_size > 0
+    assert (tmp_path / "cpu-quick-roofline.png").stat().st_size > 0
     cases = {(r["case"], r["dtype"]) for r in res["rows"]}
     providers = {r["provider"] for r in res["rows"]}
     assert {"floor", "floor_flat", "read_limit", "fasthealth", "total_norm"} <= providers
