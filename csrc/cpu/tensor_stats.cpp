@@ -112,9 +112,9 @@ std::vector<std::string> cpu_isas() {
 // scattered addresses, and the hardware prefetcher only follows a stream once it has begun. Up
 // to 8 KB of each chunk (the kernel loop's own distance, stats_kernel.h: kPrefetchAhead, so
 // together they cover every line once), for as many chunks as make kAheadBytes: 4000 gradients
-// of 64-4K elements, caches emptied before each call, 1.39 -> 1.30 ms a call against a 0.42 ms
-// read (one chunk ahead -> 16 KB; 8-32 KB alike, 64 KB worse for 4000 of 4K-64K elements; see
-// docs/design.md); 8 KB heads with the loop at 8 KB, 3-4% faster than 4 KB on 4000 tiny.
+// of 64-4K elements, caches emptied before each call: one chunk ahead 6.0x the read limit, 16 KB
+// 5.4x (8-32 KB alike, 64 KB worse for 4000 of 4K-64K elements; see docs/design.md); 8 KB heads
+// with the loop at 8 KB, 3-4% faster than 4 KB on 4000 tiny.
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kAheadBytes = 16384;
 
