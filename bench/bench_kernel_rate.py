@@ -6,8 +6,9 @@ One torch thread checks one 64K-element tensor (256 KB as float32: it stays in L
 through the op, 15 times, and a 64-element tensor the same way; the median of each gives the
 time per call, and the difference (the op's fixed cost per call, about 2 us here, taken off)
 gives G elements/s per core. Each variant runs in its own process (FASTHEALTH_CPU_ISA is read
-once). Compare twice this rate times the element size with the read limit of `make bench` to
-see whether a case is compute- or memory-bound on 2 cores.
+once). The measurement is fasthealth.benchmark.kernel_rate, which `make bench` also runs for
+the variant it uses: its roofline compares this rate, times the threads and the element size,
+with the read limit.
 """
 
 from __future__ import annotations
@@ -21,34 +22,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-N, CALLS, ROUNDS = 65536, 200, 15
+CALLS, ROUNDS = 200, 15
 
 CHILD = f"""
-import json, math, statistics, time, torch
+import json, torch
 import fasthealth as fh
-torch.set_num_threads(1)
-op = torch.ops.fasthealth.multi_tensor_stats
+from fasthealth.benchmark import kernel_rate
 
-def per_call(t):
-    for _ in range({CALLS}):
-        op([t], math.inf, 0.0)
-    ts = []
-    for _ in range({ROUNDS}):
-        t0 = time.perf_counter()
-        for _ in range({CALLS}):
-            op([t], math.inf, 0.0)
-        ts.append((time.perf_counter() - t0) / {CALLS})
-    return statistics.median(ts)
-
-out = {{}}
-fixed = {{}}
+out, fixed = {{}}, {{}}
 for name in ("float32", "bfloat16", "float16"):
-    dt = getattr(torch, name)
-    t = (torch.randn({N}, generator=torch.Generator().manual_seed(0)) * 0.02).to(dt)
-    small = (torch.randn(64, generator=torch.Generator().manual_seed(1)) * 0.02).to(dt)
-    call, call_small = per_call(t), per_call(small)
-    out[name] = round(({N} - 64) / (call - call_small) / 1e9, 2)
-    fixed[name] = round(call_small * 1e6, 2)
+    rate, us = kernel_rate(getattr(torch, name), calls={CALLS}, repeats={ROUNDS})
+    out[name], fixed[name] = round(rate, 2), round(us, 2)
 print(json.dumps({{"isa": fh.ops.compiled.C.cpu_isa(), "G_elements_per_s": out,
                   "us_per_call_64_elements": fixed}}))
 """

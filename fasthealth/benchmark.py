@@ -151,10 +151,12 @@ def providers(model: _GradModel, flat: torch.Tensor) -> dict[str, Callable[[], o
     return out
 
 
-def kernel_rate(dtype: torch.dtype, calls: int = 100, repeats: int = 7) -> float | None:
-    """The compiled kernel's rate with its data in L2, G elements/s on one thread: a 64K-element
-    tensor checked `calls` times, less the same on 64 elements (the op's fixed cost per call),
-    median of `repeats` (bench/bench_kernel_rate.py runs it per variant)."""
+def kernel_rate(dtype: torch.dtype, calls: int = 100, repeats: int = 7
+                ) -> tuple[float, float] | None:
+    """The compiled kernel's rate with its data in L2 on one thread, and the op's fixed cost
+    per call: (G elements/s, us per call on 64 elements). A 64K-element tensor is checked
+    `calls` times, and a 64-element one, median of `repeats`; the difference is the rate
+    (bench/bench_kernel_rate.py runs it once per kernel variant)."""
     if compiled.C is None:
         return None
     op = torch.ops.fasthealth.multi_tensor_stats
@@ -166,7 +168,7 @@ def kernel_rate(dtype: torch.dtype, calls: int = 100, repeats: int = 7) -> float
     try:
         per = {}
         for name, t in (("big", big), ("small", small)):
-            for _ in range(calls // 4):
+            for _ in range(calls):  # warm-up
                 op([t], math.inf, 0.0)
             ts = []
             for _ in range(repeats):
@@ -177,7 +179,8 @@ def kernel_rate(dtype: torch.dtype, calls: int = 100, repeats: int = 7) -> float
             per[name] = statistics.median(ts)
     finally:
         torch.set_num_threads(threads)
-    return (big.numel() - small.numel()) / max(per["big"] - per["small"], 1e-12) / 1e9
+    rate = (big.numel() - small.numel()) / max(per["big"] - per["small"], 1e-12) / 1e9
+    return rate, per["small"] * 1e6
 
 
 def _progress(total: int, desc: str):
@@ -515,8 +518,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.case and key not in args.case and case["name"] not in args.case:
             continue
         rows += run_case(case, args.rounds, min(args.slow_rounds, args.rounds))
-    rates = {str(dt).replace("torch.", ""): kernel_rate(dt)
-             for dt in dict.fromkeys(c["dtype"] for c in cases(args.quick))}
+    rates = {}
+    for dt in dict.fromkeys(c["dtype"] for c in cases(args.quick)):
+        measured = kernel_rate(dt)
+        rates[str(dt).replace("torch.", "")] = measured[0] if measured else None
     roof = roofline(rows, rates)
     print(table(rows))
     print(roofline_text(roof))
