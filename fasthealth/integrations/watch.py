@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..monitor import Monitor, act
+from ..monitor import Monitor, gate
 from .capture import ForwardCapture
 
 
@@ -36,5 +36,5 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         loss, batch, ids = capture.take()
         mon.check(loss, batch=batch, sample_ids=ids)
 
-    mon.hooks += [capture, act.unwrap(optimizer).register_step_pre_hook(before_step)]
+    mon.hooks += [capture, gate.unwrap(optimizer).register_step_pre_hook(before_step)]
     return mon

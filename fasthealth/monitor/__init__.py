@@ -1,8 +1,8 @@
 """The training-loop monitor (SPEC section 6), in parts:
 
-- ``monitor.py``: ``Monitor``: ``step`` = record + act, ``flush`` = detect + write;
+- ``monitor.py``: ``Monitor``: ``step`` = record + gate, ``flush`` = detect + write;
 - ``record.py``: the device record, one row of named columns per step;
-- ``act.py``: clipping and the step-or-skip, without a host sync where the optimizer allows;
+- ``gate.py``: clipping and the step-or-skip, without a host sync where the optimizer allows;
 - ``detectors.py``: every event rule behind one interface;
 - ``events.py``: ``Event``, ``Observation``, ``NonFiniteError``;
 - ``sinks.py``: the JSONL logs, TensorBoard, the dumps;

@@ -1,10 +1,10 @@
 """The training-loop monitor (SPEC section 6): checks every step on the device, acts without a
 sync, looks at the numbers once per flush.
 
-``Monitor.step(loss, ...)`` replaces ``optimizer.step()``; it is *record + act*:
+``Monitor.step(loss, ...)`` replaces ``optimizer.step()``; it is *record + gate*:
 
 1. one fused pass over all gradients (``grads_stats``) and an ``isfinite`` on the loss;
-2. act (``act.py``): clip with the norm that pass computed, then step the optimizer or skip it
+2. gate (``gate.py``): clip with the norm that pass computed, then step the optimizer or skip it
    when the loss or a gradient is non-finite, on the device where the optimizer allows;
 3. record (``record.py``): one row of scalars and per-tensor norms and non-finite counts in a
    device buffer.
@@ -28,7 +28,7 @@ import torch
 from ..checks import grad_values, grads_stats
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
-from . import act
+from . import gate
 from .detectors import Detector, default_detectors
 from .events import FATAL_KINDS, Event, NonFiniteError, Observation
 from .record import (
@@ -106,7 +106,7 @@ class Monitor:
         detectors: list[Detector] | None = None,
     ) -> None:
         _check_options(model, on_nonfinite, flush_every, max_grad_norm)
-        optimizer = act.unwrap(optimizer) if optimizer is not None else None
+        optimizer = gate.unwrap(optimizer) if optimizer is not None else None
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.flush_every, self.on_nonfinite = flush_every, on_nonfinite
         self.max_grad_norm, self.min_loss_scale = max_grad_norm, min_loss_scale
@@ -168,7 +168,7 @@ class Monitor:
         if tensorboard:
             self._tb = TensorBoardSink(self.log_dir)
 
-    # ---- step: record + act -----------------------------------------------------------------
+    # ---- step: record + gate -----------------------------------------------------------------
 
     def step(self, loss: torch.Tensor | float, batch: Any = None, sample_ids: Any = None, *,
              step: int | None = None) -> Observation:
@@ -191,7 +191,7 @@ class Monitor:
         t = self._next_step if step is None else int(step)
         self._next_step = t + 1
         if self.scaler is not None and self.optimizer is not None:
-            act.unscale(self.optimizer, self.scaler)
+            gate.unscale(self.optimizer, self.scaler)
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
         grads = [self.params[i][1].grad for i in present]
         values = [grad_values(g) for g in grads]  # a sparse gradient's stored values
@@ -227,7 +227,7 @@ class Monitor:
         """Clip, snapshot the parameters for replay, then step or skip (or, without
         ``take_step``, arm the skip of the trainer's step); returns skipped."""
         if self.max_grad_norm is not None and grads:
-            act.clip_(grads, table[-1, COL["norm"]], self.max_grad_norm)
+            gate.clip_(grads, table[-1, COL["norm"]], self.max_grad_norm)
         if self._snapshots is not None:
             torch._foreach_copy_(self._snapshots[self.record.fill],
                                  [p.detach() for _, p in self.params])
@@ -237,11 +237,11 @@ class Monitor:
         guard = self.on_nonfinite in ("skip", "raise")
         if take_step:
             if self.scaler is not None:
-                return act.step_with_scaler(opt, self.scaler, bad, guard)
-            return act.step_or_skip(opt, bad, guard)
+                return gate.step_with_scaler(opt, self.scaler, bad, guard)
+            return gate.step_or_skip(opt, bad, guard)
         if self._disarm is None:
-            self._disarm = opt.register_step_post_hook(act.disarm)
-        return act.arm_skip(opt, bad if guard else torch.zeros_like(bad), self.scaler)
+            self._disarm = opt.register_step_post_hook(gate.disarm)
+        return gate.arm_skip(opt, bad if guard else torch.zeros_like(bad), self.scaler)
 
     def _scan_optimizer(self, t: int) -> torch.Tensor:
         """NaN + Inf count of the optimizer's state every ``optimizer_check_every`` steps."""
