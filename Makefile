@@ -43,11 +43,12 @@ test-fast: build
 	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q -x -m "not slow" tests
 
 bench: build
-	$(PY) -m fasthealth bench --out bench/results
+	$(PY) bench/harness.py --out bench/results
 
-# A small GPT-like run with planted faults: every detector fires, a report is written.
+# A small GPT-like run with planted faults: every detector fires, a report is written (into
+# build/, which git ignores).
 demo: build
-	$(PY) -m fasthealth demo --log-dir bench/results/demo-run
+	$(PY) -m fasthealth demo --log-dir build/demo-run
 
 lint: env
 	$(PY) -m ruff check fasthealth tests bench triton_kernels

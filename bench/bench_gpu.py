@@ -15,15 +15,20 @@ reference over hundreds of tensors takes minutes of device time.
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import fasthealth as fh
-from fasthealth import baselines
-from fasthealth.benchmark import gpt2_shapes, plot, small_shapes
-from fasthealth.ops import reference
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ modules
+
+import baselines  # noqa: E402
+from harness import plot, small_shapes  # noqa: E402
+
+import fasthealth as fh  # noqa: E402
+from fasthealth.ops import reference  # noqa: E402
+from fasthealth.selftest import gpt2_shapes  # noqa: E402
 
 
 def llama7b_shapes():

@@ -25,9 +25,10 @@ HERE = Path(__file__).resolve().parent
 CALLS, ROUNDS = 200, 15
 
 CHILD = f"""
-import json, torch
+import json, sys, torch
+sys.path.insert(0, {str(HERE)!r})
 import fasthealth as fh
-from fasthealth.benchmark import kernel_rate
+from harness import kernel_rate
 
 out, fixed = {{}}, {{}}
 for name in ("float32", "bfloat16", "float16"):

@@ -46,17 +46,16 @@ constexpr Py_ssize_t kBlock = 128;
 // release it, so that other Python threads (a data loader's) run during the pass.
 constexpr int64_t kHoldGilBytes = int64_t{32} << 20;
 
-// check_grads' front door for CPU models (fasthealth/checks.py): (the table, the gradients'
+// check_grads' front door for CPU models (fasthealth/params.py): (the table, the gradients'
 // dtype codes as bytes, the indices of the parameters without one) for `params`, each held by its
 // module (`dicts[i][keys[i]] is params[i]`), read without a Python attribute access or a
 // dispatcher call per tensor. A parameter without a gradient (frozen, as in LoRA fine-tuning,
 // or unused this step) is skipped and listed, as the general path does. None when the front
 // door does not apply (a slot replaced, no gradient at all, a gradient sparse, strided, on
 // another device, a tensor subclass, an unsupported dtype): the caller then takes the general
-// path, which handles each case and names any bad input. read_floor: the same gather and pass
-// with a kernel that only reads (`fasthealth bench`'s roofline; the table is then no statistics).
+// path, which handles each case and names any bad input.
 py::object param_grads_table(py::list params, py::list dicts, py::list keys, double range_hi,
-                             double range_lo, bool read_floor) {
+                             double range_lo) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   if (n == 0 || PyList_GET_SIZE(dicts.ptr()) != n || PyList_GET_SIZE(keys.ptr()) != n ||
       !(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi)) {
@@ -129,13 +128,13 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
   if (bytes <= kHoldGilBytes) {
     // Under the GIL no Python code can drop a gradient while the kernel reads it: no reference
     // is taken (two atomic counts per tensor: 4000 tiny gradients 3-6% faster, paired).
-    out = cpu_stats_table(inputs, range_hi, range_lo, read_floor);
+    out = cpu_stats_table(inputs, range_hi, range_lo);
   } else {
     std::vector<at::Tensor> alive;  // kept alive while the kernel runs without the GIL
     alive.reserve(grads.size());
     for (const at::Tensor* g : grads) alive.push_back(*g);
     py::gil_scoped_release no_gil;
-    out = cpu_stats_table(inputs, range_hi, range_lo, read_floor);
+    out = cpu_stats_table(inputs, range_hi, range_lo);
   }
   // The dtypes, for the stats' float fields, as one code a byte: a list of the gradients would
   // touch each one's Python object again (140 us of 4000 tiny tensors' 1.8 ms, caches cold).
@@ -147,14 +146,18 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
 }  // namespace
 }  // namespace fasthealth
 
+// The read-probe build (bench/read_probe.py) is a second module loaded beside _C: defining the
+// op again there would fail its registration.
+#ifndef FASTHEALTH_READ_PROBE
 TORCH_LIBRARY(fasthealth, m) {
   // Row i < N: statistics of tensors[i]; row N: of all elements together. Columns: the fields of
   // csrc/stats.h (fasthealth.ops.layout.TABLE_COLUMNS), float64, counts as exact integers. The range
   // counts compare |x| with range_hi (overflow) and range_lo (underflow of non-zeros).
   m.def("multi_tensor_stats(Tensor[] tensors, float range_hi, float range_lo) -> Tensor");
 }
+#endif
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fasthealth compiled kernels (ops live under torch.ops.fasthealth)";
   m.def("cpu_isa", []() { return std::string(fasthealth::cpu_isa_name()); },
         "Instruction set of the CPU kernel chosen at first use: 'avx512', 'avx2', 'avx' or "
@@ -163,11 +166,9 @@ PYBIND11_MODULE(_C, m) {
         "The CPU kernel variants this processor runs, fastest first.");
   m.def("param_grads_table", &fasthealth::param_grads_table, py::arg("params"),
         py::arg("dicts"), py::arg("keys"), py::arg("range_hi"), py::arg("range_lo"),
-        py::arg("read_floor") = false,
         "check_grads' CPU front door: (stats table, dtype codes, indices without a gradient) "
         "of the parameters, or None when the general path must run (see "
-        "csrc/fasthealth.cpp). read_floor=True runs the same pass with a kernel that only "
-        "reads, for the benchmark's roofline: its table is not statistics.");
+        "csrc/fasthealth.cpp).");
   // the torch this module was compiled against: fasthealth/ops/compiled.py refuses another
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +

@@ -50,10 +50,10 @@ struct CpuInput {
 
 // The CPU table of inputs already checked (cpu/tensor_stats.cpp): what
 // multi_tensor_stats_cpu runs after validating its tensors, and what check_grads' front door
-// (fasthealth.cpp) runs on the gradients it gathered. read_floor: the same pass with a kernel
-// that only reads (stats_kernel.h: chunk_touch), for the benchmark; its table is not statistics.
+// (fasthealth.cpp) runs on the gradients it gathered. In the read-probe build its table is not
+// statistics (tensor_stats.cpp: FASTHEALTH_READ_PROBE).
 at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
-                           double range_lo, bool read_floor = false);
+                           double range_lo);
 
 inline void check_range(double range_hi, double range_lo) {
   TORCH_CHECK(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi,

@@ -7,17 +7,15 @@ One fused pass per device over all inputs; nothing here synchronizes with the de
 
 from __future__ import annotations
 
-import operator
-import os
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import ops
-from .ops.layout import DTYPES_BY_CODE, range_thresholds
+from .ops.layout import range_thresholds
+from .params import front_door, named_parameters, unique_names
 from .stats import MultiTensorStats, TensorStats
 
 
@@ -47,7 +45,7 @@ def multi_tensor_stats(
             raise ValueError(
                 f"fasthealth: got {len(names)} names for {len(tensors)} tensors"
             )
-        _unique(names)
+        unique_names(names)
     rng = range_thresholds(range_dtype)
     if not tensors:
         return MultiTensorStats(ops.empty_table(), [], [], range_dtype=range_dtype)
@@ -63,155 +61,6 @@ def tensor_stats(t: torch.Tensor, *, backend: str | None = None,
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fasthealth: tensor_stats expects a torch.Tensor, got {type(t).__name__}")
     return multi_tensor_stats([t], names=["t"], backend=backend, range_dtype=range_dtype)[0]
-
-
-def _unique(names: list[str]) -> None:
-    """Raises ValueError naming the first name given twice: results are looked up by name
-    (``s["name"]``, ``to_dict()``), and a second entry would hide the first (a NaN with it)."""
-    if len(set(names)) == len(names):
-        return
-    first: dict[str, int] = {}
-    for i, n in enumerate(names):
-        if n in first:
-            raise ValueError(f"fasthealth: the name {n!r} is given to inputs {first[n]} and "
-                             f"{i}; names must be unique")
-        first[n] = i
-
-
-# A module's (name, parameter) list, kept between calls: walking named_parameters() costs about
-# 0.25 us a parameter, as much as checking a small tensor. Any parameter or submodule
-# registered anywhere (setattr, register_parameter, FSDP's sharding) bumps _structure, which
-# makes every kept list stale; and each call checks, at about 0.025 us a parameter, that every
-# kept parameter is still the one its module holds (a replacement behind the hooks,
-# module._parameters[name] = ..., is seen too).
-_structure = 0
-
-
-class _Kept:
-    """One module's parameters as ``named_parameters()`` lists them (tied ones once), with the
-    dict and key each is held under."""
-
-    __slots__ = ("module", "structure", "pairs", "names", "dicts", "keys", "params", "split")
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = weakref.ref(module)
-        self.structure = _structure
-        self.pairs: list[tuple[str, Any]] = []
-        self.dicts: list[dict] = []
-        self.keys: list[str] = []
-        seen: set[int] = set()
-        for prefix, mod in module.named_modules():
-            for k, p in mod._parameters.items():
-                if p is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                self.pairs.append((f"{prefix}.{k}" if prefix else k, p))
-                self.dicts.append(mod._parameters)
-                self.keys.append(k)
-        self.names = [n for n, _ in self.pairs]
-        self.params = [p for _, p in self.pairs]
-        # (indices without a gradient, names with one, names without): the last split, since
-        # the same parameters stay frozen step after step
-        self.split: tuple[list[int], list[str], list[str]] = ([], self.names, [])
-
-    def names_split(self, absent: list[int]) -> tuple[list[str], list[str]]:
-        """The names of the parameters with a gradient and of those without (``absent``)."""
-        if absent != self.split[0]:
-            skip = set(absent)
-            self.split = (absent, [n for i, n in enumerate(self.names) if i not in skip],
-                          [self.names[i] for i in absent])
-        return list(self.split[1]), list(self.split[2])
-
-    def current(self, module: torch.nn.Module) -> bool:
-        """Still ``module``'s, nothing registered since (the slots are checked apart)."""
-        return self.module() is module and self.structure == _structure
-
-    def slots_hold(self) -> bool:
-        return all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.params))
-
-
-_kept: dict[int, _Kept] = {}
-
-
-def _changed(*args: Any) -> None:
-    global _structure
-    _structure += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_changed)
-torch.nn.modules.module.register_module_module_registration_hook(_changed)
-
-
-def _module_parameters(module: torch.nn.Module) -> list[tuple[str, Any]]:
-    kept = _kept.get(id(module))
-    if kept is not None and kept.current(module) and kept.slots_hold():
-        return kept.pairs
-    if len(_kept) > 64:
-        _kept.clear()
-    kept = _kept[id(module)] = _Kept(module)
-    return kept.pairs
-
-
-def _front_door(model: Any, backend: str | None, rng: tuple[float, float]
-                ) -> tuple[torch.Tensor, _CodedDtypes, list[int], _Kept] | None:
-    """check_grads of a CPU module whose parameter list is kept and whose gradients are all
-    plain dense CPU tensors, in one call into the compiled CPU kernel (``_C``'s
-    ``param_grads_table`` checks each slot and reads each ``.grad`` in C++; the gradients'
-    dtypes come back as codes, parameters without a gradient as indices); None otherwise."""
-    kept = _kept.get(id(model))
-    if (kept is None or not kept.current(model) or ops.compiled.C is None
-            or torch.compiler.is_compiling() or backend not in (None, "auto", "cpu")
-            or os.environ.get("FASTHEALTH_BACKEND", "auto") not in ("", "auto", "cpu")):
-        return None
-    found = ops.compiled.C.param_grads_table(kept.params, kept.dicts, kept.keys, *rng)
-    if found is None:
-        return None
-    table, codes, absent = found
-    return table, _CodedDtypes(codes), absent, kept
-
-
-class _CodedDtypes:
-    """The gradients' dtypes as the front door reports them, one code a byte
-    (``fasthealth.ops.layout.DTYPE_CODES``), turned into torch dtypes only when read."""
-
-    __slots__ = ("codes",)
-
-    def __init__(self, codes: bytes):
-        self.codes = codes
-
-    def __len__(self) -> int:
-        return len(self.codes)
-
-    def __iter__(self):
-        return map(DTYPES_BY_CODE.__getitem__, self.codes)
-
-
-def _named_parameters(model_or_params: Any, what: str) -> list[tuple[str, Any]]:
-    """(name, parameter) pairs, each parameter once (tied weights are counted once)."""
-    if isinstance(model_or_params, torch.nn.Module):
-        return _module_parameters(model_or_params)
-    if isinstance(model_or_params, torch.Tensor):
-        return [("0", model_or_params)]
-    try:
-        items = list(model_or_params)
-    except TypeError:
-        raise TypeError(
-            f"fasthealth: {what} expects an nn.Module or an iterable of parameters or of "
-            f"(name, parameter) pairs, got {type(model_or_params).__name__}"
-        ) from None
-    pairs, seen = [], set()
-    for i, item in enumerate(items):
-        if isinstance(item, torch.Tensor):
-            item = (str(i), item)
-        elif not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                  and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"fasthealth: {what} item {i} is a {type(item).__name__}; expected "
-                            "a parameter or a (name, parameter) pair")
-        if id(item[1]) not in seen:
-            seen.add(id(item[1]))
-            pairs.append(item)
-    _unique([n for n, _ in pairs])
-    return pairs
 
 
 def check_grads(
@@ -242,14 +91,14 @@ def check_grads(
     """
     if process_group is None and isinstance(model_or_params, torch.nn.Module):
         rng = range_thresholds(range_dtype)
-        fast = _front_door(model_or_params, backend, rng)
+        fast = front_door(model_or_params, backend, rng)
         if fast is not None:
             table, dtypes, absent, kept = fast
             if not absent:
                 return MultiTensorStats(table, list(kept.names), dtypes, (), range_dtype)
             names, missing = kept.names_split(absent)
             return MultiTensorStats(table, names, dtypes, missing, range_dtype)
-    pairs = _named_parameters(model_or_params, "check_grads")
+    pairs = named_parameters(model_or_params, "check_grads")
     all_grads = [p.grad for _, p in pairs]
     if any(g is None for g in all_grads):
         names = [n for (n, _), g in zip(pairs, all_grads) if g is not None]
@@ -316,7 +165,7 @@ def check_params(
     """Statistics of the parameters themselves (not their gradients), e.g. before casting a
     model to float16 or float8: ``check_params(model, range_dtype=torch.float16).total.range``.
     """
-    pairs = _named_parameters(model_or_params, "check_params")
+    pairs = named_parameters(model_or_params, "check_params")
     names, tensors = [n for n, _ in pairs], [p.detach() for _, p in pairs]
     return multi_tensor_stats(tensors, names=names, backend=backend, range_dtype=range_dtype)
 

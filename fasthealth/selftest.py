@@ -14,7 +14,6 @@ validated one (``ops/backends.py``). Without a CUDA device it says so and exits 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -26,77 +25,28 @@ from typing import Any
 
 import torch
 
+import fasthealth as fh
+
+from .ops.layout import COL, COUNT_FIELDS, RANGE_FIELDS
+from .ops.reference import tensor_stats_row
+from .ops.validation import machine_key, record_path, write_record
+
 GPU_BACKENDS = ("cuda", "triton")
 INF, NAN = float("inf"), float("nan")
 
 
-def record_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fasthealth" / "selftest.json"
+GPT2_SMALL = dict(vocab=50257, ctx=1024, d=768, layers=12)
 
 
-def _build_id() -> str:
-    """What the kernels were built from: the compiled module's bytes and the Triton source."""
-    from fasthealth.ops import compiled
-
-    h = hashlib.sha256()
-    files = [getattr(compiled.C, "__file__", None)]
-    files.append(str(Path(__file__).resolve().parents[1] / "triton_kernels" / "tensor_stats.py"))
-    try:
-        import fasthealth.triton_kernels.tensor_stats as ts
-
-        files.append(ts.__file__)
-    except ImportError:
-        pass
-    for f in files:
-        if f and os.path.exists(f):
-            h.update(Path(f).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def machine_key(device: int = 0) -> str:
-    """GPU model and capability, driver, torch, triton and fasthealth build: a validation holds
-    for this key only."""
-    props = torch.cuda.get_device_properties(device)
-    try:
-        driver = str(torch._C._cuda_getDriverVersion())
-    except (AttributeError, RuntimeError):
-        driver = "unknown"
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return (f"{props.name}|sm{props.major}{props.minor}|driver {driver}|torch "
-            f"{torch.__version__}|triton {triton_version}|fasthealth {_build_id()}")
-
-
-def read_record() -> dict:
-    try:
-        return json.loads(record_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def validated(key: str) -> list[str]:
-    """The backends validated for ``key``, fastest first."""
-    entry = read_record().get(key, {})
-    return [b for b in entry.get("fastest_first", []) if entry.get("passed", {}).get(b)]
-
-
-def _write_record(key: str, results: dict[str, dict]) -> None:
-    record = read_record()
-    passed = {b: r["passed"] for b, r in results.items()}
-    timed = sorted((r["timings"].get("gpt2-small bfloat16", {}).get(b, INF), b)
-                   for b, r in results.items() if r["passed"])
-    record[key] = {"passed": passed, "fastest_first": [b for _, b in timed],
-                   "results": results}
-    path = record_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    os.replace(tmp, path)
+def gpt2_shapes(vocab: int, ctx: int, d: int, layers: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a GPT-2 (tied embedding counted once): 148 tensors for GPT-2 small.
+    The shapes selftest times on; ``bench/`` times on the same ones."""
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
 
 
 # ---- the checks, in the backend's own process ------------------------------------------------
@@ -111,9 +61,6 @@ def _close(got: float, want: float, rel: float, abs_: float = 0.0) -> bool:
 
 def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> list[str]:
     """Where a table row misses SPEC section 2's tolerances against the reference."""
-    from fasthealth.ops.layout import COL, COUNT_FIELDS, RANGE_FIELDS
-    from fasthealth.ops.reference import tensor_stats_row
-
     want = tensor_stats_row(t.cpu(), *rng).tolist()
     got = got.cpu().tolist()
     wide = t.dtype in (torch.float64, torch.int64)
@@ -172,9 +119,6 @@ def _time(fn, arg, reps: int = 10) -> float:
 
 def _check_backend(backend: str) -> dict[str, Any]:
     """The battery, the no-sync check, capture and replay, and timings, for one backend."""
-    import fasthealth as fh
-    from fasthealth.benchmark import GPT2_SMALL, gpt2_shapes
-
     failures: list[str] = []
     cpu = battery()
     gpu = [t.cuda() for t in cpu]
@@ -233,12 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend:
         print(json.dumps(_check_backend(args.backend), default=str))
         return 0
-    import fasthealth as fh
-
     backends = [b for b in GPU_BACKENDS if b in fh.available_backends()]
     results = {b: _run_child(b) for b in backends}
     key = machine_key()
-    _write_record(key, results)
+    write_record(key, results)
     print(table(key, results))
     if args.json:
         Path(args.json).write_text(json.dumps({"key": key, "results": results}, indent=1,

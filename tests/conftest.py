@@ -4,6 +4,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# bench/'s harness, baselines and read probe: the tests check what the benchmarks run
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
 
 import fasthealth  # noqa: E402
 

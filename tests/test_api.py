@@ -395,14 +395,14 @@ def test_front_door_releases_the_gil_for_large_gradients_and_keeps_them_alive():
     import time
 
     _needs_cpu_op()
-    from fasthealth import checks
+    from fasthealth import checks, params
 
     n = 64 * 1024 * 1024  # 256 MB of float32: a pass of several ms
     m = torch.nn.Module()
     m.p = torch.nn.Parameter(torch.zeros(1).expand(n))  # its values are never read
     m.p.grad = torch.full((n,), 2.0)
     fh.check_grads(m)  # keeps the parameter list
-    assert checks._front_door(m, None, (math.inf, 0.0)) is not None
+    assert params.front_door(m, None, (math.inf, 0.0)) is not None
     interval = sys.getswitchinterval()
     sys.setswitchinterval(10.0)
     early = []
@@ -439,12 +439,12 @@ def test_front_door_releases_the_gil_for_large_gradients_and_keeps_them_alive():
 
 def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     """On a CPU module, check_grads reads the gradients in one call into the compiled kernel
-    (fasthealth/checks.py, _front_door): its table must equal the op's on the same gradients
+    (fasthealth/params.py, front_door): its table must equal the op's on the same gradients
     for every dtype and a transposed (dense, not contiguous) gradient; whatever it cannot take
     (a sliced gradient, a missing one, a lazily negated one, backend='torch',
     FASTHEALTH_BACKEND) goes the general path with the same results."""
     _needs_cpu_op()
-    from fasthealth import checks
+    from fasthealth import checks, params
 
     m = torch.nn.Module()
     g = torch.Generator().manual_seed(0)
@@ -462,7 +462,7 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
         return fh.ops.run("cpu", [p.grad for _, p in named], *rng)
 
     fh.check_grads(m)  # keeps the parameter list
-    assert checks._front_door(m, None, rng) is not None
+    assert params.front_door(m, None, rng) is not None
     s = fh.check_grads(m, range_dtype=torch.float16)
     assert torch.equal(s.raw.nan_to_num(), general().nan_to_num())
     assert s.nonfinite() == ["p0"] and s.dtypes[1] == torch.bfloat16 and s.missing == []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fasthealth as fh
-from fasthealth import baselines
+import baselines
 
 
 def test_baselines_agree_with_fasthealth():

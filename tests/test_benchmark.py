@@ -6,7 +6,7 @@ import json
 import pytest
 
 import fasthealth as fh
-from fasthealth import benchmark
+import harness as benchmark
 
 
 def test_quick_bench_writes_roofline_and_goals(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 import fasthealth as fh
 from fasthealth import selftest
+from fasthealth.ops import validation
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
@@ -26,13 +27,13 @@ def test_record_keeps_the_passed_backends_fastest_first(tmp_path, monkeypatch):
         "cuda": {"passed": True, "timings": {"gpt2-small bfloat16": {"cuda": 2.0}}},
         "triton": {"passed": True, "timings": {"gpt2-small bfloat16": {"triton": 1.5}}},
     }
-    selftest._write_record("H200|sm90|driver 1|torch x|triton y|fasthealth z", results)
-    assert selftest.validated("H200|sm90|driver 1|torch x|triton y|fasthealth z") == [
+    validation.write_record("H200|sm90|driver 1|torch x|triton y|fasthealth z", results)
+    assert validation.validated("H200|sm90|driver 1|torch x|triton y|fasthealth z") == [
         "triton", "cuda"]
-    assert selftest.validated("H100|sm90|driver 1|torch x|triton y|fasthealth z") == []
+    assert validation.validated("H100|sm90|driver 1|torch x|triton y|fasthealth z") == []
     results["triton"] = {"passed": False, "timings": t, "failures": ["norm: 0 vs 1"]}
-    selftest._write_record("H200|sm90|driver 1|torch x|triton y|fasthealth z", results)
-    assert selftest.validated("H200|sm90|driver 1|torch x|triton y|fasthealth z") == ["cuda"]
+    validation.write_record("H200|sm90|driver 1|torch x|triton y|fasthealth z", results)
+    assert validation.validated("H200|sm90|driver 1|torch x|triton y|fasthealth z") == ["cuda"]
     assert (tmp_path / "fasthealth" / "selftest.json").exists()
 
 

@@ -1,9 +1,9 @@
 // The CPU kernel body: statistics of elements [begin, end) of one tensor, for one instruction
 // set. Each stats_kernel_<isa>.cpp defines FH_ISA_NS (and FH_ISA_AVX where AVX, FMA and F16C
 // conversions may be used), sets `#pragma GCC target`, and includes this file. Everything here
-// has internal linkage except the entry points FH_ISA_NS::chunk_stats (and chunk_touch, the
-// benchmark's read floor), so code compiled for one ISA never leaks into another. No torch or
-// standard-library header is included here, for the same reason.
+// has internal linkage except the entry point FH_ISA_NS::chunk_stats (and, in the benchmark's
+// read-probe build only, chunk_touch), so code compiled for one ISA never leaks into another.
+// No torch or standard-library header is included here, for the same reason.
 //
 // Reference: fasthealth/ops/reference.py. Method, per block of kBlock elements (it stays in L1):
 //  - fast path (block_f32, inputs of 32 bits or fewer): vectorized min/max, zero count, and
@@ -762,8 +762,9 @@ Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, dou
   return acc;
 }
 
-// The benchmark's read floor (`fasthealth bench`, its roofline): every byte of elements
-// [begin, end) read by a loop of the fast path's shape (two vectors an iteration, the same
+#ifdef FASTHEALTH_READ_PROBE
+// The benchmark's read floor (bench/read_probe.py builds it; production builds have no such
+// kernel): every byte of elements [begin, end) read by a loop of the fast path's shape (two vectors an iteration, the same
 // prefetch ahead) that computes nothing but an OR, so the launcher, its chunks and its
 // prefetches are timed without the statistics. The Partial carries no statistics: only a bit of
 // the OR in `zero`, so that the loads are not dropped.
@@ -794,6 +795,7 @@ Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, dou
   out.zero = r & 1;
   return out;
 }
+#endif  // FASTHEALTH_READ_PROBE
 
 }  // namespace FH_ISA_NS
 }  // namespace fasthealth

@@ -14,27 +14,39 @@
 
 namespace fasthealth {
 
+// The read-probe build (FASTHEALTH_READ_PROBE, bench/read_probe.py only) swaps every variant's
+// statistics kernel for chunk_touch, a loop that only reads: the same launcher, chunks and
+// prefetches, so the benchmark can time them without the statistics.
+#ifdef FASTHEALTH_READ_PROBE
+#define FH_TOUCH_DECL \
+  Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
+#define FH_KERNEL(ns) &ns::chunk_touch
+#else
+#define FH_TOUCH_DECL
+#define FH_KERNEL(ns) &ns::chunk_stats
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 namespace avx512 {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
-Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
+FH_TOUCH_DECL
 }
 namespace avx2 {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
-Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
+FH_TOUCH_DECL
 }
 namespace avx {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
-Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
+FH_TOUCH_DECL
 }
 #endif
 namespace base {
 Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, double range_hi,
                     double range_lo);
-Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double);
+FH_TOUCH_DECL
 }
 
 namespace {
@@ -43,7 +55,6 @@ using ChunkFn = Partial (*)(const void*, int, int64_t, int64_t, double, double);
 
 struct Isa {
   ChunkFn fn;
-  ChunkFn touch;  // the benchmark's read floor (stats_kernel.h: chunk_touch)
   const char* name;
 };
 
@@ -59,11 +70,11 @@ std::vector<Isa> runnable() {
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
-  if (avx512) out.push_back({&avx512::chunk_stats, &avx512::chunk_touch, "avx512"});
-  if (avx2) out.push_back({&avx2::chunk_stats, &avx2::chunk_touch, "avx2"});
-  if (avx) out.push_back({&avx::chunk_stats, &avx::chunk_touch, "avx"});
+  if (avx512) out.push_back({FH_KERNEL(avx512), "avx512"});
+  if (avx2) out.push_back({FH_KERNEL(avx2), "avx2"});
+  if (avx) out.push_back({FH_KERNEL(avx), "avx"});
 #endif
-  out.push_back({&base::chunk_stats, &base::chunk_touch, "base"});
+  out.push_back({FH_KERNEL(base), "base"});
   return out;
 }
 
@@ -129,7 +140,7 @@ inline void prefetch_head(const CpuInput& in, const Chunk& ch) {
 }
 
 at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
-                           double range_lo, bool read_floor) {
+                           double range_lo) {
   const int64_t n = static_cast<int64_t>(inputs.size());
   std::vector<int64_t> first_chunk(n + 1, 0);
   std::vector<Chunk> chunks;
@@ -143,7 +154,7 @@ at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
   }
   first_chunk[n] = static_cast<int64_t>(chunks.size());
 
-  const ChunkFn fn = read_floor ? isa().touch : isa().fn;
+  const ChunkFn fn = isa().fn;
   std::vector<Partial> parts(chunks.size());
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
     int64_t next = lo;  // the heads of chunks [c, next) are prefetched,
@@ -206,8 +217,10 @@ at::Tensor multi_tensor_stats_cpu(at::TensorList tensors, double range_hi, doubl
   return cpu_stats_table(inputs, range_hi, range_lo);
 }
 
+#ifndef FASTHEALTH_READ_PROBE  // the probe is a plain module beside _C: it registers no op
 TORCH_LIBRARY_IMPL(fasthealth, CPU, m) {
   m.impl("multi_tensor_stats", &multi_tensor_stats_cpu);
 }
+#endif
 
 }  // namespace fasthealth

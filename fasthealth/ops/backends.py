@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import compiled
+from . import compiled, validation
 
 BACKENDS = ("torch", "cpu", "cuda", "triton")
 _validated: dict[int, list[str]] = {}  # per CUDA device index: selftest's record, read once
@@ -99,10 +99,8 @@ def validated_gpu_backends(device: torch.device) -> list[str]:
     """The fused backends ``fasthealth selftest`` validated for this machine, fastest first."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _validated:
-        from .. import selftest
-
         try:
-            _validated[index] = selftest.validated(selftest.machine_key(index))
+            _validated[index] = validation.validated(validation.machine_key(index))
         except (OSError, RuntimeError):
             _validated[index] = []
     return _validated[index]

@@ -1,6 +1,6 @@
 """The CPU benchmark: fasthealth.check_grads against what people run instead.
 
-Providers (fasthealth/baselines.py holds the baselines; tests check they compute what they say):
+Providers (bench/baselines.py holds the baselines; tests check they compute what they say):
   fasthealth   fh.check_grads(model): every statistic of SPEC section 2, per tensor and total
   naive        per tensor isnan().any(), isinf().any(), norm(), each with .item()
   naive_full   the same loop computing the full statistic set, one .item() per value
@@ -39,22 +39,14 @@ from pathlib import Path
 
 import torch
 
-from . import baselines
-from .checks import _kept, check_grads
-from .ops import compiled
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ modules
 
-GPT2_SMALL = dict(vocab=50257, ctx=1024, d=768, layers=12)
+import baselines  # noqa: E402
+from read_probe import read_floor  # noqa: E402
 
-
-def gpt2_shapes(vocab: int, ctx: int, d: int, layers: int) -> list[tuple[int, ...]]:
-    """Parameter shapes of a GPT-2 (tied embedding counted once): 148 tensors for GPT-2 small."""
-    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),
-                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
-    shapes += [(d,), (d,)]
-    return shapes
-
+from fasthealth import check_grads  # noqa: E402
+from fasthealth.ops import compiled  # noqa: E402
+from fasthealth.selftest import GPT2_SMALL, gpt2_shapes  # noqa: E402
 
 def small_shapes(n: int, lo: int, hi: int, seed: int = 0) -> list[tuple[int, ...]]:
     """n 1-D shapes with sizes log-uniform in [lo, hi]."""
@@ -94,21 +86,6 @@ def cases(quick: bool) -> list[dict]:
             dict(name="400-small", dtype=torch.bfloat16, shapes=small_shapes(400, 64, 4096)),
         ]
     return out
-
-
-def read_floor(model: torch.nn.Module) -> Callable[[], object] | None:
-    """check_grads(model)'s CPU front door (gather, chunks, prefetches, merge) with a kernel that
-    only reads every byte (csrc/cpu/stats_kernel.h: chunk_touch); None where the front door does
-    not serve this model (no compiled kernel, gradients it leaves to the general path)."""
-    check_grads(model)  # keeps the parameter list
-    kept, C = _kept.get(id(model)), compiled.C
-    if kept is None or C is None:
-        return None
-
-    def run():
-        return C.param_grads_table(kept.params, kept.dicts, kept.keys, math.inf, 0.0, True)
-
-    return run if run() is not None else None
 
 
 class _FlatModel(torch.nn.Module):
