@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import ops
+from .distributed import global_table
 from .ops.layout import range_thresholds
 from .params import front_door, named_parameters, unique_names
 from .stats import MultiTensorStats, TensorStats
@@ -134,8 +135,6 @@ def grads_stats(
     rng = range_thresholds(range_dtype)
     check = None
     if process_group is not None:
-        from .distributed import global_table
-
         grads = [grad_values(g) for g in grads]
         table, check = global_table(grads, names, backend, rng, process_group, extra_bad,
                                     replica_group)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .monitor import Monitor, replay
+from .report import write as write_report
 
 VOCAB, CTX = 64, 32
 
@@ -135,7 +136,7 @@ def _progress(steps: int, show: bool):
     if not show:
         return None
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional (the report extra): no progress bar without it
     except ImportError:
         return None
     return tqdm(total=steps, desc="demo training", unit="step", file=sys.stderr)
@@ -221,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="fasthealth-demo-"))
     ok = run(log_dir)
     if not args.no_report:
-        from .report import write
-
-        path, text = write(log_dir)
+        path, text = write_report(log_dir)
         print("\n" + text)
         print(f"report: {path}")
     print("\ndemo: every planted fault was caught" if ok else "\ndemo: SOME FAULTS WERE MISSED")

@@ -52,7 +52,7 @@ def local_view(t: torch.Tensor) -> tuple[torch.Tensor, bool | None]:
     tensor, whose count depends on the replica sets)."""
     dtensor = dtensor_cls()
     if dtensor is not None and isinstance(t, dtensor):
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate  # only DTensors reach here (dtensor_cls)
 
         coords = t.device_mesh.get_coordinate()
         if coords is None:  # this rank is not in the mesh

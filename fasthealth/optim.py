@@ -6,6 +6,10 @@ import math
 
 import torch
 
+from . import ops
+from .checks import multi_tensor_stats
+from .ops.layout import COL
+
 
 def optimizer_state_tensors(
     optimizer: torch.optim.Optimizer, param_names: dict[int, str] | None = None
@@ -72,8 +76,6 @@ class OptimizerHealth:
 
 
 def _rms(ts: list[torch.Tensor]) -> torch.Tensor:
-    from .checks import multi_tensor_stats
-
     s = multi_tensor_stats(ts)
     return s.per_tensor.norm.double() / s.per_tensor.numel.double().clamp(min=1).sqrt()
 
@@ -81,9 +83,6 @@ def _rms(ts: list[torch.Tensor]) -> torch.Tensor:
 def _eps_fraction(parts: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     """Per tensor, the fraction of v with sqrt(v) < eps, i.e. v < eps^2: the underflow count of
     the fused pass with range_lo = eps^2, plus the zeros (one pass per distinct eps)."""
-    from . import ops
-    from .ops.layout import COL
-
     out: list[torch.Tensor | None] = [None] * len(parts)
     for eps in dict.fromkeys(e for _, e in parts):
         idx = [i for i, (_, e) in enumerate(parts) if e == eps]
@@ -100,8 +99,6 @@ def check_optimizer(
 ) -> OptimizerHealth:
     """Health of a torch.optim optimizer's state, without a host sync. ``param_names`` maps
     ``id(param)`` to a name (e.g. ``{id(p): n for n, p in model.named_parameters()}``)."""
-    from .checks import multi_tensor_stats
-
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fasthealth: check_optimizer expects a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -34,7 +34,7 @@ from .capture import BackwardEnd, ForwardCapture
 def _sync_step() -> Callable[[], bool]:
     """Whether the backward that just ended is the last of its gradient accumulation: the
     flag accelerate keeps for the Trainer."""
-    from accelerate.state import GradientState
+    from accelerate.state import GradientState  # the Trainer brings accelerate; we do not
 
     state = GradientState()
     return lambda: bool(state.sync_gradients)

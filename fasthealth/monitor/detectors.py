@@ -59,6 +59,7 @@ from collections import deque
 
 import torch
 
+from ..stats import decode_ranks
 from .record import HostStep
 
 Found = tuple[str, str, dict]
@@ -639,8 +640,6 @@ class ReplicaDivergenceDetector(Detector):
         if self.active:
             return []
         self.active = True
-        from ..stats import decode_ranks
-
         ranks = decode_ranks(s.values["replica_mismatch_mask"])
         return [("replica_divergence",
                  f"the gradients of {int(count)} rank(s) differ from their replicas': ranks "

@@ -12,6 +12,7 @@ the verdict joins; any other optimizer costs one ``bool()`` per step.
 from __future__ import annotations
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
@@ -54,8 +55,6 @@ def unwrap(optimizer):
 
 def unscale(optimizer: torch.optim.Optimizer, scaler) -> None:
     """``scaler.unscale_`` unless this step's gradients were unscaled already."""
-    from torch.amp.grad_scaler import OptState
-
     if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
         scaler.unscale_(optimizer)
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from ..checks import multi_tensor_stats
 from ..ops.layout import COL
+from ..optim import optimizer_state_tensors
 
 SCALARS = (
     "loss", "grad_norm", "grad_finite_norm", "grad_amax", "nan_count", "inf_count",
@@ -124,9 +126,6 @@ def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], backend: st
                         device: torch.device) -> tuple[torch.Tensor, Any]:
     """(NaN + Inf count over the optimizer's state, its MultiTensorStats): one fused pass;
     (NaN, None) without an optimizer or state (not scanned)."""
-    from ..checks import multi_tensor_stats
-    from ..optim import optimizer_state_tensors
-
     nan = not_measured(device)
     if optimizer is None:
         return nan, None

@@ -41,7 +41,9 @@ def run(backend: str, tensors: Sequence[torch.Tensor], range_hi: float = math.in
     if backend == "triton":
         if torch.compiler.is_compiling():
             return library.triton_op(list(tensors), range_hi, range_lo)
-        from fasthealth.triton_kernels import tensor_stats as triton_stats  # no dispatch cost
+        # imported on first use: importing triton takes seconds and most processes never
+        # need it; the direct call skips the custom op's dispatch
+        from fasthealth.triton_kernels import tensor_stats as triton_stats
 
         return triton_stats.multi_tensor_stats_triton(list(tensors), range_hi, range_lo)
     return torch.ops.fasthealth.multi_tensor_stats(list(tensors), range_hi, range_lo)

@@ -35,7 +35,7 @@ def validate(tensors: Sequence[Any], names: Sequence[str] | None) -> None:
 
 def dtensor_cls() -> type | None:
     """torch.distributed's DTensor class, None where this torch lacks it."""
-    try:
+    try:  # here, not at import: torch.distributed is not built on every platform
         from torch.distributed.tensor import DTensor
     except ImportError:  # older torch
         try:

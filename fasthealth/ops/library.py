@@ -32,7 +32,7 @@ if compiled.C is not None:
 
 @torch.library.custom_op("fasthealth::multi_tensor_stats_triton", mutates_args=())
 def triton_op(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> torch.Tensor:
-    from fasthealth.triton_kernels import tensor_stats as triton_stats
+    from fasthealth.triton_kernels import tensor_stats as triton_stats  # triton: on first use
 
     return triton_stats.multi_tensor_stats_triton(tensors, range_hi, range_lo)
 

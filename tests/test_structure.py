@@ -1,0 +1,182 @@
+"""The package's shape (docs/design.md): layers that import only downward, no import cycle
+(imports inside functions counted), every import inside a function with its reason next to it,
+no benchmark code in the package, functions and classes of a size a reader can hold."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A module may import its own layer and those below, never one above.
+LAYERS = [
+    ["fasthealth.ops", "fasthealth.triton_kernels"],  # the one op
+    ["fasthealth.stats", "fasthealth.params", "fasthealth.distributed"],  # views, inputs, ranks
+    ["fasthealth.checks"],  # the public checks
+    ["fasthealth.activations", "fasthealth.optim"],
+    ["fasthealth.monitor"],  # the training-loop monitor
+    ["fasthealth.integrations"],  # one file per trainer
+    ["fasthealth"],  # the package's public names (__init__.py)
+    ["fasthealth.cli", "fasthealth.__main__", "fasthealth.report", "fasthealth.selftest",
+     "fasthealth.demo"],  # tools: nothing in the package imports them (the CLI on demand)
+]
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 300
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for folder, prefix in ((ROOT / "fasthealth", ["fasthealth"]),
+                           (ROOT / "triton_kernels", ["fasthealth", "triton_kernels"])):
+        for p in sorted(folder.rglob("*.py")):
+            parts = prefix + list(p.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+MODULES = modules()
+
+
+def layer(name: str) -> int:
+    best, depth = None, -1
+    for i, names in enumerate(LAYERS):
+        for prefix in names:
+            if (name == prefix or name.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = i, prefix.count(".")
+    assert best is not None, f"{name} is in no layer of tests/test_structure.py"
+    return best
+
+
+def imports(name: str) -> list[tuple[str, ast.stmt, bool]]:
+    """(imported fasthealth module, the statement, whether it sits inside a function)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    inner = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+             for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)}
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in MODULES else prefix
+                       for a in node.names]
+        for t in targets:
+            if t.split(".")[0] == "fasthealth":
+                out.append((t, node, id(node) in inner))
+    return out
+
+
+def test_every_module_imports_only_its_layer_and_below():
+    wrong = []
+    for name in MODULES:
+        for target, node, _ in imports(name):
+            if layer(target) > layer(name):
+                wrong.append(f"{MODULES[name].relative_to(ROOT)}:{node.lineno} {name} (layer "
+                             f"{layer(name)}) imports {target} (layer {layer(target)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_op_layer_imports_nothing_above_it():
+    for name in MODULES:
+        if layer(name) == 0:
+            assert all(layer(t) == 0 for t, _, _ in imports(name)), name
+
+
+def test_no_import_cycle():
+    graph = {name: {t for t, _, _ in imports(name) if t in MODULES and t != name}
+             for name in MODULES}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph[n]):
+            assert state.get(m) != 1, "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+            if m not in state:
+                visit(m)
+        path.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+
+
+def _function_imports(path: Path) -> list[ast.stmt]:
+    tree = ast.parse(path.read_text())
+    return [n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+            for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)]
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import belongs at the top of its file; one inside a function (an optional dependency,
+    a slow import kept off the common path) carries its reason on its line or just above."""
+    silent = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node in _function_imports(path):
+            near = lines[max(0, node.lineno - 3):node.end_lineno]
+            if not any("#" in line for line in near):
+                silent.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not silent, "imports inside functions without a reason:\n" + "\n".join(silent)
+
+
+def test_no_benchmark_code_in_the_package():
+    for name, path in MODULES.items():
+        assert "bench" not in path.stem, f"{path}: benchmarks live in bench/"
+        text = path.read_text()
+        assert "read_floor" not in text and "chunk_touch" not in text, path
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix in (".cpp", ".cu", ".h", ".cuh"):
+            for i in _read_probe_only_violations(path):
+                raise AssertionError(f"{path}:{i} names chunk_touch outside the bench-only "
+                                     "FASTHEALTH_READ_PROBE build")
+
+
+def _read_probe_only_violations(path: Path) -> list[int]:
+    """Lines of code (not comments) naming chunk_touch outside ``#ifdef FASTHEALTH_READ_PROBE``:
+    the preprocessor's nesting is followed (True: inside the probe's branch)."""
+    stack: list[bool | None] = []
+    bad = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        word = line.strip()
+        if word.startswith("#if"):
+            stack.append(True if word.startswith("#ifdef FASTHEALTH_READ_PROBE") else
+                         False if word.startswith("#ifndef FASTHEALTH_READ_PROBE") else None)
+        elif word.startswith("#else") and stack and stack[-1] is not None:
+            stack[-1] = not stack[-1]
+        elif word.startswith("#endif") and stack:
+            stack.pop()
+        code = line.split("//")[0]
+        if "chunk_touch" in code and True not in stack:
+            bad.append(i)
+    return bad
+
+
+def test_functions_and_classes_stay_readable():
+    big = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            if not isinstance(node, ast.ClassDef) and size > MAX_FUNCTION_LINES:
+                big.append(f"{path.relative_to(ROOT)}:{node.lineno} def {node.name}: {size}")
+            if isinstance(node, ast.ClassDef) and size > MAX_CLASS_LINES:
+                big.append(f"{path.relative_to(ROOT)}:{node.lineno} class {node.name}: {size}")
+    assert not big, "\n".join(big)
+
+
+def test_the_layers_name_every_module():
+    for name in MODULES:
+        layer(name)  # asserts
