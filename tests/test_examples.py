@@ -1,0 +1,63 @@
+"""The scripts of examples/ run as a user runs them, each in its own process with this
+interpreter, and print the line they promise: the planted NaN caught at its step and skipped,
+the weights finite, replay naming the sample; the DDP one under torch.distributed.run with two
+Gloo ranks, which must skip the same step and keep equal replicas."""
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NUM = r"-?\d+\.\d+"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_example(args: list[str], prefix: str) -> str:
+    """Runs ``python ARGS`` from the repository root; returns the line that starts with
+    ``prefix``, after checking the exit status."""
+    p = subprocess.run([sys.executable, *args], cwd=EXAMPLES.parent, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    lines = [s for s in p.stdout.splitlines() if s.startswith(prefix)]
+    assert len(lines) == 1, f"no single {prefix!r} line in:\n{p.stdout[-3000:]}"
+    return lines[0]
+
+
+def test_plain_loop():
+    line = run_example([str(EXAMPLES / "plain_loop.py")], "plain_loop:")
+    assert re.fullmatch(
+        r"plain_loop: step 40 nonfinite_grad\+nonfinite_loss skipped=True, replay "
+        rf"source=batch culprit_ids=\[1287\], weights finite=True, last loss {NUM}", line), line
+
+
+def test_hf_trainer():
+    pytest.importorskip("transformers")
+    line = run_example([str(EXAMPLES / "hf_trainer.py")], "hf_trainer:")
+    assert re.fullmatch(
+        r"hf_trainer: 10 steps logged, 0 events, 0 skipped, clip at 1\.0, "
+        rf"last loss {NUM}, grad norm {NUM}", line), line
+
+
+def test_lightning_loop():
+    pytest.importorskip("lightning")
+    line = run_example([str(EXAMPLES / "lightning_loop.py")], "lightning_loop:")
+    assert line == ("lightning_loop: 2 events (nonfinite_grad+nonfinite_loss) at steps [20], "
+                    "skipped=True, culprit_ids=[165], weights finite=True"), line
+
+
+def test_ddp_torchrun():
+    line = run_example(["-m", "torch.distributed.run", "--nproc_per_node=2",
+                        f"--master_port={free_port()}", str(EXAMPLES / "ddp_torchrun.py")],
+                       "ddp_torchrun:")
+    assert re.fullmatch(
+        r"ddp_torchrun: 2 ranks, skipped steps \[\[12\], \[12\]\], replicas equal=True, "
+        rf"last grad norm {NUM}", line), line
