@@ -46,6 +46,8 @@ too wide to see a garbage batch; differences leave the trend out.
   step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
   work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
   down 8x within 10 steps (three back-offs: the overflow persists).
+- ``stall``: a run that does not learn from the start: after 100 steps the loss has never
+  stood 1% below its first values; names the tensors whose gradients vanish next to the rest.
 - ``optimizer_state_nonfinite``: NaN/Inf in the optimizer's state at a scan.
 - ``replica_divergence``: under a process group, ranks whose replicas disagree
   (``fasthealth.distributed``), named.
@@ -573,6 +575,67 @@ class TensorNormDetector(Detector):
                 f"Check first: {check}", {"tensors": named})
 
 
+class StallDetector(Detector):
+    """A run that does not learn from the start (``stall``): after ``steps`` finite losses the
+    loss has never stood ``min_drop`` (1%) below the median of its first ``first`` values
+    (medians of ``recent`` values, so one lucky batch does not count as learning). Any healthy
+    run's loss falls by more than that within its first hundred steps; a stack whose gradients
+    vanish from step 0 (saturated sigmoids, a bad initialisation) or an LR of 0 does not.
+    The message names the tensors whose gradients are below ``vanish_ratio`` of the largest
+    tensor's gradient norm: where the signal does not get through. Once the loss has
+    fallen, the rule is done for the run: a plateau later on is not a stall from the start."""
+
+    def __init__(self, names: list[str], steps: int = 100, min_drop: float = 0.01,
+                 first: int = 10, recent: int = 10, vanish_ratio: float = 1e-3):
+        self.names, self.steps, self.min_drop = names, steps, min_drop
+        self.first_n, self.vanish_ratio = first, vanish_ratio
+        self.losses: deque[float] = deque(maxlen=recent)
+        self.start: float | None = None
+        self.firsts: list[float] = []
+        self.seen = 0
+        self.done = False
+        self.norms: list[float] = []  # the latest finite step's per-tensor gradient norms
+
+    def observe(self, s: HostStep) -> list[Found]:
+        loss = s.values["loss"]
+        if self.done or not math.isfinite(loss):
+            return []
+        self.seen += 1
+        self.losses.append(loss)
+        if self.start is None:
+            self.firsts.append(loss)
+            if len(self.firsts) == self.first_n:
+                self.start = statistics.median(self.firsts)
+            return []
+        level = statistics.median(self.losses)
+        if level < self.start - self.min_drop * abs(self.start):
+            self.done = True  # it learns
+            return []
+        if s.values["grads_finite"] and s.per_norm:
+            self.norms = s.per_norm
+        if self.seen < self.steps:
+            return []
+        self.done = True
+        return [self._finding(level)]
+
+    def _finding(self, level: float) -> Found:
+        norms = [n for n in self.norms if n == n]
+        top = max(norms, default=0.0)
+        vanished = [name for name, n in zip(self.names, self.norms)
+                    if n == n and top > 0 and n < self.vanish_ratio * top]
+        where = (f" The gradients of {len(vanished)} tensor(s) are below "
+                 f"{self.vanish_ratio:g} of the largest: {_listed(vanished)} (vanishing "
+                 "gradients: saturated activations, depth without residuals or "
+                 "normalisation, the initialisation)." if vanished else "")
+        return ("stall",
+                f"the loss has not fallen in {self.seen} steps: {level:.4g} against "
+                f"{self.start:.4g} at the start.{where} Check first: the learning rate (0? "
+                "far too small?), then whether the gradients reach the early layers, then "
+                "the labels (shuffled apart from the inputs?)",
+                {"loss": level, "start": self.start, "steps": self.seen,
+                 "vanished": vanished})
+
+
 class OptimizerStateDetector(Detector):
     """NaN/Inf in the optimizer's state, reported once until a later scan finds it clean."""
 
@@ -666,6 +729,7 @@ def default_detectors(names: list[str], *, spike_zscore: float, spike_window: in
         VanishingDetector(abs_threshold=vanishing_threshold, window=spike_window,
                           warmup=warmup_steps),
         TensorNormDetector(names, warmup=warmup_steps),
+        StallDetector(names),
         OptimizerStateDetector(),
         ReplicaDivergenceDetector(),
     ]

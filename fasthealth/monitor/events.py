@@ -1,4 +1,13 @@
-"""What the monitor reports: ``Event``, ``Observation`` and ``NonFiniteError``."""
+"""What the monitor reports: ``Event``, ``Incident``, ``Observation`` and ``NonFiniteError``.
+
+Severity is by consequence (docs/spec.md section 6). An *alarm* says something is wrong for the
+run: a non-finite value, the loss harmed (a spike, a sustained rise, a stall, oscillation),
+the learning rate far above anything it has been, gradients vanished, optimizer state or loss
+scale broken, replicas that disagree. A *notice* is a signal worth seeing that has not harmed
+the loss: the gradient norm jumping or climbing while the loss is fine (an extreme gradient
+that the loss then confirms joins the loss's alarm in one incident), a precursor. Notices are
+logged, plotted and counted; only alarms warn, raise or reach a trainer's logs as problems.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,13 @@ import torch
 from ..stats import MultiTensorStats
 
 FATAL_KINDS = ("nonfinite_loss", "nonfinite_grad")
+ALARM, NOTICE = "alarm", "notice"
+# Kinds that are notices; every other kind is an alarm.
+NOTICE_KINDS = frozenset({"grad_norm_spike", "exploding_grad"})
+
+
+def severity_of(kind: str) -> str:
+    return NOTICE if kind in NOTICE_KINDS or kind.startswith("precursor_") else ALARM
 
 
 def jsonable(v: Any) -> Any:
@@ -29,17 +45,56 @@ def jsonable(v: Any) -> Any:
 @dataclass
 class Event:
     """One finding at one step: ``kind`` (see detectors.py), a readable ``message``, the numbers
-    behind it in ``details``, and ``dump`` (the saved batch and state, for ``fh.replay``)."""
+    behind it in ``details``, ``dump`` (the saved batch and state, for ``fh.replay``; the first
+    alarm step of each incident has one), ``severity`` ("alarm" or "notice") and ``incident``,
+    the id of the ``Incident`` it belongs to."""
 
     step: int
     kind: str
     message: str
     details: dict = field(default_factory=dict)
     dump: str | None = None
+    severity: str = ""
+    incident: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.severity:
+            self.severity = severity_of(self.kind)
 
     def to_json(self) -> dict:
-        return {"step": self.step, "kind": self.kind, "message": self.message,
+        return {"step": self.step, "kind": self.kind, "severity": self.severity,
+                "incident": self.incident, "message": self.message,
                 "details": jsonable(self.details), "dump": self.dump}
+
+
+@dataclass
+class Incident:
+    """The events of one fault: from ``start`` to ``end`` (steps), the ``kinds`` seen in order of
+    first appearance, ``cause`` (the kind of its first alarm, else of its first event),
+    ``severity`` ("alarm" once any of its events is one), ``events`` and ``dump`` (the saved
+    step of its first alarm). ``open`` until ``quiet`` steps pass without a new event."""
+
+    id: int
+    start: int
+    end: int
+    kinds: list[str]
+    cause: str
+    severity: str
+    events: list[Event] = field(default_factory=list)
+    dump: str | None = None
+    open: bool = True
+
+    @property
+    def message(self) -> str:
+        """The first alarm's message (else the first event's): what a log line shows."""
+        first = next((e for e in self.events if e.severity == ALARM), self.events[0])
+        return first.message
+
+    def to_json(self, state: str) -> dict:
+        return {"record": "incident", "state": state, "id": self.id, "start": self.start,
+                "end": self.end, "kinds": list(self.kinds), "cause": self.cause,
+                "severity": self.severity, "events": len(self.events), "dump": self.dump,
+                "message": self.message}
 
 
 @dataclass

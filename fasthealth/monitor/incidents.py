@@ -1,0 +1,74 @@
+"""Events of one fault, grouped into one ``Incident`` (docs/spec.md section 6).
+
+A fault rarely makes one event: a garbage batch spikes the loss and the gradient norm at its
+step, and the damaged model then spikes again while it recovers; an LR jump shows as the jump,
+spikes and a rising loss. The tracker sees each flushed step in order. An event joins the open
+incident when there is one (the aftermath of a fault explains what follows it); otherwise it
+opens a new one. An incident closes after ``quiet`` steps without an event, or ``notice_quiet``
+steps while it holds only notices (a notice that nothing confirms should not hold the door open
+for an unrelated alarm much later). A notice incident that an alarm joins becomes an alarm:
+a gradient spike that the loss then confirms.
+"""
+
+from __future__ import annotations
+
+from .events import ALARM, NOTICE, Event, Incident
+
+
+class IncidentTracker:
+    """Assigns each event an incident; ``incidents`` lists them all, in order of opening."""
+
+    def __init__(self, quiet: int = 50, notice_quiet: int = 10) -> None:
+        if quiet < 1 or notice_quiet < 1:
+            raise ValueError("fasthealth: incident quiet periods must be at least 1 step")
+        self.quiet, self.notice_quiet = quiet, notice_quiet
+        self.incidents: list[Incident] = []
+        self.current: Incident | None = None
+
+    def _expired(self, step: int) -> bool:
+        cur = self.current
+        if cur is None:
+            return False
+        limit = self.quiet if cur.severity == ALARM else self.notice_quiet
+        return step - cur.end > limit
+
+    def advance(self, step: int) -> Incident | None:
+        """Closes the open incident if ``step`` lies past its quiet period; returns it if so."""
+        if not self._expired(step):
+            return None
+        closed, self.current = self.current, None
+        assert closed is not None
+        closed.open = False
+        return closed
+
+    def add(self, step: int, events: list[Event]) -> tuple[Incident | None, bool, bool]:
+        """Files ``events`` (all of ``step``) under an incident: (that incident, whether it was
+        opened here, whether it became an alarm here). (None, False, False) without events."""
+        if not events:
+            return None, False, False
+        opened = self.current is None
+        if opened:
+            first = next((e for e in events if e.severity == ALARM), events[0])
+            self.current = Incident(id=len(self.incidents), start=step, end=step, kinds=[],
+                                    cause=first.kind, severity=NOTICE)
+            self.incidents.append(self.current)
+        cur = self.current
+        assert cur is not None
+        was_alarm = cur.severity == ALARM
+        for e in events:
+            e.incident = cur.id
+            cur.events.append(e)
+            if e.kind not in cur.kinds:
+                cur.kinds.append(e.kind)
+            if e.severity == ALARM and cur.severity != ALARM:
+                cur.severity, cur.cause = ALARM, e.kind
+        cur.end = step
+        return cur, opened, cur.severity == ALARM and not was_alarm
+
+    def close_all(self) -> list[Incident]:
+        """Closes the open incident (the run ended); returns it in a list, or an empty one."""
+        if self.current is None:
+            return []
+        closed, self.current = self.current, None
+        closed.open = False
+        return [closed]
