@@ -5,7 +5,7 @@ Cases: GPT-2 small (148 tensors, 124M), GPT-2 XL (1.56B), a 7B-like set of LLaMA
 5000 small tensors, in bfloat16 and float32. CUDA-event timing, warm-up, medians of interleaved
 repetitions; inputs smaller than 8x the L2 cache are rotated between two copies so that the L2
 does not flatter. Writes bench/results/h200.json (a list of rows {case, dtype, provider, ms,
-gbps}), h200_machine.json (device, versions, the issue's goals checked against the rows) and a
+gbps}), h200_machine.json (device, versions, the GPU goals checked against the rows) and a
 plot. `compile` (torch.compile of the reference) runs on GPT-2 small only: compiling the
 reference over hundreds of tensors takes minutes of device time.
 
@@ -169,7 +169,7 @@ def write(rows, props, args):
 
 
 def goals(rows: list[dict]) -> list[dict]:
-    """Issue 3's goals, read off the rows: share of the read limit on the largest case, speedup
+    """The GPU goals, read off the rows: share of the read limit on the largest case, speedup
     over the naive loop on GPT-2 small bf16, and speed against torch._foreach_norm alone."""
     ms = {(r["case"], r["dtype"], r["provider"]): r["ms"] for r in rows}
     out = []

@@ -4,9 +4,9 @@
 
 One torch thread checks one 64K-element tensor (256 KB as float32: it stays in L2) 200 times
 through the op, 15 times, and a 64-element tensor the same way; the median of each gives the
-time per call, and the difference (the op's fixed cost per call, about 2 us here, taken off)
-gives G elements/s per core. Each variant runs in its own process (FASTHEALTH_CPU_ISA is read
-once). The measurement is fasthealth.benchmark.kernel_rate, which `make bench` also runs for
+time per call, and the difference (the op's fixed cost per call taken off) gives G elements/s
+per core. Each variant runs in its own process (FASTHEALTH_CPU_ISA is read once). The
+measurement is bench/harness.py's kernel_rate, which `make bench` also runs for
 the variant it uses: its roofline compares this rate, times the threads and the element size,
 with the read limit.
 """

@@ -10,10 +10,10 @@ before each call so that both start from memory (`make bench` interleaves other 
 which leaves some data in the caches). A round's ratio is its check over its read limit. The
 "quiet" rounds are those whose read limit is in the fastest third of the case's rounds: the
 host's bandwidth was then at its best, which is when a memory-bound kernel's own overheads
-show. Both medians are reported; `make bench` stays the reference for the issue's goals.
-`--repeat K` runs it all K times, one after the other: this host moves between a quiet state
-(GPT-2 float32 read in about 6.6 ms) and a contended one (about 11 ms) over minutes, and the
-ratios differ between the two, so one run says little.
+show. Both medians are reported; `make bench` stays the reference for the CPU goals.
+`--repeat K` runs it all K times, one after the other: a shared host moves between a quiet
+state and a contended one (where the read limit takes far longer) over minutes, and the ratios
+differ between the two, so one run says little.
 """
 
 from __future__ import annotations

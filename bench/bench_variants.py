@@ -5,7 +5,8 @@
 Each variant runs `fasthealth bench --case gpt2-small --case 4000-small --rounds 11` in its own
 process with FASTHEALTH_CPU_ISA forcing it, one after another (the shared machine's bandwidth
 moves between runs: compare ratios to the read limit, which are paired within each run, not
-milliseconds across runs). The portable baseline is left out: it is 4-6x slower by design.
+milliseconds across runs). The portable baseline is left out: it is several times slower by
+design.
 """
 
 from __future__ import annotations

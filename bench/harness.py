@@ -1,7 +1,8 @@
 """The CPU benchmark: fasthealth.check_grads against what people run instead.
 
 Providers (bench/baselines.py holds the baselines; tests check they compute what they say):
-  fasthealth   fh.check_grads(model): every statistic of SPEC section 2, per tensor and total
+  fasthealth   fh.check_grads(model): every statistic of docs/spec.md section 2, per tensor
+               and total
   naive        per tensor isnan().any(), isinf().any(), norm(), each with .item()
   naive_full   the same loop computing the full statistic set, one .item() per value
   foreach      torch._foreach_norm plus a per-tensor non-finite count, one sync at the end
@@ -101,16 +102,17 @@ class _FlatModel(torch.nn.Module):
 def providers(model: _GradModel, flat: torch.Tensor) -> dict[str, Callable[[], object]]:
     grads = model.grads()
     # Rounds rotate this order, so each provider always follows the same one, and where a case
-    # fits in the caches (4000 tiny: 15.7 MB, L3 32 MB) the one before sets what is cached:
-    # - fasthealth follows read_limit, and read_limit follows total_norm, as in the runs
-    #   issue 15's goals were set on (after the naive loop, which evicts the gradients'
-    #   metadata, 4000 tiny took 1.8-2.1 ms instead of 1.0-1.1);
-    # - foreach is followed by naive: the two-thread pass right after foreach was often 2-3x
-    #   slower (GPT-2, whichever ran there), for reasons not found (not its freed memory:
-    #   allocating and freeing 200 MB does not do it), and naive's 200 ms absorb that;
+    # fits in the caches (4000 tiny, about 16 MB, fits in a server's L3) the one before sets
+    # what is cached:
+    # - fasthealth follows read_limit, and read_limit follows total_norm, as when the goals
+    #   were set (after the naive loop, which evicts the gradients' metadata, the 4000 tiny
+    #   check runs nearly twice as long);
+    # - foreach is followed by naive: a two-thread pass right after foreach is often several
+    #   times slower, for reasons not found (not its freed memory), and the naive loop, tens of
+    #   times slower than any such pass, absorbs it;
     # - the read floors follow fasthealth, on the caches it leaves: for 4000 tiny, `floor` is
     #   then warmer than fasthealth was, and the roofline's split gives the statistics more
-    #   than their share (same cache state, caches emptied: 1.24 ms floor, 1.68 ms fasthealth).
+    #   than their share.
     base = {
         # .ok forces the one host sync fasthealth needs to act on its result
         "fasthealth": lambda: check_grads(model).ok,
@@ -190,7 +192,8 @@ def run_case(case: dict, rounds: int, slow_rounds: int) -> list[dict]:
     names = list(provs)
     # Before each timed call, a small two-thread reduction: the intra-op worker is then awake,
     # as it is right after a backward pass, whatever the provider before did (after the naive
-    # loop's single-thread ops, waking it cost 4000 tiny tensors' check about 0.3 ms).
+    # loop's single-thread ops, waking it would be charged to the next provider, a large share
+    # of a check of many tiny tensors).
     wake = torch.ones(1 << 16)
     times: dict[str, list[float]] = {n: [] for n in names}
     bar = _progress(rounds * len(names), f"{case['name']} {str(case['dtype'])[6:]}")
@@ -231,7 +234,7 @@ def run_case(case: dict, rounds: int, slow_rounds: int) -> list[dict]:
     return rows
 
 
-# Issue 15's goals, on the paired medians: fasthealth's time over the read limit, per case
+# The CPU goals, on the paired medians: fasthealth's time over the read limit, per case
 READ_GOALS = {("gpt2-small", "float32"): 1.15, ("gpt2-small", "bfloat16"): 1.25,
               ("4000-small", "float32"): 1.5, ("4000-tiny", "float32"): 4.0}
 
@@ -429,7 +432,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
 
 def plot_roofline(roof: list[dict], path: Path, title: str) -> bool:
     """fasthealth's time per case in read limits, stacked as the roofline splits it, with
-    issue 15's goal for the case marked."""
+    the case's goal (READ_GOALS) marked."""
     rows = [r for r in roof if "split_x_read" in r]
     if not rows:
         return False
@@ -459,7 +462,7 @@ def plot_roofline(roof: list[dict], path: Path, title: str) -> bool:
         goal = READ_GOALS.get((r["case"], r["dtype"]))
         if goal:
             ax.plot([goal, goal], [y - 0.38, y + 0.38], color="black", lw=1.5,
-                    label="issue 15's goal" if y == ys[0] else None)
+                    label="goal" if y == ys[0] else None)
         at = max(end, goal or 0.0)
         ax.annotate(f"{r['x_read']:.2f}x", (at, y), xytext=(5, 0), textcoords="offset points",
                     va="center", fontsize=8)

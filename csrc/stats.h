@@ -37,7 +37,7 @@ enum Field : int {
   kFiniteNorm,
   kAmax,
   kAllFinite,
-  kNumFields,  // the fields of SPEC section 2
+  kNumFields,  // the fields of docs/spec.md section 2
   // Mixed-precision range, against the thresholds of the call (0 when none were given):
   kOverflowCount = kNumFields,  // finite |x| > range_hi
   kUnderflowCount,              // 0 < |x| < range_lo
@@ -90,9 +90,9 @@ struct Partial {
 // - kCancelBudget: the variance from these sums, M2 = sum x^2 - (sum x)^2 / n, has a relative
 //   error of about c * T * 2^-24 with c = sum x^2 / M2 (how much the mean dominates). A chunk
 //   with c above kCancelBudget / T takes a second, shifted pass around its mean. 512 * 2^-24 =
-//   3e-5 relative on the variance, inside SPEC's 1e-4 for std, for every kernel: the CPU kernel
-//   folds every T = 16 terms (c <= 32), the CUDA kernel every 8 (c <= 64), the Triton kernel
-//   every CHUNK / BLOCK = 32 (c <= 16).
+//   3e-5 relative on the variance, inside the 1e-4 for std of docs/spec.md section 2, for
+//   every kernel: the CPU kernel folds every T = 16 terms (c <= 32), the CUDA kernel every 8
+//   (c <= 64), the Triton kernel every CHUNK / BLOCK = 32 (c <= 16).
 // Exact path (float64 and integer inputs, and chunks the fast path refuses): the same record by
 // different means, each the cheapest exact one for its hardware: the CPU and Triton kernels
 // scale each block's squares by a power of two near its largest |x| (a block's values sit in
@@ -156,8 +156,8 @@ static inline FH_HD Partial partial_merge(const Partial& a, const Partial& b) {
   return r;
 }
 
-// Writes the kTableWidth columns: SPEC section 2's fields (counts as exact doubles, all_finite
-// as 0/1), then the range counts.
+// Writes the kTableWidth columns: the fields of docs/spec.md section 2 (counts as exact
+// doubles, all_finite as 0/1), then the range counts.
 static inline FH_HD void partial_finalize(const Partial& p, double* out) {
   const double nan = fh_nan();
   const double inf = fh_inf();

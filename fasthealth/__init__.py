@@ -1,6 +1,6 @@
 """fasthealth: fused, sync-free health checks for training large models.
 
-The public names of SPEC.md; see README.md for a tour.
+The public names of the contract (docs/spec.md); see README.md for a tour.
 """
 
 from .activations import ActivationMonitor

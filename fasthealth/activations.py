@@ -1,8 +1,8 @@
-"""Activation statistics with first-producer attribution (SPEC section 7).
+"""Activation statistics with first-producer attribution (docs/spec.md section 7).
 
-Forward hooks compute SPEC section 2's statistics of each selected module's inputs and outputs
-in one fused call per module (no host sync: the tables stay on the device); backward hooks do
-the same for the gradients flowing through it. Reading ``first_nonfinite`` or ``report()``
+Forward hooks compute the statistics of docs/spec.md section 2 for each selected module's inputs
+and outputs in one fused call per module (no host sync: the tables stay on the device); backward
+hooks do the same for the gradients flowing through it. Reading ``first_nonfinite`` or ``report()``
 copies the tables of the latest forward/backward to the host once.
 
 First producer: the first module, in forward order, whose inputs were finite and whose output

@@ -1,4 +1,4 @@
-"""The public checks of SPEC section 3: tensor_stats, multi_tensor_stats, check_grads,
+"""The public checks of docs/spec.md section 3: tensor_stats, multi_tensor_stats, check_grads,
 check_tensor_health.
 
 One fused pass per device over all inputs; nothing here synchronizes with the device except
@@ -30,7 +30,7 @@ def multi_tensor_stats(
     """Statistics of every tensor and of all of them together, in one fused pass.
 
     Inputs may mix dtypes (floating, integer, bool) and devices; non-contiguous views are read
-    as they are. See SPEC section 2 for each field's NaN/Inf semantics. No host sync.
+    as they are. See docs/spec.md section 2 for each field's NaN/Inf semantics. No host sync.
     ``range_dtype`` (float16, bfloat16, float8_e4m3fn, ...) adds, in the same pass, how the
     values would fare cast to it: ``s.total.range.overflow_frac`` etc. (see RangeStats).
     """
@@ -58,7 +58,8 @@ def multi_tensor_stats(
 
 def tensor_stats(t: torch.Tensor, *, backend: str | None = None,
                  range_dtype: torch.dtype | None = None) -> TensorStats:
-    """Statistics of one tensor (SPEC section 2): 0-dim tensors on ``t``'s device, no sync."""
+    """Statistics of one tensor (docs/spec.md section 2): 0-dim tensors on ``t``'s device, no
+    sync."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fasthealth: tensor_stats expects a torch.Tensor, got {type(t).__name__}")
     return multi_tensor_stats([t], names=["t"], backend=backend, range_dtype=range_dtype)[0]

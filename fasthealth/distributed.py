@@ -1,5 +1,5 @@
-"""Whole-model statistics under torch.distributed (SPEC section 8): one collective per call,
-right for every layout.
+"""Whole-model statistics under torch.distributed (docs/spec.md section 8): one collective per
+call, right for every layout.
 
 Each rank reduces its local data with the fused kernel, as always, then contributes one row to
 a single all-gather: the merge of its DTensor shards it owns, the merge of its plain tensors, and

@@ -1,4 +1,5 @@
-"""`fasthealth selftest` (SPEC section 9): validates the fused GPU backends on this machine.
+"""`fasthealth selftest` (docs/spec.md section 9): validates the fused GPU backends on this
+machine.
 
 For each compiled GPU backend (``cuda``, ``triton``), in its own process (an illegal address in
 one cannot poison the other): a correctness battery against the float64 reference (every
@@ -60,7 +61,8 @@ def _close(got: float, want: float, rel: float, abs_: float = 0.0) -> bool:
 
 
 def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> list[str]:
-    """Where a table row misses SPEC section 2's tolerances against the reference."""
+    """Where a table row misses the tolerances of docs/spec.md section 2 against the
+    reference."""
     want = tensor_stats_row(t.cpu(), *rng).tolist()
     got = got.cpu().tolist()
     wide = t.dtype in (torch.float64, torch.int64)
@@ -76,7 +78,7 @@ def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> lis
             ok = _close(got[i], want[i], 1e-12 if wide else 1e-5)
         elif "mean" in name:
             ok = _close(got[i], want[i], 0.0, (1e-12 if wide else 1e-5) * scale)
-        else:  # std: within SPEC's 1e-4 while |mean|/std <= 1e3, no promise beyond
+        else:  # std: within docs/spec.md's 1e-4 while |mean|/std <= 1e3, no promise beyond
             m = want[COL["finite_mean"]]
             promised = not (want[i] > 0) or abs(m) <= 1e3 * want[i]
             ok = _close(got[i], want[i], 1e-4) or (not promised and math.isfinite(got[i]))

@@ -56,7 +56,7 @@ def _column(row: torch.Tensor, name: str, float_dtype: torch.dtype) -> torch.Ten
 class TensorStats:
     """Statistics of one tensor (0-dim fields) or of N tensors (1-D fields of length N).
 
-    Every field of SPEC section 2 is an attribute holding a tensor on the input's device.
+    Every field of docs/spec.md section 2 is an attribute holding a tensor on the input's device.
     """
 
     __slots__ = ("_row", "_float_dtype", "_range_dtype")

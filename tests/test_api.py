@@ -1,4 +1,4 @@
-"""The public API of SPEC section 3: objects, names, errors, backends, the compiled op."""
+"""The public API of docs/spec.md section 3: objects, names, errors, backends, the compiled op."""
 
 import math
 import os

@@ -3,9 +3,9 @@
 `csrc/cuda/stats_kernels.cuh` is compiled with g++ against a small CUDA emulation (one OS
 thread per CUDA thread, real barriers for __syncthreads and warp shuffles) and a chunk of 4096
 elements instead of 65536, so small tensors cross many chunks. This checks the kernels' logic
-against the reference with SPEC's tolerances, and which path (fast, shifted, slow) finished each
-chunk; nvcc's compilation is checked by `make cuda-check`, speed and the GPU guarantees by the
-`gpu` tests on a device.
+against the reference with the tolerances of docs/spec.md section 2, and which path (fast,
+shifted, slow) finished each chunk; nvcc's compilation is checked by `make cuda-check`, speed
+and the GPU guarantees by the `gpu` tests on a device.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""SPEC sections 4 and 5 on a CUDA device: the `cuda` and `triton` backends against the
-reference, and the guarantees (no host sync, O(N) workspace, current stream, CUDA-graph capture
-and replay, torch.compile without graph breaks, a number of launches independent of N).
+"""docs/spec.md sections 4 and 5 on a CUDA device: the `cuda` and `triton` backends against
+the reference, and the guarantees (no host sync, O(N) workspace, current stream, CUDA-graph
+capture and replay, torch.compile without graph breaks, a number of launches independent of N).
 
 Marked `gpu`; skipped with a reason where there is no CUDA device. bench/gpu_check.sh runs them
 on the lent GPU.

@@ -168,10 +168,10 @@ def test_float64_extreme_magnitudes_exact_norm():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("offset", [900.0, -900.0, 8.0])
 def test_std_accuracy_when_mean_dominates(backend, dtype, offset):
-    # Up to SPEC's limit (|mean|/std <= 1e3; the check skips rows past it, so the offsets stay
-    # inside it whatever the sample's std): sums of x and x^2 alone would cancel here (at 8,
-    # sum x^2 / M2 = 65, past the fast path's budget of 32), so the kernel must notice and
-    # recompute those blocks.
+    # Up to the limit of docs/spec.md section 2 (|mean|/std <= 1e3; the check skips rows past
+    # it, so the offsets stay inside it whatever the sample's std): sums of x and x^2 alone
+    # would cancel here (at 8, sum x^2 / M2 = 65, past the fast path's budget of 32), so the
+    # kernel must notice and recompute those blocks.
     g = torch.Generator().manual_seed(11)
     if dtype == torch.bfloat16:
         offset /= 10  # its 8-bit mantissa cannot hold 900 +- 1

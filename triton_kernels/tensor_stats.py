@@ -1,8 +1,8 @@
 """The fused multi-tensor statistics pass in Triton: backend ``"triton"``.
 
-Reference: ``fasthealth/ops/reference.py`` (SPEC section 2); record and finalisation rules: the
-same as ``csrc/stats.h``. Read top to bottom: the partial record, the three kernels, the
-launcher.
+Reference: ``fasthealth/ops/reference.py`` (docs/spec.md section 2); record and finalisation
+rules: the same as ``csrc/stats.h``. Read top to bottom: the partial record, the three kernels,
+the launcher.
 
 1. ``_chunk_stats_kernel``: one persistent launch per (dtype, 16-byte alignment) group over a
    flat work list of (tensor, chunk) items, the tensors reached through an int64 pointer table
@@ -429,9 +429,9 @@ BLOCK = int(os.environ.get("FASTHEALTH_TRITON_BLOCK", 256 if _INTERPRET else 204
 VBLOCK = 128
 NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16-byte loads
 # Registers a thread may use in the chunk kernel: 65536 / (2 programs x 256 threads), so that
-# two programs share each SM. Triton 3.6 (the H200's) otherwise takes 139-145 with range counts
-# (one program per SM: 16 KB of loads in flight); at 128 ptxas fits every variant without
-# spilling (tests/test_triton_compile.py checks).
+# two programs share each SM and keep twice the loads in flight. Left to itself Triton takes a
+# few more than this with range counts, which leaves one program per SM; at 128 ptxas fits
+# every variant without spilling (tests/test_triton_compile.py checks).
 MAX_REGISTERS = 128
 _FAST = (torch.float32, torch.float16, torch.bfloat16)  # float32 lanes with exact fallbacks
 # Plans (device work lists) by their inputs, least recently used first; those a CUDA graph has

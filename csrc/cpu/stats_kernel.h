@@ -11,9 +11,10 @@
 //    when the mean does not dominate the spread (stats.h: kCancelBudget), else the block is
 //    redone with sums shifted by its first element (block_f32_shifted);
 //  - wide path (block_f32_wide, block_f64): float64 sums (float64 keeps the unshifted variance
-//    well conditioned: its error is ~kBlock * 1e-16 * (mean/std)^2, far inside SPEC's 1e-4 for
-//    |mean|/std <= 1e3, and squares of float32 cannot overflow it), for blocks the float32 lanes
-//    cannot serve (magnitudes outside [2^-40, 2^60], or cancellation even after the shift);
+//    well conditioned: its error is ~kBlock * 1e-16 * (mean/std)^2, far inside the 1e-4 of
+//    docs/spec.md section 2 for |mean|/std <= 1e3, and squares of float32 cannot overflow it),
+//    for blocks the float32 lanes cannot serve (magnitudes outside [2^-40, 2^60], or
+//    cancellation even after the shift);
 //  - the block's float64 sum is finite iff every element is (for float64 inputs, iff also the
 //    magnitudes are in a range where squares neither overflow nor underflow); otherwise the
 //    block is redone by the exact scalar slow path: counts NaN/+inf/-inf, two-pass moments,
@@ -35,16 +36,16 @@ namespace fasthealth {
 namespace FH_ISA_NS {
 namespace {
 
-// 4096 elements: 16 KB of float32 stays in L1 (48 KB on this project's machines) for the range
-// counts' second look. Half as many block ends (horizontal reductions, a merge) as 2048 made
-// GPT-2 small 2-4% faster streamed from memory (paired with torch.sum, two runs, quiet host).
+// 4096 elements: 16 KB of float32 stays in L1 (32-48 KB on current x86 cores) for the range
+// counts' second look, and the block is long enough that its end (horizontal reductions, a
+// merge) costs little next to the stream; shorter blocks pay for more ends.
 constexpr int64_t kBlock = 4096;
 
 // Vector width: 512-bit lanes with AVX-512, 256-bit with AVX and AVX2, 128-bit (SSE2 / NEON)
 // otherwise. GCC vector extensions keep one source for all; the few operations they express
 // badly use intrinsics. Every variant folds its float32 sums into float64 every 16 terms per
 // lane and merges in the same order, so the numerics (and their bounds) are the same; the
-// roundings differ with the lane count, within SPEC's tolerances.
+// roundings differ with the lane count, within the tolerances of docs/spec.md section 2.
 #if defined(FH_ISA_AVX512)
 constexpr int FW = 16;
 typedef float vf __attribute__((vector_size(64)));
@@ -74,13 +75,11 @@ inline vd loadd(const double* p) {
 }
 
 // Software prefetch kPrefetchAhead bytes ahead of the loads: every 64-byte line of the 2 * FW
-// elements one loop iteration reads (a float32 iteration under AVX-512 reads two lines; the loop
-// used to prefetch only the first, and GPT-2 small streamed at 1.19x torch.sum instead of 1.07x,
-// paired, quiet rounds). 8 KB ahead: on a quieter host a core streams faster and 4 KB no
-// longer covers memory's latency. Seven runs with GPT-2 float32 read in 7.2-8.8 ms, paired
-// ratios to the read limit: float32 1.06-1.20x against 1.08-1.23x at 4 KB (lower in each run),
-// bfloat16 0.97-1.02x against 1.06-1.11x, 4000 of 4K-64K within 2%; contended (11-12 ms),
-// 2-16 KB measure alike. 16 KB was as good on GPT-2 and worse on 4000 of 4K-64K.
+// elements one loop iteration reads (a float32 iteration under AVX-512 reads two lines, and a
+// line left to the hardware prefetcher alone makes the stream wait on memory). 8 KB ahead: when
+// the host's memory is at its fastest a core streams quickly enough that a shorter distance no
+// longer covers memory's latency; a longer one gains nothing on large tensors and costs on many
+// small ones, where more of its prefetches fall past a tensor's end.
 constexpr int64_t kPrefetchAhead = 8192;
 template <int64_t kBytes>
 inline void prefetch_ahead(const void* p) {
@@ -91,8 +90,8 @@ inline void prefetch_ahead(const void* p) {
 // Running min and max: `a < m ? a : m` (and `a > m ? a : m`), which is exactly what MINPS
 // (MAXPS) computes with `a` first, NaN included (the running value is kept). Spelled with the
 // instruction because GCC, given the ternary on a bfloat16 vector widened from memory, reloads
-// and re-widens the input under a mask instead (four vector operations where two do: about 20%
-// of the bfloat16 loop's throughput).
+// and re-widens the input under a mask instead (four vector operations where two do, a large
+// share of the bfloat16 loop's work).
 inline vf vmin(vf a, vf m) {
 #if defined(FH_ISA_AVX512)
   return (vf)_mm512_min_ps((__m512)a, (__m512)m);
@@ -542,9 +541,10 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
 // stays ~1e-6 relative), M2 = sum x^2 - (sum x)^2 / n. That M2 is kept when the mean does not
 // dominate the spread (sum x^2 <= kMaxCancel * M2: gradients nearly always); otherwise the block
 // goes to block_f32_shifted, and a block with non-finite values or extreme magnitudes to
-// block_f32_wide. About 12 vector operations per 2 * FW elements, mask moves included (with the
-// shifted sums and bfloat16 zeros compared as float32, as before: 18, and bfloat16 was then
-// compute-bound on 2 cores; docs/design.md has the rates).
+// block_f32_wide. About 12 vector operations per 2 * FW elements, mask moves included: the
+// shifted sums live in block_f32_shifted and 16-bit zeros are counted on the raw words
+// (count_zero16), so that bfloat16, half the bytes per element, stays memory-bound rather than
+// compute-bound on a few cores.
 template <typename L>
 Partial block_f32(const typename L::T* x, int64_t n) {
   if (n < 4 * FW) return block_f32_wide<L>(x, n);
@@ -764,10 +764,10 @@ Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, dou
 
 #ifdef FASTHEALTH_READ_PROBE
 // The benchmark's read floor (bench/read_probe.py builds it; production builds have no such
-// kernel): every byte of elements [begin, end) read by a loop of the fast path's shape (two vectors an iteration, the same
-// prefetch ahead) that computes nothing but an OR, so the launcher, its chunks and its
-// prefetches are timed without the statistics. The Partial carries no statistics: only a bit of
-// the OR in `zero`, so that the loads are not dropped.
+// kernel): every byte of elements [begin, end) read by a loop of the fast path's shape (two
+// vectors an iteration, the same prefetch ahead) that computes nothing but an OR, so the
+// launcher, its chunks and its prefetches are timed without the statistics. The Partial
+// carries no statistics: only a bit of the OR in `zero`, so that the loads are not dropped.
 Partial chunk_touch(const void* data, int dtype, int64_t begin, int64_t end, double, double) {
   const int elem = dtype == kF64 || dtype == kI64 ? 8
                    : dtype == kF32 || dtype == kI32 ? 4

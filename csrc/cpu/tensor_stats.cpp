@@ -122,10 +122,9 @@ std::vector<std::string> cpu_isas() {
 // The first bytes of the chunks the thread reads next: tensors of a few KB each start cold, at
 // scattered addresses, and the hardware prefetcher only follows a stream once it has begun. Up
 // to 8 KB of each chunk (the kernel loop's own distance, stats_kernel.h: kPrefetchAhead, so
-// together they cover every line once), for as many chunks as make kAheadBytes: 4000 gradients
-// of 64-4K elements, caches emptied before each call: one chunk ahead 6.0x the read limit, 16 KB
-// 5.4x (8-32 KB alike, 64 KB worse for 4000 of 4K-64K elements; see docs/design.md); 8 KB heads
-// with the loop at 8 KB, 3-4% faster than 4 KB on 4000 tiny.
+// together they cover every line once), for as many chunks as make kAheadBytes: with tiny
+// tensors one chunk ahead is too little to hide the misses, a couple of head sizes ahead is
+// enough, and much further ahead does worse on thousands of mid-sized tensors.
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kAheadBytes = 16384;
 
@@ -178,7 +177,7 @@ at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
   });
 
   // Each tensor's chunks merge and its row is written on the threads (a division and two
-  // square roots a row: 4000 tiny tensors' serial tail went from about 70 to 53 us); the
+  // square roots a row, which add up over thousands of small tensors when done serially); the
   // total's merge over the tensors stays one fixed tree, whatever the thread count.
   at::Tensor out = at::empty({n + 1, kTableWidth}, at::TensorOptions().dtype(at::kDouble));
   double* o = out.data_ptr<double>();

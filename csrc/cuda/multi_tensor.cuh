@@ -59,10 +59,10 @@ void evict_unpinned(List* cache) {
 
 // Builds (or finds in a small LRU cache) the device work list for these tensors. A new list is
 // refused inside CUDA-graph capture: its copy from pinned host memory would be captured into
-// the graph and replayed from a host buffer that is gone by then (SPEC section 5 asks for one
-// warm-up call with the same tensors before capture, which builds the list). A list found
-// during capture is pinned: the graph reads it at every replay, so it is never evicted. A list
-// used on a stream other than its own is recorded there, so that it is freed after both.
+// the graph and replayed from a host buffer that is gone by then (docs/spec.md section 5 asks
+// for one warm-up call with the same tensors before capture, which builds the list). A list
+// found during capture is pinned: the graph reads it at every replay, so it is never evicted. A
+// list used on a stream other than its own is recorded there, so that it is freed after both.
 inline WorkList work_list(const std::vector<TensorMeta>& metas, c10::Device device) {
   using Key = std::pair<int, std::vector<std::pair<const void*, int64_t>>>;
   struct Entry {

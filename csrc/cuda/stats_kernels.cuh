@@ -21,7 +21,7 @@
 //     any float64), Chan's formula over a fixed tree of the block's threads, NaN/inf counted.
 // Accuracy of the fast path: each float32 term carries at most ~10 roundings of 2^-24, so
 // sums are within ~6e-7 of sum |term|: norm within 1e-6, mean within 6e-7 * mean|x|, M2 within
-// 64 * 1.2e-6 (std within 4e-5), inside SPEC section 2.
+// 64 * 1.2e-6 (std within 4e-5), inside the tolerances of docs/spec.md section 2.
 #pragma once
 
 #include <stdint.h>

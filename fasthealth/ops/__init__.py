@@ -3,7 +3,7 @@
 ========  ===========================================  ======================================
 backend   runs on                                      implementation
 ========  ===========================================  ======================================
-torch     any device                                   ``ops/reference.py`` (the spec)
+torch     any device                                   ``ops/reference.py`` (the contract)
 cpu       CPU tensors                                  ``csrc/cpu/`` (C++, threads + SIMD)
 cuda      CUDA tensors                                 ``csrc/cuda/`` (CUDA C++)
 triton    CUDA tensors (CPU under TRITON_INTERPRET=1)  ``triton_kernels/tensor_stats.py``

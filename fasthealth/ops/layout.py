@@ -1,9 +1,9 @@
 """The op's data layout and shared numerics: the Python twin of ``csrc/stats.h``.
 
 - The output table: float64 ``[N + 1, TABLE_WIDTH]``, row ``i < N`` for input ``i`` and row ``N``
-  for all elements together; columns ``TABLE_COLUMNS`` (SPEC section 2's ``FIELDS``, then the
-  mixed-precision range counts), counts stored as exact integers (< 2**53). ``COL`` maps a
-  column name to its index.
+  for all elements together; columns ``TABLE_COLUMNS`` (``FIELDS``, the fields of docs/spec.md
+  section 2, then the mixed-precision range counts), counts stored as exact integers (< 2**53).
+  ``COL`` maps a column name to its index.
 - The partial record the Triton kernels keep per chunk and per tensor (``PARTIAL_COLUMNS``, the
   fields of ``struct Partial`` plus the path that finished a chunk).
 - The dtype codes of ``enum DType``, which the CUDA emulation test passes to the kernels.

@@ -1,4 +1,4 @@
-"""The specification in plain torch (SPEC section 2), and the ``torch`` backend.
+"""The contract in plain torch (docs/spec.md section 2), and the ``torch`` backend.
 
 ``tensor_stats_row`` is written as the contract states each field, computed in float64; every
 test compares the compiled and Triton kernels against it. It masks instead of indexing
@@ -33,9 +33,9 @@ def float32_threshold(x: float, dev: torch.device) -> torch.Tensor:
 
 def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 0.0
                      ) -> torch.Tensor:
-    """SPEC section 2 for one tensor, then the range counts: a float64 row of TABLE_COLUMNS on
-    ``t``'s device. Thresholds apply as float32 to inputs of 32 bits or fewer, as the kernels
-    compare in float32 lanes there."""
+    """docs/spec.md section 2 for one tensor, then the range counts: a float64 row of
+    TABLE_COLUMNS on ``t``'s device. Thresholds apply as float32 to inputs of 32 bits or fewer,
+    as the kernels compare in float32 lanes there."""
     d = t.detach().double()
     dev = d.device
     n = d.numel()
