@@ -8,6 +8,11 @@ CUDA), TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), MAX_JOBS (parallel compile jobs
 A CUDA toolkit that cannot build (nvcc found but no CUDA runtime headers or libcudart, or an
 nvcc that cannot compile and link a small CUDA program) never fails the install: the CPU
 kernels are built alone, with a warning, unless FASTHEALTH_FORCE_CUDA=1.
+
+The extension is compiled against the torch it finds here, and loads only under that same torch.
+So the build uses the torch already installed: torch is not in pyproject.toml's
+build-system.requires, and a plain `pip install .` (which builds in an isolated environment that
+hides the installed torch) stops here with a message that says what to run instead.
 """
 
 import glob
@@ -17,9 +22,36 @@ import subprocess
 import sys
 import tempfile
 
-import torch
 from setuptools import setup
-from torch.utils import cpp_extension
+
+HOW_TO_INSTALL = """fasthealth: cannot build: {why}.
+
+fasthealth's compiled kernels load only under the torch they were compiled against, so the build
+uses the torch installed in your environment. A plain `pip install .` builds in an isolated
+environment that hides it. Install with:
+
+    pip install torch                    # first, if torch is not installed
+    pip install --no-build-isolation .   # add -e for an editable install
+
+(Wheels likewise: `pip wheel --no-build-isolation .` or `python -m build --no-isolation`.)
+"""
+
+
+def _isolated_torch(path: str) -> bool:
+    """torch comes from pip's isolated build environment, not the one fasthealth installs into."""
+    return "pip-build-env-" in path
+
+
+try:
+    import torch
+except ImportError as exc:
+    sys.exit(HOW_TO_INSTALL.format(why=f"torch cannot be imported ({exc})"))
+if _isolated_torch(torch.__file__):
+    sys.exit(HOW_TO_INSTALL.format(
+        why=f"the torch found, {torch.__version__}, is pip's isolated build environment's "
+            f"({os.path.dirname(torch.__file__)}), not yours"))
+
+from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -124,10 +156,17 @@ def _pip_cuda_includes() -> list[str]:
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
 
 
+def _depends() -> list[str]:
+    """The headers and CUDA sources under csrc/, whichever kernels this build compiles: setuptools
+    puts an extension's depends into the sdist, so an sdist made anywhere builds anywhere."""
+    return sorted(glob.glob("csrc/**/*.h", recursive=True)
+                  + glob.glob("csrc/**/*.cuh", recursive=True) + glob.glob("csrc/cuda/*.cu"))
+
+
 def _cpu_extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     return cpp_extension.CppExtension(
-        "fasthealth._C", sources, extra_compile_args={"cxx": CXX_FLAGS},
+        "fasthealth._C", sources, depends=_depends(), extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=["-fopenmp"])
 
 
@@ -140,6 +179,7 @@ def _extension():
         return cpp_extension.CUDAExtension(
             "fasthealth._C",
             sources,
+            depends=_depends(),
             define_macros=[("FASTHEALTH_WITH_CUDA", "1")],
             # the toolkit's own headers first: pip's copies of the CUDA libraries' headers only
             # fill in what a bare toolkit lacks
