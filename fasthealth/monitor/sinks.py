@@ -52,7 +52,7 @@ def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bo
 class JsonlSink:
     """``steps.jsonl`` and ``events.jsonl`` under ``log_dir``: one JSON object a line, each line
     appended by one ``write`` (so that a killed process leaves at most one partial last line,
-    which ``fasthealth report`` skips), ``meta.json``, and ``dumps/`` for the dump files.
+    which ``fasthealth report`` skips and names), ``meta.json``, and ``dumps/`` for the dump files.
 
     Writing never stops training: a line that cannot be written (disk full, directory removed,
     permissions) stays pending, in order, and is retried at the next ``write``; a partial line
@@ -75,8 +75,8 @@ class JsonlSink:
     def _write_meta(self, meta: dict) -> None:
         self._mkdirs()
         path = self.log_dir / "meta.json"
-        if path.exists():  # a reopened run: keep the first meta, note this reopening
-            old = json.loads(path.read_text())
+        old = _read_meta(path) if path.exists() else None
+        if old is not None:  # a reopened run: keep the first meta, note this reopening
             old.setdefault("reopened", []).append(
                 {"started": meta.get("started"), "after_step": self.last_step})
             meta = old
@@ -150,6 +150,26 @@ class JsonlSink:
         self._fds = {}
 
 
+def _read_meta(path: Path) -> dict | None:
+    """A log_dir's meta.json; one that is not a JSON object is moved aside (to
+    ``meta.json.unreadable``, or with a number after it), with a warning, and None returned:
+    nothing is overwritten."""
+    try:
+        meta = json.loads(path.read_bytes())
+        if isinstance(meta, dict):
+            return meta
+        why = f"{json_kind(meta)}, not an object"
+    except (ValueError, RecursionError) as exc:
+        why = f"not JSON: {exc}"
+    aside, k = path.with_name("meta.json.unreadable"), 1
+    while aside.exists():
+        aside, k = path.with_name(f"meta.json.unreadable-{k}"), k + 1
+    os.replace(path, aside)
+    warnings.warn(f"fasthealth: {path} could not be read ({why}); moved to {aside.name}, and "
+                  "a new meta.json written", RuntimeWarning, stacklevel=5)
+    return None
+
+
 def last_logged_step(path: Path) -> int | None:
     """The step of the last whole line of a steps.jsonl, None when there is none."""
     try:
@@ -162,29 +182,62 @@ def last_logged_step(path: Path) -> int | None:
     for line in reversed(lines):
         try:
             return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             continue
     return None
 
 
-def read_jsonl(path: Path) -> tuple[list[dict], int]:
-    """The records of a JSONL file, and how many lines were skipped (a partial last line left
-    by a killed process, or a corrupt one)."""
-    records, bad = [], 0
-    for line in path.read_bytes().split(b"\n"):
+def read_jsonl(path: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
+    """The records of a JSONL file as (line number, record), and (line number, what is wrong)
+    for each other non-blank line: not UTF-8 text, not JSON, or JSON but not an object. A bad
+    line the file ends in, with no newline after it, is called a partial last line (what a
+    process killed mid-write leaves). Raises OSError when the file cannot be read."""
+    lines = path.read_bytes().split(b"\n")
+    records: list[tuple[int, dict]] = []
+    problems: list[tuple[int, str]] = []
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            bad += 1
-    return records, bad
+        rec, why = _parse(line)
+        if why is None:
+            if isinstance(rec, dict):
+                records.append((n, rec))
+                continue
+            why = f"{json_kind(rec)}, not a record (a JSON object)"
+        if n == len(lines):
+            why = f"a partial last line, as a process killed mid-write leaves: {why}"
+        problems.append((n, why))
+    return records, problems
+
+
+def json_kind(v: Any) -> str:
+    """What kind of JSON value ``v`` is, for messages: "an array in JSON", "JSON null", ..."""
+    if v is None:
+        return "JSON null"
+    if isinstance(v, bool):
+        return f"JSON {str(v).lower()}"
+    kinds = {dict: "an object", list: "an array", str: "a string", int: "a number",
+             float: "a number"}
+    return f"{kinds.get(type(v), 'a ' + type(v).__name__)} in JSON"
+
+
+def _parse(line: bytes) -> tuple[Any, str | None]:
+    """(the JSON value of ``line``, None), or (None, why it is not JSON)."""
+    try:
+        return json.loads(line), None
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text (binary data?)"
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg}, column {exc.colno})"
+    except (ValueError, RecursionError) as exc:
+        return None, f"not JSON ({type(exc).__name__}: {exc})"
 
 
 class TensorBoardSink:
     """Loss, global gradient norm, loss scale and learning rate as TensorBoard scalars."""
 
     def __init__(self, log_dir: Path) -> None:
+        # an optional dependency: imported only for tensorboard=True (Monitor checked it imports)
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(str(log_dir / "tensorboard"))
