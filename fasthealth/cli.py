@@ -62,15 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     # each command imports what it needs only when it runs: `fasthealth report` must not load
     # the demo's model, nor `fasthealth --help` any of them
     if cmd == "demo":
-        from .demo import main as demo_main
+        from .demo import main as demo_main  # on demand, as said above
 
         return demo_main(rest)
     if cmd == "report":
-        from .report import main as report_main
+        from .report import main as report_main  # on demand
 
         return report_main(rest)
     if cmd == "selftest":
-        from .selftest import main as selftest_main
+        from .selftest import main as selftest_main  # on demand
 
         return selftest_main(rest)
     print(f"fasthealth: unknown command {cmd!r}; try `fasthealth --help`", file=sys.stderr)

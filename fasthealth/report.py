@@ -394,7 +394,7 @@ def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: li
     """log10 of each tensor's (or layer's) gradient norm where it was recorded. A record covers
     the steps up to the next one at the usual cadence and no further: gray where nothing was
     recorded, red where a norm was not finite."""
-    import numpy as np
+    import numpy as np  # the plots' dependencies are optional (the report extra)
 
     per = sorted(((r["step"], r["per_tensor_norms"]) for r in steps if r.get("per_tensor_norms")),
                  key=lambda p: p[0])
@@ -446,7 +446,7 @@ def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: li
 
 
 def matplotlib_red():
-    from matplotlib.colors import ListedColormap
+    from matplotlib.colors import ListedColormap  # optional, as every plotting import here
 
     return ListedColormap(["#d62728"])
 
@@ -491,10 +491,10 @@ PANELS = (
 
 def figure(meta: dict, steps: list[dict], events: list[dict]):
     """The report's plots: the panels of PANELS that have something to show, one figure."""
-    import matplotlib
+    import matplotlib  # optional: `fasthealth report` without it writes the text summary
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     events = [e for e in events if is_step(e.get("step"))]  # the others are only listed
     xs = [r["step"] for r in steps]
@@ -531,7 +531,7 @@ def write_report(log_dir: str | Path, meta: dict, steps: list[dict], events: lis
     fig.savefig(out / "report.png", dpi=90)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional, as above; figure() imported it already
 
     plt.close(fig)
     img = base64.b64encode(buf.getvalue()).decode()

@@ -1,4 +1,4 @@
-"""The training-loop monitor (SPEC section 6), in parts:
+"""The training-loop monitor (docs/spec.md section 6), in parts:
 
 - ``monitor.py``: ``Monitor``: ``step`` = record + gate, ``flush`` = detect + write;
 - ``record.py``: the device record, one row of named columns per step;

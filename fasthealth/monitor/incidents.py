@@ -4,9 +4,12 @@ A fault rarely makes one event: a garbage batch spikes the loss and the gradient
 step, and the damaged model then spikes again while it recovers; an LR jump shows as the jump,
 spikes and a rising loss. The tracker sees each flushed step in order. An event joins the open
 incident when there is one (the aftermath of a fault explains what follows it); otherwise it
-opens a new one. An incident closes after ``quiet`` steps without an event, or ``notice_quiet``
-steps while it holds only notices (a notice that nothing confirms should not hold the door open
-for an unrelated alarm much later). A notice incident that an alarm joins becomes an alarm:
+opens a new one. An incident closes after ``quiet`` steps without an event; sooner when it
+cannot explain what comes later: after ``notice_quiet`` steps while it holds only notices (a
+notice that nothing confirms should not hold the door open for an unrelated alarm much later),
+and after ``skipped_quiet`` steps while every event in it was at a skipped step (the update
+never reached the weights, so there is no aftermath: a NaN ten steps later is a fault of its
+own, a NaN at every step is still one). A notice incident that an alarm joins becomes an alarm:
 a gradient spike that the loss then confirms.
 """
 
@@ -14,14 +17,29 @@ from __future__ import annotations
 
 from .events import ALARM, NOTICE, Event, Incident
 
+# Which steps get a dump (the batch, stats, RNG and parameters, for fh.replay): the first alarm
+# step of each incident (the default: one dump per fault), every step with an alarm, every step
+# with an event, or none.
+DUMPS = ("incident", "alarm", "event", "none")
+
+
+def dump_due(policy: str, events: list[Event], alarmed: bool) -> bool:
+    """Whether a step with ``events`` gets a dump; ``alarmed``: its incident became an alarm
+    at this step (opened by an alarm, or a notice incident that an alarm joined)."""
+    if policy == "incident":
+        return alarmed
+    if policy == "alarm":
+        return any(e.severity == ALARM for e in events)
+    return policy == "event" and bool(events)
+
 
 class IncidentTracker:
     """Assigns each event an incident; ``incidents`` lists them all, in order of opening."""
 
-    def __init__(self, quiet: int = 50, notice_quiet: int = 10) -> None:
-        if quiet < 1 or notice_quiet < 1:
+    def __init__(self, quiet: int = 50, notice_quiet: int = 10, skipped_quiet: int = 3) -> None:
+        if min(quiet, notice_quiet, skipped_quiet) < 1:
             raise ValueError("fasthealth: incident quiet periods must be at least 1 step")
-        self.quiet, self.notice_quiet = quiet, notice_quiet
+        self.quiet, self.notice_quiet, self.skipped_quiet = quiet, notice_quiet, skipped_quiet
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
 
@@ -29,7 +47,10 @@ class IncidentTracker:
         cur = self.current
         if cur is None:
             return False
-        limit = self.quiet if cur.severity == ALARM else self.notice_quiet
+        if all(e.details.get("skipped") for e in cur.events):
+            limit = self.skipped_quiet
+        else:
+            limit = self.quiet if cur.severity == ALARM else self.notice_quiet
         return step - cur.end > limit
 
     def advance(self, step: int) -> Incident | None:

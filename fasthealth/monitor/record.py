@@ -142,15 +142,3 @@ def or_nan(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if x is None:
         return not_measured(device)
     return x.to(device, torch.float64)
-
-
-def loss_value(loss: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the loss as a float64 0-dim tensor on ``device``, whether it is finite); an unknown
-    loss (None) is NaN and counts as finite."""
-    if loss is None:  # a tensor of its own: it goes back to the user in the Observation
-        return (torch.full((), math.nan, dtype=torch.float64, device=device),
-                torch.ones((), dtype=torch.bool, device=device))
-    if not torch.is_tensor(loss):
-        loss = torch.tensor(float(loss))
-    loss_d = loss.detach().reshape(-1)[0].to(device, torch.float64)
-    return loss_d, torch.isfinite(loss_d)

@@ -50,7 +50,8 @@ def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bo
 
 
 class JsonlSink:
-    """``steps.jsonl`` and ``events.jsonl`` under ``log_dir``: one JSON object a line, each line
+    """``steps.jsonl``, ``events.jsonl`` and ``incidents.jsonl`` (a record when an incident
+    opens and when it closes) under ``log_dir``: one JSON object a line, each line
     appended by one ``write`` (so that a killed process leaves at most one partial last line,
     which ``fasthealth report`` skips and names), ``meta.json``, and ``dumps/`` for the dump files.
 
@@ -92,6 +93,15 @@ class JsonlSink:
         self.pending.append(("steps.jsonl", (json.dumps(step) + "\n").encode()))
         self.pending += [("events.jsonl", (json.dumps(e.to_json()) + "\n").encode())
                          for e in events]
+        self._bound()
+
+    def queue_incidents(self, records: list[dict]) -> None:
+        """Adds incident records (opened, closed) to ``incidents.jsonl``."""
+        self.pending += [("incidents.jsonl", (json.dumps(jsonable(r)) + "\n").encode())
+                         for r in records]
+        self._bound()
+
+    def _bound(self) -> None:
         if len(self.pending) > self.MAX_PENDING:
             self.dropped += len(self.pending) - self.MAX_PENDING
             del self.pending[: len(self.pending) - self.MAX_PENDING]

@@ -1,0 +1,114 @@
+"""The Monitor's host side: *detect + file + write*, once per flush.
+
+The device side (``monitor.py``: record + gate) leaves one row per step in the device record;
+at a flush the rows come to the host in one copy and reach here in step order. For each step
+the rules of ``detectors.py`` run once, their events are filed under incidents
+(``incidents.py``), and the sinks (``sinks.py``) write the JSONL lines, TensorBoard and the
+dump of the step where an incident's first alarm fell.
+
+A step leaves the backlog only once its events are in ``events`` and its lines are queued: an
+interrupted flush (Ctrl-C in a save) loses and repeats nothing. Writing failures are recorded
+in ``errors``, never raised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .detectors import Detector
+from .events import FATAL_KINDS, Event, NonFiniteError
+from .incidents import IncidentTracker, dump_due
+from .record import HostStep
+from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
+
+
+class Journal:
+    """Events, incidents and logs of one Monitor; ``sinks`` only with a ``log_dir``."""
+
+    def __init__(self, names: list[str], detectors: list[Detector], *, log_dir: Path | None,
+                 meta: dict, tensorboard: bool, dumps: str, per_tensor_every: int,
+                 on_nonfinite: str) -> None:
+        self.names, self.detectors = names, detectors
+        self.dumps, self.per_tensor_every = dumps, per_tensor_every
+        self.on_nonfinite = on_nonfinite
+        self.events: list[Event] = []
+        self.tracker = IncidentTracker()
+        self.log_dir = log_dir
+        self.backlog: list[HostStep] = []  # taken from the record, not yet fully flushed
+        self.jsonl = JsonlSink(log_dir, meta) if log_dir is not None else None
+        self.tb = TensorBoardSink(log_dir) if log_dir is not None and tensorboard else None
+        self.errors: list[str] = self.jsonl.errors if self.jsonl is not None else []
+
+    def flush(self, steps: list[HostStep],
+              snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
+        """Detects, files and writes ``steps`` (and any left from an interrupted flush);
+        returns the new events; raises NonFiniteError with ``on_nonfinite="raise"``."""
+        self.backlog += steps
+        new: list[Event] = []
+        while self.backlog:
+            s = self.backlog[0]
+            if "events" not in s.info:  # the rules see each step once, even when retried
+                new.extend(self._file(s))
+            events = s.info["events"]
+            if s.info["dump_due"] and self.jsonl is not None and "dump" not in s.info:
+                s.info["dump"] = self._save_dump(s, events, snapshots)
+            if self.jsonl is not None:
+                per_tensor = s.step % self.per_tensor_every == 0 or bool(events)
+                self.jsonl.queue(step_json(s, self.names, events, per_tensor), events)
+                self.jsonl.queue_incidents([inc.to_json(state)
+                                            for inc, state in s.info["incidents"]])
+            if self.tb is not None:
+                self.tb.write(s)
+            self.backlog.pop(0)
+        if self.jsonl is not None:
+            self.jsonl.drain()
+        if self.on_nonfinite == "raise":
+            fatal = [e for e in new if e.kind in FATAL_KINDS]
+            if fatal:
+                raise NonFiniteError(fatal)
+        return new
+
+    def _file(self, s: HostStep) -> list[Event]:
+        """Runs the rules on step ``s`` and files its events under incidents; what the step
+        then writes (incident records, whether it dumps) is kept in ``s.info``."""
+        closed = self.tracker.advance(s.step)
+        details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
+        events = [Event(s.step, kind, msg, dict(d, **details))
+                  for rule in self.detectors for kind, msg, d in rule.observe(s)]
+        incident, opened, alarmed = self.tracker.add(s.step, events)
+        s.info["incidents"] = ([(closed, "closed")] if closed else []) + (
+            [(incident, "opened")] if opened else [])
+        s.info["dump_due"] = dump_due(self.dumps, events, alarmed)
+        s.info["events"] = events
+        self.events.extend(events)
+        return events
+
+    def _save_dump(self, s: HostStep, events: list[Event],
+                   snapshots: list[list[torch.Tensor]] | None) -> str | None:
+        assert self.jsonl is not None and self.log_dir is not None
+        params = snapshots[s.info["slot"]] if snapshots is not None else None
+        try:
+            dump = write_dump(self.log_dir, s, self.names, events, params)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+            self.jsonl.fail(exc)
+            return None
+        for e in events:
+            e.dump = dump
+        incident = self.tracker.incidents[events[0].incident or 0]
+        if incident.dump is None:
+            incident.dump = dump
+        return dump
+
+    def close(self) -> None:
+        """Closes the open incident (its record written) and the log files."""
+        try:
+            closed = self.tracker.close_all()
+            if self.jsonl is not None and closed:
+                self.jsonl.queue_incidents([inc.to_json("closed") for inc in closed])
+        finally:
+            for sink in (self.jsonl, self.tb):
+                if sink is not None:
+                    sink.close()
+            self.jsonl = self.tb = None
