@@ -46,8 +46,9 @@ too wide to see a garbage batch; differences leave the trend out.
   step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
   work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
   down 8x within 10 steps (three back-offs: the overflow persists).
-- ``stall``: a run that does not learn from the start: after 100 steps the loss has never
-  stood 1% below its first values; names the tensors whose gradients vanish next to the rest.
+- ``stall``: a run that does not learn from the start, judged at step 100: the loss never
+  1% below its first values, or tensors whose gradients stay below 1e-5 of the largest while
+  the loss has not halved; names those tensors.
 - ``optimizer_state_nonfinite``: NaN/Inf in the optimizer's state at a scan.
 - ``replica_divergence``: under a process group, ranks whose replicas disagree
   (``fasthealth.distributed``), named.
@@ -576,25 +577,36 @@ class TensorNormDetector(Detector):
 
 
 class StallDetector(Detector):
-    """A run that does not learn from the start (``stall``): after ``steps`` finite losses the
-    loss has never stood ``min_drop`` (1%) below the median of its first ``first`` values
-    (medians of ``recent`` values, so one lucky batch does not count as learning). Any healthy
-    run's loss falls by more than that within its first hundred steps; a stack whose gradients
-    vanish from step 0 (saturated sigmoids, a bad initialisation) or an LR of 0 does not.
-    The message names the tensors whose gradients are below ``vanish_ratio`` of the largest
-    tensor's gradient norm: where the signal does not get through. Once the loss has
-    fallen, the rule is done for the run: a plateau later on is not a stall from the start."""
+    """A run that does not learn from the start (``stall``), judged once, after ``steps``
+    finite losses, against the median of the first ``first`` (medians of ``recent`` values,
+    so that one lucky batch does not count as learning):
+
+    - the loss has never stood ``min_drop`` (1%) below its start: nothing learns (an LR of 0,
+      labels shuffled apart from the inputs, a graph cut off from the loss);
+    - or some tensors' gradients have stayed below ``vanish_ratio`` (1e-5) of the largest
+      tensor's for every one of the last ``recent`` steps, while the loss has fallen by less
+      than ``half`` (50%): the signal does not get through to them (saturated sigmoids, depth
+      without residuals or normalisation, a bad initialisation), and what learning there is
+      happens in the layers it reaches.
+
+    In healthy networks, the smallest gradient norm of a trained tensor stays within a few
+    orders of magnitude of the largest; in a 12-layer sigmoid stack the first layers' are
+    10 orders below. The message names the tensors whose gradients vanish. After its one
+    judgement the rule is done for the run: a plateau later on is not a stall from the start.
+    """
 
     def __init__(self, names: list[str], steps: int = 100, min_drop: float = 0.01,
-                 first: int = 10, recent: int = 10, vanish_ratio: float = 1e-3):
-        self.names, self.steps, self.min_drop = names, steps, min_drop
+                 first: int = 10, recent: int = 10, vanish_ratio: float = 1e-5,
+                 half: float = 0.5):
+        self.names, self.steps, self.min_drop, self.half = names, steps, min_drop, half
         self.first_n, self.vanish_ratio = first, vanish_ratio
         self.losses: deque[float] = deque(maxlen=recent)
+        self.vanished: deque[frozenset[int]] = deque(maxlen=recent)  # per step: tensor indices
         self.start: float | None = None
         self.firsts: list[float] = []
+        self.best = math.inf
         self.seen = 0
         self.done = False
-        self.norms: list[float] = []  # the latest finite step's per-tensor gradient norms
 
     def observe(self, s: HostStep) -> list[Found]:
         loss = s.values["loss"]
@@ -602,38 +614,42 @@ class StallDetector(Detector):
             return []
         self.seen += 1
         self.losses.append(loss)
+        if s.values["grads_finite"] and s.per_norm:
+            self.vanished.append(self._vanishing(s.per_norm))
         if self.start is None:
             self.firsts.append(loss)
             if len(self.firsts) == self.first_n:
                 self.start = statistics.median(self.firsts)
             return []
-        level = statistics.median(self.losses)
-        if level < self.start - self.min_drop * abs(self.start):
-            self.done = True  # it learns
-            return []
-        if s.values["grads_finite"] and s.per_norm:
-            self.norms = s.per_norm
+        self.best = min(self.best, statistics.median(self.losses))
         if self.seen < self.steps:
             return []
         self.done = True
-        return [self._finding(level)]
+        fell = (self.start - self.best) / abs(self.start) if self.start else math.inf
+        always = frozenset.intersection(*self.vanished) if self.vanished else frozenset()
+        if fell < self.min_drop or (always and fell < self.half):
+            return [self._finding(fell, sorted(always))]
+        return []
 
-    def _finding(self, level: float) -> Found:
-        norms = [n for n in self.norms if n == n]
-        top = max(norms, default=0.0)
-        vanished = [name for name, n in zip(self.names, self.norms)
-                    if n == n and top > 0 and n < self.vanish_ratio * top]
-        where = (f" The gradients of {len(vanished)} tensor(s) are below "
-                 f"{self.vanish_ratio:g} of the largest: {_listed(vanished)} (vanishing "
+    def _vanishing(self, norms: list[float]) -> frozenset[int]:
+        top = max((n for n in norms if n == n), default=0.0)
+        return frozenset(i for i, n in enumerate(norms)
+                         if n == n and top > 0 and n < self.vanish_ratio * top)
+
+    def _finding(self, fell: float, vanished: list[int]) -> Found:
+        names = [self.names[i] for i in vanished]
+        where = (f" The gradients of {len(names)} tensor(s) stay below "
+                 f"{self.vanish_ratio:g} of the largest: {_listed(names)} (vanishing "
                  "gradients: saturated activations, depth without residuals or "
-                 "normalisation, the initialisation)." if vanished else "")
+                 "normalisation, the initialisation)." if names else "")
         return ("stall",
-                f"the loss has not fallen in {self.seen} steps: {level:.4g} against "
-                f"{self.start:.4g} at the start.{where} Check first: the learning rate (0? "
-                "far too small?), then whether the gradients reach the early layers, then "
-                "the labels (shuffled apart from the inputs?)",
-                {"loss": level, "start": self.start, "steps": self.seen,
-                 "vanished": vanished})
+                f"the loss has not learned in {self.seen} steps: its best level "
+                f"{self.best:.4g} is {max(fell, 0.0):.1%} below its start {self.start:.4g}."
+                f"{where} Check first: whether the gradients reach every layer, then the "
+                "learning rate (0? far too small?), then the labels (shuffled apart from the "
+                "inputs?)",
+                {"best": self.best, "start": self.start, "fell": fell, "steps": self.seen,
+                 "vanished": names})
 
 
 class OptimizerStateDetector(Detector):

@@ -1,0 +1,171 @@
+"""Severity and incidents (docs/spec.md section 6): every event is an alarm or a notice, the
+events of one fault form one incident, one dump per incident, incidents.jsonl records, and the
+stall rule for a run that does not learn from the start."""
+
+import json
+
+import pytest
+import torch
+
+import fasthealth as fh
+from fasthealth.monitor.events import ALARM, NOTICE, Event, severity_of
+from fasthealth.monitor.incidents import IncidentTracker, dump_due
+from test_monitor import data, loss_fn, make_model, nan_batch_at, train
+
+
+def ev(step, kind, **details):
+    return Event(step, kind, kind, details)
+
+
+def test_severity_is_by_consequence():
+    for kind in ("nonfinite_loss", "nonfinite_grad", "loss_spike", "divergence", "stall",
+                 "oscillation", "lr_jump", "vanishing_grad", "optimizer_state_nonfinite",
+                 "loss_scale_collapse", "replica_divergence"):
+        assert severity_of(kind) == ALARM, kind
+    for kind in ("grad_norm_spike", "exploding_grad", "precursor_update_ratio"):
+        assert severity_of(kind) == NOTICE, kind
+    assert ev(0, "grad_norm_spike").severity == NOTICE
+
+
+def test_aftermath_joins_the_fault_and_a_quiet_period_closes_it():
+    t = IncidentTracker(quiet=50, notice_quiet=10)
+    inc, opened, alarmed = t.add(100, [ev(100, "loss_spike"), ev(100, "grad_norm_spike")])
+    assert opened and alarmed and inc.cause == "loss_spike" and inc.severity == ALARM
+    for step in (110, 130, 170):  # the damaged model recovering: each within 50 of the last
+        assert t.advance(step) is None
+        again, opened, alarmed = t.add(step, [ev(step, "loss_spike")])
+        assert again is inc and not opened and not alarmed
+    closed = t.advance(221)
+    assert closed is inc and not inc.open and (inc.start, inc.end) == (100, 170)
+    other, opened, _ = t.add(221, [ev(221, "divergence")])
+    assert opened and other.id == 1 and [e.incident for e in inc.events] == [0] * 5
+
+
+def test_a_notice_that_the_loss_confirms_becomes_an_alarm_incident():
+    t = IncidentTracker()
+    inc, opened, alarmed = t.add(5, [ev(5, "grad_norm_spike")])
+    assert opened and not alarmed and inc.severity == NOTICE
+    same, opened, alarmed = t.add(7, [ev(7, "loss_spike")])
+    assert same is inc and alarmed and inc.severity == ALARM and inc.cause == "loss_spike"
+    assert inc.kinds == ["grad_norm_spike", "loss_spike"]
+
+
+def test_an_unconfirmed_notice_does_not_absorb_a_later_alarm():
+    t = IncidentTracker(notice_quiet=10)
+    t.add(5, [ev(5, "grad_norm_spike")])
+    assert t.advance(40) is not None
+    inc, opened, _ = t.add(40, [ev(40, "loss_spike")])
+    assert opened and inc.id == 1
+
+
+def test_skipped_steps_have_no_aftermath():
+    """A skipped step never reached the weights: a NaN ten steps later is another fault, a NaN
+    at every step is one."""
+    t = IncidentTracker(skipped_quiet=3)
+    first, _, _ = t.add(10, [ev(10, "nonfinite_loss", skipped=True)])
+    for s in (11, 12, 13):
+        t.advance(s)
+        assert t.add(s, [ev(s, "nonfinite_loss", skipped=True)])[0] is first
+    assert t.advance(20) is first
+    assert t.add(20, [ev(20, "nonfinite_grad", skipped=True)])[1]  # opened anew
+
+
+def test_dump_policy():
+    alarm, notice = [ev(0, "loss_spike")], [ev(0, "grad_norm_spike")]
+    assert dump_due("incident", alarm, True) and not dump_due("incident", alarm, False)
+    assert dump_due("alarm", alarm, False) and not dump_due("alarm", notice, False)
+    assert dump_due("event", notice, False) and not dump_due("none", alarm, True)
+
+
+def _bad_batch_then_recovery(step, batch, model, opt):
+    """A 50x-target batch: it damages the model, whose loss spikes again while it recovers."""
+    if step == 60:
+        x, y, w = batch
+        return (x, y * 50.0, w)
+    return None
+
+
+def test_one_fault_is_one_incident_with_one_dump(tmp_path):
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    mon = train(m, opt, 140, plant=_bad_batch_then_recovery, log_dir=tmp_path)
+    assert mon.events and all(e.step >= 60 for e in mon.events), [(e.step, e.kind)
+                                                                  for e in mon.events]
+    assert len(mon.incidents) == 1, [(i.start, i.kinds) for i in mon.incidents]
+    inc = mon.incidents[0]
+    assert inc.start == 60 and inc.severity == ALARM and not inc.open
+    assert all(e.incident == inc.id for e in mon.events)
+    dumps = list((tmp_path / "dumps").iterdir())
+    assert len(dumps) == 1 and inc.dump == str(dumps[0])
+    records = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()]
+    assert [r["state"] for r in records] == ["opened", "closed"]
+    assert records[0]["id"] == records[1]["id"] == 0 and records[1]["end"] == inc.end
+    logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert {e["incident"] for e in logged} == {0} and all("severity" in e for e in logged)
+
+
+def test_every_event_mode_keeps_the_old_dumps(tmp_path):
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    mon = train(m, opt, 140, plant=_bad_batch_then_recovery, log_dir=tmp_path, dumps="event")
+    assert len(list((tmp_path / "dumps").iterdir())) == len({e.step for e in mon.events})
+
+
+def test_two_nans_apart_are_two_incidents():
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+
+    def plant(step, batch, model, opt):
+        return nan_batch_at(20)(step, batch, model, opt) or nan_batch_at(35)(step, batch,
+                                                                            model, opt)
+
+    mon = train(m, opt, 60, plant=plant)
+    assert [(i.start, i.cause) for i in mon.incidents] == [(20, "nonfinite_loss"),
+                                                           (35, "nonfinite_loss")]
+
+
+def test_dumps_option_is_checked():
+    with pytest.raises(ValueError, match="dumps must be one of"):
+        fh.Monitor(make_model(), dumps="all")
+
+
+class Sigmoids(torch.nn.Module):
+    """A 12-layer sigmoid stack: the gradients of its first layers vanish from step 0."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(*[m for _ in range(12) for m in
+                                            (torch.nn.Linear(16, 16), torch.nn.Sigmoid())])
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def test_a_stack_that_never_learns_is_a_stall_alarm_naming_the_vanishing_layers():
+    m = Sigmoids()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    y = torch.randn(64, 1, generator=g)  # noise targets: no signal to learn quickly either
+    mon = fh.Monitor(m, opt, flush_every=25)
+    for _ in range(150):
+        opt.zero_grad()
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        mon.step(loss)
+    mon.close()
+    stalls = [e for e in mon.events if e.kind == "stall"]
+    assert len(stalls) == 1 and stalls[0].severity == ALARM and stalls[0].step <= 110
+    assert "layers.0.weight" in stalls[0].details["vanished"]
+    assert "head.weight" not in stalls[0].details["vanished"]
+
+
+def test_a_run_that_learns_does_not_stall():
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    mon = train(m, opt, 150)
+    assert not [e for e in mon.events if e.kind == "stall"]
+    x, y = data()
+    assert loss_fn(m, (x, y, torch.ones(64, 1))) < 0.1
