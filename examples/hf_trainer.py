@@ -44,10 +44,11 @@ with tempfile.TemporaryDirectory() as out:
 
     mon = health.monitor
     for e in mon.events:
-        print(f"step {e.step}: {e.kind}: {e.message}")
+        print(f"step {e.step}: {e.severity} {e.kind}: {e.message}")
     with open(os.path.join(out, "fasthealth", "steps.jsonl")) as f:
         steps = [json.loads(line) for line in f]
     last = steps[-1]
-    print(f"hf_trainer: {len(steps)} steps logged, {len(mon.events)} events, "
+    alarms = sum(e.severity == "alarm" for e in mon.events)
+    print(f"hf_trainer: {len(steps)} steps logged, {alarms} alarms, "
           f"{sum(r['skipped'] for r in steps)} skipped, clip at {mon.max_grad_norm}, "
           f"last loss {last['loss']:.3f}, grad norm {last['grad_norm']:.3f}")

@@ -46,13 +46,13 @@ with tempfile.TemporaryDirectory() as root:
                          enable_model_summary=False, gradient_clip_val=1.0,
                          default_root_dir=root, callbacks=[health])
     trainer.fit(module, loader)
-    events = health.monitor.events  # logs in <default_root_dir>/fasthealth
-    for e in events:
-        print(f"step {e.step}: {e.kind}: {e.message[:100]}...")
-    r = fh.replay(events[0].dump, module, lambda m, b: m.loss(b))
+    mon = health.monitor  # logs in <default_root_dir>/fasthealth
+    for e in mon.events:
+        print(f"step {e.step}: {e.severity} {e.kind}: {e.message[:90]}...")
+    inc = mon.incidents[0]  # the events of one fault, with one dump
+    r = fh.replay(inc.dump, module, lambda m, b: m.loss(b))
     print(r.verdict)
     finite = all(torch.isfinite(p).all() for p in module.parameters())
-    kinds = "+".join(sorted({e.kind for e in events}))
-    print(f"lightning_loop: {len(events)} events ({kinds}) at steps "
-          f"{sorted({e.step for e in events})}, skipped={events[0].details['skipped']}, "
+    print(f"lightning_loop: {len(mon.incidents)} incident ({'+'.join(inc.kinds)} at step "
+          f"{inc.start}, {inc.severity}), skipped={inc.events[0].details['skipped']}, "
           f"culprit_ids={r.culprit_ids}, weights finite={finite}")

@@ -42,13 +42,14 @@ with tempfile.TemporaryDirectory() as log_dir:
         obs = mon.step(loss, batch=batch, sample_ids=ids)  # replaces opt.step()
         opt.zero_grad()
     mon.close()  # the final flush
-    for e in mon.events:
-        print(f"step {e.step}: {e.kind}: {e.message[:100]}...")
-    bad = next(e for e in mon.events if e.kind == "nonfinite_loss")
-    r = fh.replay(bad.dump, model, loss_fn)
+    for e in mon.events:  # severity: "alarm" (the run is in trouble) or "notice"
+        print(f"step {e.step}: {e.severity} {e.kind}: {e.message[:90]}...")
+    inc = mon.incidents[0]  # the events of one fault, with one dump
+    r = fh.replay(inc.dump, model, loss_fn)
     print(r.verdict)
     finite = all(torch.isfinite(p).all() for p in model.parameters())
-    kinds = sorted({e.kind for e in mon.events if e.step == 40})
-    print(f"plain_loop: step 40 {'+'.join(kinds)} skipped={bad.details['skipped']}, "
-          f"replay source={r.source} culprit_ids={r.culprit_ids}, weights finite={finite}, "
+    alarms = sum(e.severity == "alarm" for e in mon.events)
+    print(f"plain_loop: {len(mon.incidents)} incident ({inc.cause} at step {inc.start}, "
+          f"{alarms} alarms), skipped={inc.events[0].details['skipped']}, replay "
+          f"source={r.source} culprit_ids={r.culprit_ids}, weights finite={finite}, "
           f"last loss {obs.loss.item():.4f}")

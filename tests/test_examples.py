@@ -35,7 +35,7 @@ def run_example(args: list[str], prefix: str) -> str:
 def test_plain_loop():
     line = run_example([str(EXAMPLES / "plain_loop.py")], "plain_loop:")
     assert re.fullmatch(
-        r"plain_loop: step 40 nonfinite_grad\+nonfinite_loss skipped=True, replay "
+        r"plain_loop: 1 incident \(nonfinite_loss at step 40, 2 alarms\), skipped=True, replay "
         rf"source=batch culprit_ids=\[1287\], weights finite=True, last loss {NUM}", line), line
 
 
@@ -43,15 +43,15 @@ def test_hf_trainer():
     pytest.importorskip("transformers")
     line = run_example([str(EXAMPLES / "hf_trainer.py")], "hf_trainer:")
     assert re.fullmatch(
-        r"hf_trainer: 10 steps logged, 0 events, 0 skipped, clip at 1\.0, "
+        r"hf_trainer: 10 steps logged, 0 alarms, 0 skipped, clip at 1\.0, "
         rf"last loss {NUM}, grad norm {NUM}", line), line
 
 
 def test_lightning_loop():
     pytest.importorskip("lightning")
     line = run_example([str(EXAMPLES / "lightning_loop.py")], "lightning_loop:")
-    assert line == ("lightning_loop: 2 events (nonfinite_grad+nonfinite_loss) at steps [20], "
-                    "skipped=True, culprit_ids=[165], weights finite=True"), line
+    assert line == ("lightning_loop: 1 incident (nonfinite_loss+nonfinite_grad at step 20, "
+                    "alarm), skipped=True, culprit_ids=[165], weights finite=True"), line
 
 
 def test_ddp_torchrun():
