@@ -251,9 +251,12 @@ def evaluate(size: dict, workers: int = 2, progress: bool = True, final: bool = 
     """Runs the corpus at ``size`` and scores it; with ``final`` the held-out part too."""
     t0 = time.time()
     grid = usable(size["grid"])
+    import corpus
+
     runs = run_all(jobs_for(size, final, only), workers, progress)
-    tuning = [r for r in runs if not r["held_out"]]
-    held = [r for r in runs if r["held_out"]]
+    held_names = set(corpus.HELD_OUT_HEALTHY) | set(corpus.HELD_OUT_FAULTS)
+    tuning = [r for r in runs if r["name"] not in held_names]
+    held = [r for r in runs if r["name"] in held_names]
     chosen, lofo = leave_one_family_out(tuning, grid)
     res = {
         "seeds": list(size["seeds"]), "grid": grid,

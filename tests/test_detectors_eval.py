@@ -99,6 +99,27 @@ def test_verdict_counts_alarms_and_notices_apart():
     assert not v["caught"] and v["noticed"]
 
 
+@pytest.mark.slow
+def test_final_scores_the_held_out_part_apart(monkeypatch):
+    """--final's path, on two tuning runs standing in for held-out ones (the real held-out
+    families are never run here)."""
+    fam, flt = "wine_mlp_adam_dropout", "nonfinite_input"  # the fault is planted in fam
+    monkeypatch.setattr(corpus, "HEALTHY", {k: v for k, v in corpus.HEALTHY.items() if k != fam})
+    monkeypatch.setattr(corpus, "HELD_OUT_HEALTHY", {fam: corpus.FAMILIES[fam]})
+    monkeypatch.setattr(corpus, "TUNING_FAULTS",
+                        {k: v for k, v in corpus.TUNING_FAULTS.items() if k != flt})
+    monkeypatch.setattr(corpus, "HELD_OUT_FAULTS", {flt: corpus.FAULTS[flt]})
+    res = bench_detectors.evaluate(dict(SLICE, seeds=range(1)), workers=1, progress=False,
+                                   final=True, only={fam, flt, "iris_mlp_sgd_constant"})
+    final = res["final"]
+    assert set(final["held_out_defaults"]["families"]) == {fam}
+    assert set(final["held_out_chosen"]["faults"]) == {flt}
+    assert final["held_out_defaults"]["faults"][flt]["delays"] == [0]
+    assert set(res["defaults"]["families"]) == {"iris_mlp_sgd_constant"}
+    assert final["chosen_on_all_tuning"] in res["grid"]
+    assert {f for _, f, _, _ in bench_detectors.jobs_for(SLICE, final=False)}.isdisjoint({fam, flt})
+
+
 # ---- the slice ------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -125,7 +125,8 @@ def step_decay(opt, every: int, gamma: float):
 
 # ---- recording and replay -------------------------------------------------------------------
 
-_DROP = ("batch", "sample_ids", "rng", "events", "dump", "incident", "incidents")
+# what the step's batch and RNG state are, and what a Monitor's flush writes into the info
+_DROP = ("batch", "sample_ids", "rng", "events", "dump", "dump_due", "incident", "incidents")
 
 
 class Recorder(Detector):
@@ -164,14 +165,28 @@ def monitor_for(setup: Setup, options: dict) -> fh.Monitor:
                       **{**setup.monitor, **options})
 
 
+class _Feed:
+    """Stands in for a Monitor's device record (``mon.record``): ``take()``, which every flush
+    calls for the steps recorded since the last, hands over the recorded steps put in it."""
+
+    def __init__(self) -> None:
+        self.steps: list[HostStep] = []
+
+    def take(self) -> list[HostStep]:
+        out, self.steps = self.steps, []
+        return out
+
+
 def replay(setup: Setup, steps: list[HostStep], options: dict) -> dict:
-    """The events and incidents a Monitor with ``options`` raises over the recorded ``steps``
-    (the Monitor's flush, fed the records instead of its device buffer)."""
+    """The events and incidents a Monitor with ``options`` raises over the recorded ``steps``:
+    its own flush, flush by flush as in training, fed the records instead of its device
+    buffer."""
     mon = monitor_for(setup, options)
+    mon.record = feed = _Feed()
     n = mon.flush_every
     for i in range(0, len(steps), n):
-        mon._backlog.extend(HostStep(s.step, s.values, s.per_norm, s.per_bad, dict(s.info))
-                            for s in steps[i:i + n])
+        feed.steps = [HostStep(s.step, s.values, s.per_norm, s.per_bad, dict(s.info))
+                      for s in steps[i:i + n]]
         mon.flush()
     mon.close()
     return {"events": read_events(mon), "incidents": read_incidents(mon)}
