@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # The trainers the integrations are tested against, pinned to versions that work with TORCH_VERSION
 TRAINERS := transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 tensorboard==2.21.0
-DEPS := ninja setuptools wheel numpy pytest hypothesis matplotlib tqdm ruff triton $(TRAINERS)
+DEPS := ninja setuptools wheel numpy pytest hypothesis matplotlib tqdm ruff mypy==2.4.1 triton \
+	$(TRAINERS)
 ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
@@ -50,8 +51,10 @@ bench: build
 demo: build
 	$(PY) -m fasthealth demo --log-dir build/demo-run
 
+# ruff over the code, then mypy over fasthealth/ (its settings: [tool.mypy] in pyproject.toml)
 lint: env
-	$(PY) -m ruff check fasthealth tests bench triton_kernels
+	$(PY) -m ruff check fasthealth tests bench triton_kernels examples
+	$(PY) -m mypy
 
 clean:
 	rm -rf build fasthealth/_C*.so *.egg-info $(BUILD_STAMP)

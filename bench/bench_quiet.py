@@ -32,8 +32,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import fasthealth as fh  # noqa: E402
 from harness import _GradModel, cases  # noqa: E402
+
+import fasthealth as fh  # noqa: E402
 
 
 def run_case(case: dict, rounds: int, flush: torch.Tensor, bar) -> dict:

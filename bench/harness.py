@@ -49,6 +49,7 @@ from fasthealth import check_grads  # noqa: E402
 from fasthealth.ops import compiled  # noqa: E402
 from fasthealth.selftest import GPT2_SMALL, gpt2_shapes  # noqa: E402
 
+
 def small_shapes(n: int, lo: int, hi: int, seed: int = 0) -> list[tuple[int, ...]]:
     """n 1-D shapes with sizes log-uniform in [lo, hi]."""
     g = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -21,24 +22,35 @@ from .report import write as write_report
 
 VOCAB, CTX = 64, 32
 
+
+class _FaultKeys(TypedDict):
+    at: int
+    fault: str
+    expect: list[tuple[str, int, int]]
+
+
+class _Fault(_FaultKeys, total=False):
+    replay: str  # "reproduces" or "transient": what replay says of the step's dump
+
+
 # step -> what is planted there; "expect" lists (kind, first step it may fire, last step)
-SCHEDULE = [
-    dict(at=80, fault="a corrupt record: one sample's loss weight is NaN",
-         expect=[("nonfinite_loss", 80, 80), ("nonfinite_grad", 80, 80)], replay="reproduces"),
-    dict(at=120, fault="a transient bit flip: one gradient value set to NaN after backward",
-         expect=[("nonfinite_grad", 120, 120)], replay="transient"),
-    dict(at=160, fault="a garbage batch: random labels, weight x25",
-         expect=[("loss_spike", 160, 160), ("grad_norm_spike", 160, 160)], replay="reproduces"),
-    dict(at=200, fault="optimizer state corruption: Inf written into Adam's exp_avg_sq",
-         expect=[("optimizer_state_nonfinite", 200, 200)]),
-    dict(at=230, fault="alternating easy/hard batches (loss weight 4 and 0.25) for 40 steps",
-         expect=[("oscillation", 230, 270)]),
-    dict(at=290, fault="loss weight 0 for 15 steps: gradients vanish",
-         expect=[("vanishing_grad", 290, 295)]),
-    dict(at=330, fault="fp16-style overflow: Inf loss for 12 steps, the GradScaler backs off",
-         expect=[("loss_scale_collapse", 330, 345)]),
-    dict(at=380, fault="learning-rate jump x300",
-         expect=[("lr_jump", 380, 380), ("divergence", 380, 420)]),
+SCHEDULE: list[_Fault] = [
+    _Fault(at=80, fault="a corrupt record: one sample's loss weight is NaN",
+           expect=[("nonfinite_loss", 80, 80), ("nonfinite_grad", 80, 80)], replay="reproduces"),
+    _Fault(at=120, fault="a transient bit flip: one gradient value set to NaN after backward",
+           expect=[("nonfinite_grad", 120, 120)], replay="transient"),
+    _Fault(at=160, fault="a garbage batch: random labels, weight x25",
+           expect=[("loss_spike", 160, 160), ("grad_norm_spike", 160, 160)], replay="reproduces"),
+    _Fault(at=200, fault="optimizer state corruption: Inf written into Adam's exp_avg_sq",
+           expect=[("optimizer_state_nonfinite", 200, 200)]),
+    _Fault(at=230, fault="alternating easy/hard batches (loss weight 4 and 0.25) for 40 steps",
+           expect=[("oscillation", 230, 270)]),
+    _Fault(at=290, fault="loss weight 0 for 15 steps: gradients vanish",
+           expect=[("vanishing_grad", 290, 295)]),
+    _Fault(at=330, fault="fp16-style overflow: Inf loss for 12 steps, the GradScaler backs off",
+           expect=[("loss_scale_collapse", 330, 345)]),
+    _Fault(at=380, fault="learning-rate jump x300",
+           expect=[("lr_jump", 380, 380), ("divergence", 380, 420)]),
 ]
 STEPS = 440
 FOLLOW_ON = 25  # steps after a fault in which its consequences (recovery, re-spikes) may show
@@ -108,6 +120,15 @@ def make_batch(g: torch.Generator, n: int = 32):
     return seq[:, :-1], targets, torch.ones(n)
 
 
+def _mlp_linear(model: TinyGPT, block: int, layer: int) -> torch.nn.Linear:
+    """A Linear of a block's MLP (ModuleList and Sequential items are typed as any Module)."""
+    b = model.blocks[block]
+    assert isinstance(b, Block)
+    linear = b.mlp[layer]
+    assert isinstance(linear, torch.nn.Linear)
+    return linear
+
+
 def _plant(step: int, batch: tuple, model: TinyGPT, opt: torch.optim.Optimizer,
            g: torch.Generator) -> tuple:
     """The faults of SCHEDULE that act before the forward pass; returns the (changed) batch."""
@@ -118,7 +139,7 @@ def _plant(step: int, batch: tuple, model: TinyGPT, opt: torch.optim.Optimizer,
         targets = torch.randint(0, VOCAB, targets.shape, generator=g)
         weight = weight * 25
     if step == 200:
-        p = model.blocks[1].mlp[0].weight
+        p = _mlp_linear(model, 1, 0).weight
         opt.state[p]["exp_avg_sq"][3, 7] = float("inf")
     if 230 <= step < 270:
         weight = weight * (4.0 if step % 2 else 0.25)
@@ -158,7 +179,9 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
         loss = loss_fn(model, batch)
         scaler.scale(loss).backward()
         if step == 120:  # a bit flip in one gradient, not in the data
-            model.blocks[0].mlp[2].weight.grad[1, 2] = float("nan")
+            grad = _mlp_linear(model, 0, 2).weight.grad
+            assert grad is not None  # after backward
+            grad[1, 2] = float("nan")
         mon.step(loss, batch=batch, sample_ids=torch.arange(32) + 32 * step)
         if bar is not None:
             bar.update()
@@ -183,7 +206,7 @@ def _check_schedule(model: TinyGPT, mon: Monitor, out) -> bool:
               f"         -> {got}", file=out)
         if "replay" in item:
             ev = next((e for e in mon.events if e.step == item["at"] and e.dump), None)
-            if ev is None:
+            if ev is None or not ev.dump:
                 all_ok = False
                 continue
             r = replay(ev.dump, model, loss_fn)

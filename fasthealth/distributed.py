@@ -98,9 +98,11 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     """(the local per-tensor table of ``grads`` with the model-wide total as its last row, the
     replica check: ``replica_mismatch`` and ``replica_mismatch_mask``, 0-dim tensors)."""
     _check_group(process_group)
-    local, owned = zip(*(local_view(g) for g in grads)) if grads else ((), ())
-    local, owned = list(local), list(owned)
-    error, table = None, None
+    views = [local_view(g) for g in grads]
+    local = [v for v, _ in views]
+    owned = [o for _, o in views]
+    error: Exception | None = None
+    table: torch.Tensor | None = None
     try:
         table = ops.table(local, names, backend, rng) if local else ops.empty_table()
     except (TypeError, ValueError, RuntimeError) as exc:  # joins the collective, raises after
@@ -112,6 +114,7 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     gathered = _all_gather(row, process_group)
     if error is not None:
         raise error
+    assert table is not None  # set when there was no error
     total, check = _merge_gathered(gathered)
     return torch.cat([table[:-1], total[None].to(table.device)]), check
 

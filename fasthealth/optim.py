@@ -83,7 +83,7 @@ def _rms(ts: list[torch.Tensor]) -> torch.Tensor:
 def _eps_fraction(parts: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     """Per tensor, the fraction of v with sqrt(v) < eps, i.e. v < eps^2: the underflow count of
     the fused pass with range_lo = eps^2, plus the zeros (one pass per distinct eps)."""
-    out: list[torch.Tensor | None] = [None] * len(parts)
+    out: dict[int, torch.Tensor] = {}
     for eps in dict.fromkeys(e for _, e in parts):
         idx = [i for i, (_, e) in enumerate(parts) if e == eps]
         table = ops.table([parts[i][0] for i in idx], None, None, (math.inf, eps * eps))[:-1]
@@ -91,7 +91,7 @@ def _eps_fraction(parts: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
             :, COL["numel"]].clamp(min=1)
         for j, i in enumerate(idx):
             out[i] = frac[j]
-    return torch.stack(out)
+    return torch.stack([out[i] for i in range(len(parts))])
 
 
 def check_optimizer(

@@ -15,12 +15,14 @@ from __future__ import annotations
 import operator
 import os
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from . import ops
 from .ops.layout import DTYPES_BY_CODE
+
 
 def unique_names(names: list[str]) -> None:
     """Raises ValueError naming the first name given twice: results are looked up by name
@@ -133,7 +135,7 @@ class CodedDtypes:
     def __len__(self) -> int:
         return len(self.codes)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[torch.dtype]:
         return map(DTYPES_BY_CODE.__getitem__, self.codes)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -64,7 +63,7 @@ def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> lis
     """Where a table row misses the tolerances of docs/spec.md section 2 against the
     reference."""
     want = tensor_stats_row(t.cpu(), *rng).tolist()
-    got = got.cpu().tolist()
+    have = got.cpu().tolist()
     wide = t.dtype in (torch.float64, torch.int64)
     d = t.detach().cpu().double()
     scale = float(d[torch.isfinite(d)].abs().mean()) if torch.isfinite(d).any() else 0.0
@@ -73,17 +72,17 @@ def compare(got: torch.Tensor, t: torch.Tensor, rng: tuple[float, float]) -> lis
         exact = name in COUNT_FIELDS or name in RANGE_FIELDS or name in (
             "min", "max", "finite_min", "finite_max", "amax", "all_finite")
         if exact:
-            ok = _close(got[i], want[i], 0.0)
+            ok = _close(have[i], want[i], 0.0)
         elif "norm" in name:
-            ok = _close(got[i], want[i], 1e-12 if wide else 1e-5)
+            ok = _close(have[i], want[i], 1e-12 if wide else 1e-5)
         elif "mean" in name:
-            ok = _close(got[i], want[i], 0.0, (1e-12 if wide else 1e-5) * scale)
+            ok = _close(have[i], want[i], 0.0, (1e-12 if wide else 1e-5) * scale)
         else:  # std: within docs/spec.md's 1e-4 while |mean|/std <= 1e3, no promise beyond
             m = want[COL["finite_mean"]]
             promised = not (want[i] > 0) or abs(m) <= 1e3 * want[i]
-            ok = _close(got[i], want[i], 1e-4) or (not promised and math.isfinite(got[i]))
+            ok = _close(have[i], want[i], 1e-4) or (not promised and math.isfinite(have[i]))
         if not ok:
-            bad.append(f"{name}: {got[i]} vs {want[i]}")
+            bad.append(f"{name}: {have[i]} vs {want[i]}")
     return bad
 
 

@@ -10,7 +10,7 @@ float32, or float64 for 64-bit inputs) and never synchronizes with the device; o
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,27 @@ class TensorStats:
     """
 
     __slots__ = ("_row", "_float_dtype", "_range_dtype")
+
+    # The fields (FIELDS), read-only properties made below from _FIELD_DOCS; declared here so
+    # their types are seen (annotations only: no class attribute, nothing against __slots__).
+    numel: torch.Tensor
+    nan_count: torch.Tensor
+    posinf_count: torch.Tensor
+    neginf_count: torch.Tensor
+    inf_count: torch.Tensor
+    zero_count: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    norm: torch.Tensor
+    finite_min: torch.Tensor
+    finite_max: torch.Tensor
+    finite_mean: torch.Tensor
+    finite_std: torch.Tensor
+    finite_norm: torch.Tensor
+    amax: torch.Tensor
+    all_finite: torch.Tensor
 
     def __init__(self, row: torch.Tensor, float_dtype: torch.dtype = torch.float32,
                  range_dtype: torch.dtype | None = None) -> None:
@@ -151,6 +172,8 @@ def _make_property(name: str) -> property:
     return property(get)
 
 
+if tuple(TensorStats.__annotations__) != FIELDS:  # the declarations above follow FIELDS
+    raise ImportError("fasthealth: TensorStats' annotations differ from ops.layout.FIELDS")
 for _name in FIELDS:
     setattr(TensorStats, _name, _make_property(_name))
 
@@ -180,7 +203,7 @@ class MultiTensorStats:
         self,
         table: torch.Tensor,
         names: Sequence[str],
-        dtypes: Sequence[torch.dtype] | Sequence[torch.Tensor],
+        dtypes: Iterable[torch.dtype] | Iterable[torch.Tensor],
         missing: Sequence[str] = (),
         range_dtype: torch.dtype | None = None,
     ) -> None:
@@ -193,7 +216,7 @@ class MultiTensorStats:
             )
         self._table = table
         self.names: list[str] = names if isinstance(names, list) else list(names)
-        self._dtypes_of = dtypes
+        self._dtypes_of: Iterable[torch.dtype] | Iterable[torch.Tensor] = dtypes
         self._dtypes: list[torch.dtype] | None = None
         self._wide: torch.dtype | None = None
         self.missing: list[str] = list(missing)
@@ -235,7 +258,7 @@ class MultiTensorStats:
         i %= n
         return TensorStats(self._table[i], float_dtype_for(self.dtypes[i]), self.range_dtype)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[TensorStats]:
         return (self[i] for i in range(len(self)))
 
     @property

@@ -395,7 +395,7 @@ def test_front_door_releases_the_gil_for_large_gradients_and_keeps_them_alive():
     import time
 
     _needs_cpu_op()
-    from fasthealth import checks, params
+    from fasthealth import params
 
     n = 64 * 1024 * 1024  # 256 MB of float32: a pass of several ms
     m = torch.nn.Module()

@@ -1,10 +1,10 @@
 """The benchmark's baselines compute what they claim, and agree with fasthealth."""
 
+import baselines
 import pytest
 import torch
 
 import fasthealth as fh
-import baselines
 
 
 def test_baselines_agree_with_fasthealth():

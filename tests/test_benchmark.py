@@ -3,10 +3,10 @@ against (the split of fasthealth's time adds up, every goal says what bounds it)
 
 import json
 
+import harness as benchmark
 import pytest
 
 import fasthealth as fh
-import harness as benchmark
 
 
 def test_quick_bench_writes_roofline_and_goals(tmp_path):

@@ -262,6 +262,7 @@ def test_random_batches(backend):
 @pytest.mark.parametrize("n", [1, 33, 4097, 65536 + 77])
 def test_read_floor_reads_every_byte(dtype, n):
     from read_probe import read_floor
+
     from fasthealth.ops.layout import COL
 
     if fh.ops.compiled.C is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from ..monitor import Monitor
 from .capture import Capture
@@ -26,7 +26,7 @@ class HealthCallbackMixin:
     keywords are ``fh.Monitor``'s. ``.monitor`` is the Monitor once fitting has begun.
     """
 
-    def __init__(self, log_dir: str | os.PathLike | bool | None = None, *,
+    def __init__(self, log_dir: str | os.PathLike | Literal[False] | None = None, *,
                  sample_ids: Callable[[Any], Any] | None = None, **monitor_options: Any):
         super().__init__()
         self.log_dir, self.options = log_dir, monitor_options
@@ -60,6 +60,7 @@ class HealthCallbackMixin:
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         loss, batch, ids = self.capture.take()
+        assert self.monitor is not None  # made in on_fit_start
         self.monitor.check(loss, batch=batch, sample_ids=ids, step=trainer.global_step)
 
     def _finish(self, trainer) -> None:

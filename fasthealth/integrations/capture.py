@@ -53,17 +53,19 @@ class Capture:
         losses, batches, partial = self.losses, self.batches, self.partial
         self.losses, self.batches, self.partial = [], [], False
         loss = None
-        if losses and all(x is not None for x in losses):
-            stacked = torch.stack(losses)
+        present = [x for x in losses if x is not None]
+        if losses and len(present) == len(losses):
+            stacked = torch.stack(present)
             loss = stacked.sum() if partial else stacked.mean()
-        ids = [self.sample_ids(b) for b in batches]
-        if not ids or any(i is None for i in ids):
+        each = [self.sample_ids(b) for b in batches]
+        ids: Any
+        if not each or any(i is None for i in each):
             ids = None
-        elif len(ids) == 1:
-            ids = ids[0]
+        elif len(each) == 1:
+            ids = each[0]
         else:
-            ids = (torch.cat([torch.as_tensor(i).reshape(-1) for i in ids])
-                   if all(torch.is_tensor(i) for i in ids) else [x for i in ids for x in i])
+            ids = (torch.cat([torch.as_tensor(i).reshape(-1) for i in each])
+                   if all(torch.is_tensor(i) for i in each) else [x for i in each for x in i])
         batch = batches[0] if len(batches) == 1 else batches
         return loss, batch, ids
 

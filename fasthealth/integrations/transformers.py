@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from transformers import TrainerCallback
 
@@ -41,7 +41,7 @@ def _sync_step() -> Callable[[], bool]:
 
 
 class HealthCallback(TrainerCallback):
-    def __init__(self, log_dir: str | os.PathLike | bool | None = None, *,
+    def __init__(self, log_dir: str | os.PathLike | Literal[False] | None = None, *,
                  sample_ids: Callable[[Any], Any] | None = None, **monitor_options: Any):
         self.log_dir, self.sample_ids, self.options = log_dir, sample_ids, monitor_options
         self.monitor: Monitor | None = None
@@ -57,8 +57,9 @@ class HealthCallback(TrainerCallback):
         log_dir = self.log_dir
         if log_dir is None:
             log_dir = os.path.join(args.output_dir, "fasthealth")
-        self.monitor = Monitor(model, optimizer, log_dir=log_dir or None,
-                               scaler=getattr(optimizer, "scaler", None), **options)
+        monitor = Monitor(model, optimizer, log_dir=log_dir or None,
+                          scaler=getattr(optimizer, "scaler", None), **options)
+        self.monitor = monitor
         self._open = True
         capture = ForwardCapture(model, self.sample_ids)
         sync = _sync_step()
@@ -66,9 +67,9 @@ class HealthCallback(TrainerCallback):
         def after_backward() -> None:
             if sync():
                 loss, batch, ids = capture.take()
-                self.monitor.check(loss, batch=batch, sample_ids=ids, step=state.global_step)
+                monitor.check(loss, batch=batch, sample_ids=ids, step=state.global_step)
 
-        self.monitor.hooks += [capture, BackwardEnd(model, after_backward)]
+        monitor.hooks += [capture, BackwardEnd(model, after_backward)]
 
     def on_train_end(self, args, state, control, **kwargs):
         self._end_of_run(args)

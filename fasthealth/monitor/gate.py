@@ -86,13 +86,14 @@ def step_or_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor, guard: boo
         optimizer.step()
         return torch.zeros_like(bad)
     if supports_found_inf(optimizer) and not first_step_creates_garbage(optimizer):
-        optimizer.grad_scale = None
-        optimizer.found_inf = bad.float()
+        # what torch's fused step()s read (as GradScaler sets them), absent from its stubs
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+            del optimizer.grad_scale  # type: ignore[attr-defined]  # set above, as found_inf
+            del optimizer.found_inf  # type: ignore[attr-defined]
         return bad
     if not bool(bad):  # the one host sync per step for optimizers without found_inf
         optimizer.step()
@@ -108,8 +109,9 @@ def arm_skip(optimizer: torch.optim.Optimizer, bad: torch.Tensor, scaler=None
     if scaler is not None:
         return join_scaler(optimizer, scaler, bad)
     if supports_found_inf(optimizer) and not first_step_creates_garbage(optimizer):
-        optimizer.grad_scale = None
-        optimizer.found_inf = bad.float()
+        # what torch's fused step()s read (as GradScaler sets them), absent from its stubs
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
         return bad
     if bool(bad):
         for group in optimizer.param_groups:

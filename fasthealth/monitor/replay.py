@@ -215,7 +215,8 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
                   "backward" if p.where == "backward" else "forward")
     ids = d.get("sample_ids")
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-    n = len(ids) if isinstance(ids, (list, tuple)) else 0
+    id_list = ids if isinstance(ids, (list, tuple)) else []
+    n = len(id_list)
     if find_samples is None:
         find_samples = n > 1 and _shares_first_dim(batch, n)
     culprits, replays = None, 1
@@ -224,7 +225,7 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
             raise ValueError("fasthealth: find_samples needs sample ids in the dump and a batch "
                              "whose tensors all have that many rows")
         found, k = _bisect(m, loss_fn, batch, d, n)
-        culprits, replays = [ids[i] for i in found], 1 + k
+        culprits, replays = [id_list[i] for i in found], 1 + k
     kinds = [e["kind"] for e in events]
     verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
     return ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,

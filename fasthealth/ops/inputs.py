@@ -8,9 +8,12 @@ unwrapping (DTensors) or splitting (several devices).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def describe(i: int, names: Sequence[str] | None) -> str:
@@ -33,7 +36,7 @@ def validate(tensors: Sequence[Any], names: Sequence[str] | None) -> None:
             raise ValueError(f"fasthealth: {what} is a meta tensor and has no values to check")
 
 
-def dtensor_cls() -> type | None:
+def dtensor_cls() -> type[DTensor] | None:
     """torch.distributed's DTensor class, None where this torch lacks it."""
     try:  # here, not at import: torch.distributed is not built on every platform
         from torch.distributed.tensor import DTensor

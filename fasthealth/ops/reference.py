@@ -44,11 +44,13 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
         out[COL["overflow_count"]] = 0.0
         out[COL["underflow_count"]] = 0.0
     else:
+        hi: float | torch.Tensor = range_hi
+        lo: float | torch.Tensor = range_lo
         if t.dtype.itemsize <= 4:
-            range_hi, range_lo = float32_threshold(range_hi, dev), float32_threshold(range_lo, dev)
+            hi, lo = float32_threshold(range_hi, dev), float32_threshold(range_lo, dev)
         a = d.abs()
-        out[COL["overflow_count"]] = ((a > range_hi) & (a < _INF)).sum()
-        out[COL["underflow_count"]] = ((a < range_lo) & (a > 0)).sum()
+        out[COL["overflow_count"]] = ((a > hi) & (a < _INF)).sum()
+        out[COL["underflow_count"]] = ((a < lo) & (a > 0)).sum()
     nan_count = torch.isnan(d).sum()
     posinf = (d == _INF).sum()
     neginf = (d == -_INF).sum()

@@ -46,7 +46,8 @@ def machine_key(device: int = 0) -> str:
     for this key only."""
     props = torch.cuda.get_device_properties(device)
     try:
-        driver = str(torch._C._cuda_getDriverVersion())
+        # in CUDA builds only, and missing from torch's stubs
+        driver = str(torch._C._cuda_getDriverVersion())  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):
         driver = "unknown"
     try:
