@@ -8,8 +8,10 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # The trainers the integrations are tested against, pinned to versions that work with TORCH_VERSION
 TRAINERS := transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 tensorboard==2.21.0
+# The detector corpus's real data sets ship inside scikit-learn (bench/detectors/data.py)
+CORPUS := scikit-learn==1.9.1
 DEPS := ninja setuptools wheel numpy pytest hypothesis matplotlib tqdm ruff mypy==2.4.1 triton \
-	$(TRAINERS)
+	$(TRAINERS) $(CORPUS)
 ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml

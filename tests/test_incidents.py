@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from test_monitor import data, loss_fn, make_model, nan_batch_at, train
 
 import fasthealth as fh
 from fasthealth.monitor.events import ALARM, NOTICE, Event, severity_of
 from fasthealth.monitor.incidents import IncidentTracker, dump_due
-from test_monitor import data, loss_fn, make_model, nan_batch_at, train
 
 
 def ev(step, kind, **details):

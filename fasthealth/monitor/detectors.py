@@ -46,9 +46,8 @@ too wide to see a garbage batch; differences leave the trend out.
   step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
   work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
   down 8x within 10 steps (three back-offs: the overflow persists).
-- ``stall``: a run that does not learn from the start, judged at step 100: the loss never
-  1% below its first values, or tensors whose gradients stay below 1e-5 of the largest while
-  the loss has not halved; names those tensors.
+- ``stall``: a run that does not learn from the start, judged at step 100: tensors whose
+  gradients stay below 1e-5 of the largest while the loss has not halved; names them.
 - ``optimizer_state_nonfinite``: NaN/Inf in the optimizer's state at a scan.
 - ``replica_divergence``: under a process group, ranks whose replicas disagree
   (``fasthealth.distributed``), named.
@@ -193,15 +192,17 @@ class _Series:
         no value)."""
         if not math.isfinite(value):
             return None
-        if len(self.first) < 3:
+        if len(self.first) < 5:
             self.first.append(value)
         if len(self.values) < max(warmup, 3):
             return None
         return spike_scores(list(self.values), value)
 
     def early(self, value: float) -> float | None:
-        """value / its first values, when that exceeds ``early_ratio`` (no window needed)."""
-        ref = statistics.median(self.first) if self.first else math.nan
+        """value / the largest of its first values, when that exceeds ``early_ratio`` (no window
+        needed). The largest, not the median: at a batch of 8, healthy batches' losses spread
+        several-fold, and the first few values are all there is to measure that spread on."""
+        ref = max(self.first) if self.first else math.nan
         if math.isfinite(value) and ref > 0 and value > self.early_ratio * ref:
             return value / ref
         return None
@@ -264,7 +265,9 @@ class SpikeDetector(Detector):
                 elif math.isfinite(v) and len(ser.values) < max(self.warmup, 3):
                     ser.values.append(v)
                 continue
-            lin, log = scores[key]
+            pair = scores[key]
+            assert pair is not None  # zk is not None
+            lin, log = pair
             extreme = lin > self.extreme * self.zscore and log > self.zscore / 2
             if ser.settle(v, zk > self.zscore or both or extreme, self.max_run):
                 found.append(self._spike(key, ser, v, max(zk, lin) if extreme else zk, both))
@@ -393,14 +396,49 @@ class GradNormTrendDetector(DivergenceDetector):
     """The global gradient norm climbing steadily, several-fold (``exploding_grad``): weights
     growing without bound show there long before the loss moves. The divergence rule on the
     log of the norm, with a stricter t (``t_min`` 6) and a larger rise (``rise`` 2.5: 3.5x over
-    the window and above the lowest level seen): early in training healthy norms climb 2-3x."""
+    the window and above the lowest level seen): early in training healthy norms climb 2-3x.
+
+    A notice while the loss is fine (a growing norm with the loss still falling is how many
+    healthy runs leave a plateau); an alarm when the loss confirms it: the median of the last
+    ``short`` losses stands ``confirm`` (10%) above the lowest such median, at the finding or
+    later in the same episode (then reported once more, as the alarm)."""
 
     def __init__(self, window: int = 24, t_min: float = 6.0, rise: float = 2.5,
-                 warmup: int = 20, short: int = 10):
+                 warmup: int = 20, short: int = 10, confirm: float = 0.1):
         super().__init__(window, t_min, rise, warmup, short)
+        self.confirm = confirm
+        self.losses: deque[float] = deque(maxlen=short)
+        self.best_loss = math.inf
+        self.unconfirmed: Found | None = None  # the episode's notice, until the loss confirms
 
     def observe(self, s: HostStep) -> list[Found]:
-        return self.update(s.values["grad_norm"]) if s.values["grads_finite"] else []
+        loss = s.values["loss"]
+        if math.isfinite(loss):
+            self.losses.append(loss)
+            if len(self.losses) == self.losses.maxlen:
+                self.best_loss = min(self.best_loss, statistics.median(self.losses))
+        if not s.values["grads_finite"]:
+            return []
+        found = self.update(s.values["grad_norm"])
+        if not self.active:
+            self.unconfirmed = None
+        if found:
+            self.unconfirmed = None if self._confirmed() else found[0]
+            return [self._as_alarm(f) if self.unconfirmed is None else f for f in found]
+        if self.unconfirmed is not None and self._confirmed():
+            confirmed, self.unconfirmed = self._as_alarm(self.unconfirmed), None
+            return [confirmed]
+        return []
+
+    def _confirmed(self) -> bool:
+        return (len(self.losses) == self.losses.maxlen and math.isfinite(self.best_loss)
+                and statistics.median(self.losses) > (1 + self.confirm) * self.best_loss)
+
+    def _as_alarm(self, found: Found) -> Found:
+        kind, message, details = found
+        return (kind, message + ". The loss confirms it: its recent median stands "
+                f"{self.confirm:.0%} or more above its best",
+                {**details, "severity": "alarm", "loss_confirms": True})
 
     def finding(self, trend: dict, window: int, norm: float) -> Found:
         return ("exploding_grad",
@@ -461,7 +499,7 @@ class OscillationDetector(LossTrendDetector):
         self.swings.append(swing)
         oscillating = (ref is not None and rho < self.autocorr
                        and swing > self.amplitude * ref and -slope * (n - 1) < swing)
-        if not oscillating:
+        if not oscillating or ref is None:
             self.active = False
             return []
         return self.once(("oscillation",
@@ -581,13 +619,12 @@ class StallDetector(Detector):
     finite losses, against the median of the first ``first`` (medians of ``recent`` values,
     so that one lucky batch does not count as learning):
 
-    - the loss has never stood ``min_drop`` (1%) below its start: nothing learns (an LR of 0,
-      labels shuffled apart from the inputs, a graph cut off from the loss);
-    - or some tensors' gradients have stayed below ``vanish_ratio`` (1e-5) of the largest
-      tensor's for every one of the last ``recent`` steps, while the loss has fallen by less
-      than ``half`` (50%): the signal does not get through to them (saturated sigmoids, depth
-      without residuals or normalisation, a bad initialisation), and what learning there is
-      happens in the layers it reaches.
+    some tensors' gradients have stayed below ``vanish_ratio`` (1e-5) of the largest tensor's
+    for every one of the last ``recent`` steps, while the loss has fallen by less than ``half``
+    (50%): the signal does not get through to them (saturated sigmoids, depth without residuals
+    or normalisation, a bad initialisation), and what learning there is happens in the layers
+    it reaches. A flat loss alone is not enough: healthy SGD runs can sit on their initial
+    plateau for well over a hundred steps before they leave it.
 
     In healthy networks, the smallest gradient norm of a trained tensor stays within a few
     orders of magnitude of the largest; in a 12-layer sigmoid stack the first layers' are
@@ -595,10 +632,9 @@ class StallDetector(Detector):
     judgement the rule is done for the run: a plateau later on is not a stall from the start.
     """
 
-    def __init__(self, names: list[str], steps: int = 100, min_drop: float = 0.01,
-                 first: int = 10, recent: int = 10, vanish_ratio: float = 1e-5,
-                 half: float = 0.5):
-        self.names, self.steps, self.min_drop, self.half = names, steps, min_drop, half
+    def __init__(self, names: list[str], steps: int = 100, first: int = 10, recent: int = 10,
+                 vanish_ratio: float = 1e-5, half: float = 0.5):
+        self.names, self.steps, self.half = names, steps, half
         self.first_n, self.vanish_ratio = first, vanish_ratio
         self.losses: deque[float] = deque(maxlen=recent)
         self.vanished: deque[frozenset[int]] = deque(maxlen=recent)  # per step: tensor indices
@@ -627,7 +663,7 @@ class StallDetector(Detector):
         self.done = True
         fell = (self.start - self.best) / abs(self.start) if self.start else math.inf
         always = frozenset.intersection(*self.vanished) if self.vanished else frozenset()
-        if fell < self.min_drop or (always and fell < self.half):
+        if always and fell < self.half:
             return [self._finding(fell, sorted(always))]
         return []
 
@@ -749,6 +785,6 @@ def default_detectors(names: list[str], *, spike_zscore: float, spike_window: in
         OptimizerStateDetector(),
         ReplicaDivergenceDetector(),
     ]
-    if scaler:
+    if min_loss_scale is not None:
         found.append(LossScaleDetector(min_loss_scale))
     return found

@@ -21,7 +21,8 @@ from ..stats import MultiTensorStats
 
 FATAL_KINDS = ("nonfinite_loss", "nonfinite_grad")
 ALARM, NOTICE = "alarm", "notice"
-# Kinds that are notices; every other kind is an alarm.
+# Kinds that are notices; every other kind is an alarm. A rule may raise one of these kinds as an
+# alarm when the loss confirms it (details["severity"]).
 NOTICE_KINDS = frozenset({"grad_norm_spike", "exploding_grad"})
 
 

@@ -75,7 +75,7 @@ class Journal:
         then writes (incident records, whether it dumps) is kept in ``s.info``."""
         closed = self.tracker.advance(s.step)
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
-        events = [Event(s.step, kind, msg, dict(d, **details))
+        events = [Event(s.step, kind, msg, dict(d, **details), severity=d.get("severity", ""))
                   for rule in self.detectors for kind, msg, d in rule.observe(s)]
         incident, opened, alarmed = self.tracker.add(s.step, events)
         s.info["incidents"] = ([(closed, "closed")] if closed else []) + (

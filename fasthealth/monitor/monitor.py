@@ -45,8 +45,8 @@ from .record import (
 from .sinks import map_tensors
 
 
-def _rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -134,7 +134,7 @@ class Monitor:
         self._next_step = 0
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
-        self._disarm = None  # the optimizer step post-hook of check()
+        self._disarm: Any = None  # the optimizer step post-hook of check()
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         # made before the sinks: a bad module regex writes nothing
         self.activations: ActivationMonitor | None = None
@@ -199,7 +199,7 @@ class Monitor:
         if self.scaler is not None and self.optimizer is not None:
             gate.unscale(self.optimizer, self.scaler)
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
-        grads = [self.params[i][1].grad for i in present]
+        grads = [g for g in (self.params[i][1].grad for i in present) if g is not None]
         values = [grad_values(g) for g in grads]  # a sparse gradient's stored values
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
         stats = grads_stats(values, [self.names[i] for i in present], [], backend=self.backend,
