@@ -12,7 +12,7 @@ from .checks import (
     tensor_stats,
 )
 from .integrations.watch import watch
-from .monitor import Event, Monitor, NonFiniteError, Observation, ReplayResult, replay
+from .monitor import Event, Incident, Monitor, NonFiniteError, Observation, ReplayResult, replay
 from .ops import available_backends
 from .ops.layout import FIELDS
 from .optim import OptimizerHealth, check_optimizer
@@ -24,6 +24,7 @@ __all__ = [
     "FIELDS",
     "ActivationMonitor",
     "Event",
+    "Incident",
     "Monitor",
     "MultiTensorStats",
     "NonFiniteError",

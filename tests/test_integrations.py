@@ -77,8 +77,9 @@ def hf_train(tmp_path, model, steps=40, **kw):
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
-def test_transformers_nan_sample_is_caught_skipped_and_logged(tmp_path, optim):
+def test_transformers_nan_sample_is_caught_skipped_and_logged(tmp_path, optim, caplog):
     model = tiny_gpt2()
+    caplog.set_level("WARNING", logger="fasthealth")
 
     def nan_sample(kw):
         kw["inputs_embeds"] = kw["inputs_embeds"].clone()
@@ -104,6 +105,10 @@ def test_transformers_nan_sample_is_caught_skipped_and_logged(tmp_path, optim):
     r = fh.replay(next(e.dump for e in mon.events if e.step == 15), model,
                   lambda m, b: m(**b).loss)
     assert r.reproduced and r.source == "batch"
+    # one line in the trainer's log for the one fault (two alarms at step 15: one incident)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fasthealth"]
+    assert len(lines) == 1 and lines[0].startswith("fasthealth: step 15: ") and \
+        "incident 0: nonfinite_loss, nonfinite_grad" in lines[0], lines
 
 
 def test_transformers_one_bad_gradient_is_named_before_clipping(tmp_path):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from ..monitor import Monitor
 from .capture import Capture
+from .log import log_incident
 
 
 class HealthCallbackMixin:
@@ -51,6 +52,7 @@ class HealthCallbackMixin:
         self.monitor = Monitor(pl_module, optimizer, log_dir=log_dir or None,
                                scaler=getattr(trainer.precision_plugin, "scaler", None),
                                **options)
+        self.monitor.on_alarm(log_incident)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch = batch

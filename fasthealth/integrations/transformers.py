@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 
 from ..monitor import Monitor
 from .capture import BackwardEnd, ForwardCapture
+from .log import log_incident
 
 
 def _sync_step() -> Callable[[], bool]:
@@ -59,6 +60,7 @@ class HealthCallback(TrainerCallback):
             log_dir = os.path.join(args.output_dir, "fasthealth")
         monitor = Monitor(model, optimizer, log_dir=log_dir or None,
                           scaler=getattr(optimizer, "scaler", None), **options)
+        monitor.on_alarm(log_incident)
         self.monitor = monitor
         self._open = True
         capture = ForwardCapture(model, self.sample_ids)

@@ -9,8 +9,9 @@
 - ``replay.py``: ``replay``, which re-runs the step behind an event from its dump.
 """
 
-from .events import Event, NonFiniteError, Observation
+from .events import Event, Incident, NonFiniteError, Observation
 from .monitor import Monitor
 from .replay import ReplayResult, replay
 
-__all__ = ["Event", "Monitor", "NonFiniteError", "Observation", "ReplayResult", "replay"]
+__all__ = ["Event", "Incident", "Monitor", "NonFiniteError", "Observation", "ReplayResult",
+           "replay"]

@@ -13,12 +13,13 @@ in ``errors``, never raised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .detectors import Detector
-from .events import FATAL_KINDS, Event, NonFiniteError
+from .events import FATAL_KINDS, Event, Incident, NonFiniteError
 from .incidents import IncidentTracker, dump_due
 from .record import HostStep
 from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
@@ -40,6 +41,8 @@ class Journal:
         self.jsonl = JsonlSink(log_dir, meta) if log_dir is not None else None
         self.tb = TensorBoardSink(log_dir) if log_dir is not None and tensorboard else None
         self.errors: list[str] = self.jsonl.errors if self.jsonl is not None else []
+        # called once per incident, when it becomes an alarm (Monitor.on_alarm)
+        self.alarm_listeners: list[Callable[[Incident], None]] = []
 
     def flush(self, steps: list[HostStep],
               snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
@@ -83,6 +86,9 @@ class Journal:
         s.info["dump_due"] = dump_due(self.dumps, events, alarmed)
         s.info["events"] = events
         self.events.extend(events)
+        if alarmed and incident is not None:
+            for listener in self.alarm_listeners:
+                listener(incident)
         return events
 
     def _save_dump(self, s: HostStep, events: list[Event],

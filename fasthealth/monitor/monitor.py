@@ -21,6 +21,7 @@ import atexit
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +290,11 @@ class Monitor:
     def incidents(self) -> list[Incident]:
         """Every incident so far, in order of opening (``Incident.open``: still collecting)."""
         return self.journal.tracker.incidents
+
+    def on_alarm(self, listener: Callable[[Incident], None]) -> None:
+        """Calls ``listener(incident)`` once per incident, at the flush where it becomes an
+        alarm (notices never call it): how the trainer callbacks log one line per fault."""
+        self.journal.alarm_listeners.append(listener)
 
     @property
     def write_errors(self) -> list[str]:
