@@ -185,3 +185,32 @@ def test_dump_with_code_is_refused_and_runs_nothing(tmp_path):
     truncated.write_bytes(truncated.read_bytes()[:50])
     with pytest.raises(ValueError, match="cut.pt"):
         fh.replay(str(truncated), nn.Linear(2, 2), lambda m, b: m(b).sum())
+
+
+def test_a_0_dim_tensor_in_the_batch_rides_along_and_the_batch_still_bisects(tmp_path):
+    """The Hugging Face Trainer adds ``num_items_in_batch``, a 0-dim tensor, to every batch:
+    it has no batch dimension, so it goes unchanged into each half while the rows are split."""
+    model = Net()
+
+    def loss_fn(m, batch):
+        ids, pad, count = batch
+        logits = m(ids, pad)
+        return nn.functional.cross_entropy(logits.reshape(-1, 16), ids.roll(-1, 1).reshape(-1),
+                                           reduction="sum") / count
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(0)
+    with fh.Monitor(model, opt, log_dir=tmp_path, flush_every=4, warmup_steps=5) as mon:
+        for step in range(8):
+            ids = torch.randint(0, 16, (8, 6), generator=g)
+            pad = torch.zeros(8, 6, dtype=torch.bool)
+            if step == 5:
+                pad[6] = True
+            batch = (ids, pad, torch.tensor(48.0))
+            opt.zero_grad()
+            loss = loss_fn(model, batch)
+            loss.backward()
+            mon.step(loss, batch=batch, sample_ids=torch.arange(8) + 100 * step)
+    ev = next(e for e in mon.events if e.step == 5 and e.dump)
+    r = fh.replay(ev.dump, model, loss_fn)
+    assert r.reproduced and r.culprit_ids == [506], r

@@ -168,9 +168,12 @@ def _split(batch: Any, n: int, idx: torch.Tensor) -> Any:
 
 
 def _shares_first_dim(batch: Any, n: int) -> bool:
+    """Every tensor of ``batch`` with a batch dimension has ``n`` rows. 0-dim tensors (the
+    Hugging Face Trainer's ``num_items_in_batch``) ride along unchanged into each part."""
     leaves: list[torch.Tensor] = []
     map_tensors(leaves.append, batch)
-    return bool(leaves) and all(t.dim() and t.shape[0] == n for t in leaves)
+    batched = [t for t in leaves if t.dim()]
+    return bool(batched) and all(t.shape[0] == n for t in batched)
 
 
 def _bisect(m, loss_fn, batch, d: dict, n: int) -> tuple[list[int], int]:
