@@ -306,3 +306,37 @@ def test_transformers_train_again_after_a_crash(tmp_path):
     assert cb.monitor is not first and cb.monitor.max_grad_norm == 1.0
     assert checks["n"] == 12  # one check a step: the first run's hooks are gone
     assert args.max_grad_norm == 1.0  # given back at the end
+
+
+def test_transformers_sample_ids_column_bisects_to_the_sample(tmp_path):
+    """A Hugging Face user keeps sample ids with ``remove_unused_columns=False`` and a
+    ``sample_ids`` column; the Trainer adds ``num_items_in_batch`` (a 0-dim tensor) to every
+    batch, which rides along while replay splits the rows, down to the one bad sample."""
+
+    class WithIds(EmbedDataset):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "sample_ids": torch.tensor(1000 + i)}
+
+    model = tiny_gpt2()
+
+    def nan_sample(kw):
+        kw["inputs_embeds"] = kw["inputs_embeds"].clone()
+        kw["inputs_embeds"][3, 2, 5] = NAN
+        return kw
+
+    plant_at(model, 16, nan_sample)
+    from fasthealth.integrations.transformers import HealthCallback  # as hf_train does
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=8,
+        learning_rate=5e-3, report_to="none", save_strategy="no", logging_steps=1000,
+        use_cpu=True, disable_tqdm=True, seed=0, remove_unused_columns=False)
+    cb = HealthCallback(warmup_steps=10)
+    transformers.Trainer(model=model, args=args, train_dataset=WithIds(),
+                         callbacks=[cb]).train()
+    ev = next(e for e in cb.monitor.events if e.dump)
+    dump = torch.load(ev.dump, weights_only=True)
+    assert ev.step == 15 and dump["batch"]["num_items_in_batch"].dim() == 0
+    ids = dump["sample_ids"].tolist()
+    r = fh.replay(ev.dump, model, lambda m, b: m(**b).loss)
+    assert r.reproduced and r.source == "batch" and r.culprit_ids == [ids[3]], r
