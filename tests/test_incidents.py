@@ -169,3 +169,18 @@ def test_a_run_that_learns_does_not_stall():
     assert not [e for e in mon.events if e.kind == "stall"]
     x, y = data()
     assert loss_fn(m, (x, y, torch.ones(64, 1))) < 0.1
+
+
+def test_a_cause_opens_its_own_incident():
+    """An LR jump is a change of configuration, never the aftermath of an earlier fault; broken
+    optimizer state is the aftermath only of non-finite values."""
+    t = IncidentTracker()
+    spike, _, _ = t.add(10, [ev(10, "loss_spike")])
+    jump, opened, _ = t.add(20, [ev(20, "lr_jump"), ev(20, "loss_spike")])
+    assert opened and jump.id == 1 and not spike.open and t.take_closed() == [spike]
+    assert t.add(25, [ev(25, "lr_jump")])[0] is jump  # the same kind: the same fault
+    state, opened, _ = t.add(30, [ev(30, "optimizer_state_nonfinite")])
+    assert opened and state.id == 2
+    t2 = IncidentTracker()
+    nan, _, _ = t2.add(5, [ev(5, "nonfinite_grad")])
+    assert t2.add(10, [ev(10, "optimizer_state_nonfinite")]) == (nan, False, False)

@@ -11,11 +11,27 @@ and after ``skipped_quiet`` steps while every event in it was at a skipped step 
 never reached the weights, so there is no aftermath: a NaN ten steps later is a fault of its
 own, a NaN at every step is still one). A notice incident that an alarm joins becomes an alarm:
 a gradient spike that the loss then confirms.
+
+Some alarms are causes, never the aftermath of another fault: a learning rate far above its
+peak is a change of configuration, and is explained only by an open incident that already
+holds one. Broken optimizer state and a collapsing loss scale are explained only by an
+incident that already holds them, a non-finite value or an exploding gradient (whose square
+overflows Adam's second moment; overflow after overflow backs a scaler off). Such an alarm closes the open incident and opens its own.
 """
 
 from __future__ import annotations
 
 from .events import ALARM, NOTICE, Event, Incident
+
+# What overflows optimizer state or a loss scale: non-finite values, or gradients so large that
+# their squares do (Adam's second moment).
+OVERFLOW = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_norm_spike", "exploding_grad"})
+# alarm kind -> the kinds of an open incident that can explain it (its own kind always can)
+CAUSES: dict[str, frozenset[str]] = {
+    "lr_jump": frozenset(),
+    "optimizer_state_nonfinite": OVERFLOW,
+    "loss_scale_collapse": OVERFLOW,
+}
 
 # Which steps get a dump (the batch, stats, RNG and parameters, for fh.replay): the first alarm
 # step of each incident (the default: one dump per fault), every step with an alarm, every step
@@ -42,6 +58,12 @@ class IncidentTracker:
         self.quiet, self.notice_quiet, self.skipped_quiet = quiet, notice_quiet, skipped_quiet
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
+        self.closed_early: list[Incident] = []  # closed by a cause it cannot explain
+
+    def take_closed(self) -> list[Incident]:
+        """The incidents ``add`` closed early since the last call."""
+        out, self.closed_early = self.closed_early, []
+        return out
 
     def _expired(self, step: int) -> bool:
         cur = self.current
@@ -62,11 +84,29 @@ class IncidentTracker:
         closed.open = False
         return closed
 
+    def _explains(self, events: list[Event]) -> bool:
+        """Whether the open incident can be the cause of ``events`` (see the module doc)."""
+        cur = self.current
+        if cur is None:
+            return False
+        held = set(cur.kinds)
+        for e in events:
+            if e.severity == ALARM and e.kind in CAUSES and e.kind not in held \
+                    and not held & CAUSES[e.kind]:
+                return False
+        return True
+
     def add(self, step: int, events: list[Event]) -> tuple[Incident | None, bool, bool]:
         """Files ``events`` (all of ``step``) under an incident: (that incident, whether it was
-        opened here, whether it became an alarm here). (None, False, False) without events."""
+        opened here, whether it became an alarm here). (None, False, False) without events.
+        When the open incident cannot explain them, it is closed first: ``closed_early``
+        holds it until ``take_closed`` reads it."""
         if not events:
             return None, False, False
+        if self.current is not None and not self._explains(events):
+            self.current.open = False
+            self.closed_early.append(self.current)
+            self.current = None
         opened = self.current is None
         if opened:
             first = next((e for e in events if e.severity == ALARM), events[0])

@@ -81,7 +81,8 @@ class Journal:
         events = [Event(s.step, kind, msg, dict(d, **details), severity=d.get("severity", ""))
                   for rule in self.detectors for kind, msg, d in rule.observe(s)]
         incident, opened, alarmed = self.tracker.add(s.step, events)
-        s.info["incidents"] = ([(closed, "closed")] if closed else []) + (
+        ended = ([closed] if closed else []) + self.tracker.take_closed()
+        s.info["incidents"] = [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened else [])
         s.info["dump_due"] = dump_due(self.dumps, events, alarmed)
         s.info["events"] = events
