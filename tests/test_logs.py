@@ -187,6 +187,11 @@ def test_killed_process_leaves_a_readable_log(tmp_path, sig):
         child.send_signal(sig)
         out, err = child.communicate(timeout=60)
         done = [int(s) for s in (first + out).split()]
+        if not (log_dir / "steps.jsonl").exists() and sig != signal.SIGINT:
+            # killed before the first flush (every 3 steps) wrote anything: nothing to read,
+            # and nothing lost beyond the unflushed steps
+            assert done[-1] < 3 + 1, (done[-1], err[-500:])
+            continue
         raw = (log_dir / "steps.jsonl").read_bytes()
         lines = raw.split(b"\n")
         whole = [json.loads(s) for s in lines[:-1]]  # every line but the last is whole
