@@ -85,7 +85,7 @@ for b in $BACKENDS; do
   fi
 done
 
-# the user's own validation (SPEC section 9): its table goes to tests.txt
+# the user's own validation (docs/spec.md section 9): its table goes to tests.txt
 [ -n "$BACKENDS" ] && step selftest 120 "$OUT/tests.txt" python3 -m fasthealth selftest
 
 baselines=""

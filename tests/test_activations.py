@@ -1,4 +1,4 @@
-"""fh.ActivationMonitor (SPEC section 7): first-producer attribution, whitelisted -inf masks,
+"""fh.ActivationMonitor (docs/spec.md section 7): first-producer attribution, whitelisted -inf masks,
 sampling and module selection, and the Monitor's activations option."""
 
 

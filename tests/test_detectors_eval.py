@@ -24,7 +24,7 @@ import corpus  # noqa: E402
 
 SLICE = dict(bench_detectors.QUICK, grid=[{}, {"spike_zscore": 11.0, "warmup_steps": 60}])
 
-# Seed 0 at the Monitor's defaults: what the rules before issue 23 (every event an alarm)
+# Seed 0 at the Monitor's defaults: what the rules before severities (every event an alarm)
 # fail, and what the severities of 34c4133 (grad_norm_spike and exploding_grad as notices) fail.
 KNOWN_FALSE_ALARMS = {
     "cancer_logreg_sgd_batch8": "exploding_grad; an early loss_spike (loss Nx its first values)",

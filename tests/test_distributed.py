@@ -1,4 +1,4 @@
-"""SPEC section 8 with Gloo on CPU, 2 and 4 processes: DDP and FSDP2 totals equal the
+"""docs/spec.md section 8 with Gloo on CPU, 2 and 4 processes: DDP and FSDP2 totals equal the
 single-process statistics of the full gradients, one collective per call, a NaN on one rank is
 seen by every rank, and the Monitor's skip decision agrees on all ranks; pipeline stages (plain
 tensors that differ across ranks) are summed, stages of replicas counted once per stage,

@@ -1,4 +1,4 @@
-"""Logs and dumps that survive faults (SPEC section 6, "Writing never stops training"): a full
+"""Logs and dumps that survive faults (docs/spec.md section 6, "Writing never stops training"): a full
 disk (a real tmpfs), a log_dir removed mid-run, a process killed at random points (SIGKILL,
 SIGTERM, SIGINT), Ctrl-C inside a save, a reopened log_dir; the report reads what is left and
 escapes what it shows; duplicate names are refused."""

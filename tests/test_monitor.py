@@ -1,4 +1,4 @@
-"""fh.Monitor (SPEC section 6): each detector fires at the planted step, a clean run raises no
+"""fh.Monitor (docs/spec.md section 6): each detector fires at the planted step, a clean run raises no
 event, bad steps are skipped (without a sync for fused optimizers), capture and replay."""
 
 import json

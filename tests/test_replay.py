@@ -1,4 +1,4 @@
-"""fh.replay (SPEC section 6): where the first non-finite value came from (the batch, the
+"""fh.replay (docs/spec.md section 6): where the first non-finite value came from (the batch, the
 forward or the backward pass, the innermost module), which samples cause it, dumps of wrapped
 models, and dumps that must not run code."""
 

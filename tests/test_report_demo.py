@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 import fasthealth as fh
@@ -102,16 +103,29 @@ def test_report_marks_inside_axes_gaps_and_layers():
     assert marks > 0
     nf = next(ax for ax in fig.axes if ax.get_title().startswith("non-finite gradient"))
     assert nf.get_ylim()[0] < 1  # a single NaN (a bar of height 1) shows on the log scale
-    heat = next(ax for ax in fig.axes if "gradient norm (log10" in ax.get_title())
+    heat = next(ax for ax in fig.axes if "gradient norm at the recorded" in ax.get_title())
     assert heat.get_title().startswith("per-layer")  # 120 tensors: one row per layer
     labels = [t.get_text() for t in heat.get_yticklabels()]
     assert labels == [f"model.layers.{i}" for i in range(12)], labels
-    grid = heat.collections[0].get_array()
-    assert grid.shape == (12, 60)
-    assert grid.mask[:, 45].all() and not grid.mask[:, 35].any()  # gap where nothing came
-    assert grid.mask[:, 31:35].all()  # the NaN record at 30 stands for its own step only
+    h = report.heatmap_data(meta, steps, events)
+    assert h.steps == [*range(0, 40, 5), 55] and h.cadence == 5
+    at = {s: k for k, s in enumerate(h.steps)}
+    assert h.ends[at[25]] == 30 and h.ends[at[35]] == 40  # a record: up to the next, at most 5
+    assert h.ends[at[30]] == 31  # the NaN record at 30 stands for its own step only
+    assert h.bad[0, at[30]] and not h.bad[1:, at[30]].any()  # the NaN layer
+    # drawn: the record's columns, gray (masked) between 31 and 35 and for 40-54
+    mesh = heat.collections[0]
+    x = mesh.get_coordinates()[0, :, 0]
+    grid = mesh.get_array()
+    assert grid.shape == (12, len(x) - 1)
+
+    def column(step):
+        return int(np.searchsorted(x, step, side="right")) - 1
+
+    assert grid.mask[:, column(45)].all() and not grid.mask[:, column(35)].any()
+    assert grid.mask[:, column(32)].all() and column(32) == column(34)
     red = heat.collections[1].get_array()
-    assert not red.mask[0, 30] and red.mask[0, 29]  # the NaN layer at step 30 is red
+    assert not red.mask[0, column(30)] and red.mask[0, column(29)]  # the NaN layer at 30: red
 
 
 def test_report_without_matplotlib_says_what_to_install(tmp_path):

@@ -1,4 +1,4 @@
-"""SPEC section 2's accuracy contract, in one table, and the comparison every test uses.
+"""docs/spec.md section 2's accuracy contract, in one table, and the comparison every test uses.
 
 kind      fields                                                  bound
 exact     counts, min, max, finite_min, finite_max, amax,         equal (NaN equals NaN)

@@ -1,4 +1,4 @@
-"""The detector evaluation corpus (issue 23): healthy training-run families and planted faults,
+"""The detector evaluation corpus: healthy training-run families and planted faults,
 each a real training loop under ``fh.Monitor`` on real data (nothing downloaded).
 
 - ``families.py``: the healthy families (data, task, model, optimizer, schedule, batch size,

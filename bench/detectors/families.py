@@ -7,7 +7,7 @@ it raises is a false alarm. ``HELD_OUT`` families are never run while the thresh
 chosen (``bench/bench_detectors.py --final`` scores them, once).
 
 Real data: scikit-learn's bundled tables and photos, the standard library's source, the
-interpreter's help texts (``data.py``). The four cases issue 23 reports as false alarms are
+interpreter's help texts (``data.py``). The four cases users reported as false alarms are
 ``digits_mlp_onecycle_bf16_ls`` and ``pydoc_word_transformer_onecycle_bf16_ls`` (OneCycle
 warm-up, bf16 autocast, label smoothing), ``digits_mlp_sgd_momentum_plateau`` (an
 SGD-momentum classifier leaving its initial plateau: the gradient norm grows several-fold

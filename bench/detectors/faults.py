@@ -3,7 +3,7 @@
 A ``FaultSpec`` names the setup it is planted in (a family of ``families.py``, or a builder of
 its own), what it does from its onset on (``before(step, batch, setup, onset)``: it may replace
 the batch or touch the model, optimizer or schedule), the event kinds that would name it, and
-the delay a user would accept (issue 23: non-finite values and single bad batches at their
+the delay a user would accept (non-finite values and single bad batches at their
 step, LR jumps within 10, 1%-a-step rises within 40, dead layers within 10, stalls within 100).
 ``HELD_OUT`` faults run only under ``bench/bench_detectors.py --final``.
 """
