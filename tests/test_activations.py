@@ -1,5 +1,5 @@
-"""fh.ActivationMonitor (docs/spec.md section 7): first-producer attribution, whitelisted -inf masks,
-sampling and module selection, and the Monitor's activations option."""
+"""fh.ActivationMonitor (docs/spec.md section 7): first-producer attribution, whitelisted -inf
+masks, sampling and module selection, and the Monitor's activations option."""
 
 
 import pytest

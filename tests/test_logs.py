@@ -1,5 +1,5 @@
-"""Logs and dumps that survive faults (docs/spec.md section 6, "Writing never stops training"): a full
-disk (a real tmpfs), a log_dir removed mid-run, a process killed at random points (SIGKILL,
+"""Logs and dumps that survive faults (docs/spec.md section 6, "Writing never stops training"): a
+full disk (a real tmpfs), a log_dir removed mid-run, a process killed at random points (SIGKILL,
 SIGTERM, SIGINT), Ctrl-C inside a save, a reopened log_dir; the report reads what is left and
 escapes what it shows; duplicate names are refused."""
 

@@ -1,5 +1,5 @@
-"""fh.Monitor (docs/spec.md section 6): each detector fires at the planted step, a clean run raises no
-event, bad steps are skipped (without a sync for fused optimizers), capture and replay."""
+"""fh.Monitor (docs/spec.md section 6): each detector fires at the planted step, a clean run raises
+no event, bad steps are skipped (without a sync for fused optimizers), capture and replay."""
 
 import json
 import math

@@ -16,7 +16,8 @@ Some alarms are causes, never the aftermath of another fault: a learning rate fa
 peak is a change of configuration, and is explained only by an open incident that already
 holds one. Broken optimizer state and a collapsing loss scale are explained only by an
 incident that already holds them, a non-finite value or an exploding gradient (whose square
-overflows Adam's second moment; overflow after overflow backs a scaler off). Such an alarm closes the open incident and opens its own.
+overflows Adam's second moment; overflow after overflow backs a scaler off). Such an alarm
+closes the open incident and opens its own.
 """
 
 from __future__ import annotations
