@@ -155,7 +155,10 @@ def test_reopened_log_dir_continues_and_overwrites_nothing(tmp_path):
 
 
 CHILD = textwrap.dedent("""
-    import sys, time, torch, fasthealth as fh
+    import signal, sys, time, torch, fasthealth as fh
+    # Ctrl-C raises KeyboardInterrupt even when this test runs in the background, where a
+    # shell starts its children with SIGINT ignored and Python then installs no handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log_dir = sys.argv[1]
     torch.manual_seed(0)
     m = torch.nn.Linear(64, 64)
