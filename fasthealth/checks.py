@@ -130,15 +130,17 @@ def grads_stats(
     range_dtype: torch.dtype | None = None,
     extra_bad: torch.Tensor | None = None,
     replica_group: Any = None,
+    extra_loss: torch.Tensor | None = None,
 ) -> MultiTensorStats:
     """check_grads on collected gradients; with a process group, the total is the whole
-    model's (one collective) and ``extra_bad`` joins the cross-rank non-finite flag."""
+    model's (one collective), ``extra_bad`` joins the cross-rank non-finite flag and the mean
+    of every rank's ``extra_loss`` comes back as ``loss_mean``, in the same collective."""
     rng = range_thresholds(range_dtype)
     check = None
     if process_group is not None:
         grads = [grad_values(g) for g in grads]
         table, check = global_table(grads, names, backend, rng, process_group, extra_bad,
-                                    replica_group)
+                                    replica_group, extra_loss)
     elif grads:
         try:
             table = ops.table(grads, names, backend, rng)
@@ -153,6 +155,7 @@ def grads_stats(
     if check is not None:
         s.replica_mismatch = check["replica_mismatch"]
         s.replica_mismatch_mask = check["replica_mismatch_mask"]
+        s.loss_mean = check["loss_mean"]
     return s
 
 

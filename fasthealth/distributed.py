@@ -21,6 +21,8 @@ moments merge with Chan's formula) into the same total, on the device, with no h
   rank r < 52. The set's row in the total is its member with the most NaN/Inf, so a bad
   replica's NaN/Inf are counted.
 - The non-finite flag ORs every rank's local data and ``extra_bad`` (the Monitor's loss check).
+- ``extra_loss`` (the Monitor's loss, under ``on_spike="skip"``) rides in the same row: every
+  rank gets the mean over ranks, so that every rank's skip rule sees the same numbers.
 - A rank whose input is bad still joins the collective, with an error flag, and raises after it:
   no rank waits for another's error; the others get a total of NaN with ``all_finite`` False.
 
@@ -41,9 +43,10 @@ from .ops.layout import COL, TABLE_WIDTH
 from .ops.reference import merge_rows
 
 W = TABLE_WIDTH
-# the gathered row: owned DTensor shards' merge, plain tensors' merge, then these flags
-F_BAD, F_SET, F_ERROR = 2 * W, 2 * W + 1, 2 * W + 2
-ROW = 2 * W + 3
+# the gathered row: owned DTensor shards' merge, plain tensors' merge, then these flags and
+# the rank's loss
+F_BAD, F_SET, F_ERROR, F_LOSS = 2 * W, 2 * W + 1, 2 * W + 2, 2 * W + 3
+ROW = 2 * W + 4
 MASK_RANKS = 52  # ranks a float64 bit mask holds exactly
 
 
@@ -93,10 +96,12 @@ def _check_group(process_group: Any) -> None:
 
 def global_table(grads: list[torch.Tensor], names: list[str], backend: str | None,
                  rng: tuple[float, float], process_group: Any,
-                 extra_bad: torch.Tensor | None = None, replica_group: Any = None
+                 extra_bad: torch.Tensor | None = None, replica_group: Any = None,
+                 extra_loss: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the local per-tensor table of ``grads`` with the model-wide total as its last row, the
-    replica check: ``replica_mismatch`` and ``replica_mismatch_mask``, 0-dim tensors)."""
+    replica check: ``replica_mismatch`` and ``replica_mismatch_mask``, and ``loss_mean``, the
+    mean of every rank's ``extra_loss``: 0-dim tensors)."""
     _check_group(process_group)
     views = [local_view(g) for g in grads]
     local = [v for v, _ in views]
@@ -110,7 +115,7 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     plain = [i for i, o in enumerate(owned) if o is None]
     fp = fingerprint([names[i] for i in plain], [local[i] for i in plain])
     row = _local_row(table, owned, extra_bad, _replica_set(replica_group, fp, process_group),
-                     error is not None)
+                     error is not None, extra_loss)
     gathered = _all_gather(row, process_group)
     if error is not None:
         raise error
@@ -120,12 +125,12 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
 
 
 def _local_row(table: torch.Tensor | None, owned: list[bool | None], extra_bad: Any,
-               replica_set: float, error: bool) -> torch.Tensor:
-    """[owned DTensor shards' row | plain tensors' row | bad, replica set, error]."""
+               replica_set: float, error: bool, loss: Any = None) -> torch.Tensor:
+    """[owned DTensor shards' row | plain tensors' row | bad, replica set, error, loss]."""
     empty = merge_rows(torch.zeros(0, W, dtype=torch.float64))
     if table is None:  # this rank's input was bad: a NaN row, flagged
         nan = torch.full((W,), float("nan"), dtype=torch.float64)
-        return torch.cat([nan, nan, torch.tensor([1.0, replica_set, 1.0])])
+        return torch.cat([nan, nan, torch.tensor([1.0, replica_set, 1.0, float("nan")])])
     dev = table.device
     empty = empty.to(dev)
     n = table.shape[0] - 1
@@ -143,9 +148,11 @@ def _local_row(table: torch.Tensor | None, owned: list[bool | None], extra_bad: 
     bad = table[-1, COL["all_finite"]] == 0
     if extra_bad is not None:
         bad = bad | extra_bad.to(dev)
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=dev)
     flags = torch.stack([bad.double(), torch.full((), replica_set, dtype=torch.float64,
                                                   device=dev),
-                         torch.zeros((), dtype=torch.float64, device=dev)])
+                         torch.zeros((), dtype=torch.float64, device=dev),
+                         nan if loss is None else loss.reshape(()).to(dev, torch.float64)])
     return torch.cat([dt.double(), pl.double(), flags])
 
 
@@ -185,5 +192,6 @@ def _merge_gathered(g: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tens
     mismatch = disagree & ((n_agree < best) | (n_agree == best) & (best * 2 <= set_size))
     weights = torch.where(idx < MASK_RANKS, 2.0 ** idx.clamp(max=MASK_RANKS - 1).double(), 0.0)
     check = {"replica_mismatch": mismatch.sum().double(),
-             "replica_mismatch_mask": (mismatch.double() * weights).sum()}
+             "replica_mismatch_mask": (mismatch.double() * weights).sum(),
+             "loss_mean": g[:, F_LOSS].mean()}
     return total, check

@@ -225,6 +225,7 @@ class MultiTensorStats:
         # r for rank r < 52), 0-dim tensors on the device (see fasthealth.distributed)
         self.replica_mismatch: torch.Tensor | None = None
         self.replica_mismatch_mask: torch.Tensor | None = None
+        self.loss_mean: torch.Tensor | None = None  # with a process group: the ranks' mean loss
 
     @property
     def dtypes(self) -> list[torch.dtype]:

@@ -220,13 +220,42 @@ def _fsdp(rank, world):
         [(2, "nonfinite_grad")]
 
 
+def _spike_skip(rank, world):
+    """on_spike="skip" under DDP: a bad batch on one rank only (its loss spikes there; the
+    all-reduced gradient is every rank's) is skipped by every rank, and the replicas stay
+    equal."""
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    mon = fh.Monitor(ddp, opt, on_spike="skip", process_group=dist.group.WORLD,
+                     flush_every=100)
+    skips = []
+    for step in range(60):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 16, generator=g)
+        y = x[:, :3] * 2
+        if step == 50 and rank == 0:
+            y = y * 50.0
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        skips.append(mon.step(loss).skip.item())
+        opt.zero_grad()
+    mon.close()
+    assert skips[50] and sum(skips) == 1, (rank, [i for i, s in enumerate(skips) if s])
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], t) for t in gathered), "replicas diverged"
+
+
 def _worker(rank, world, init_file, scenario):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
-         "monitor_divergence": _monitor_divergence}[scenario](rank, world)
+         "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip}[scenario](rank,
+                                                                                      world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -251,6 +280,7 @@ def test_fsdp2(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("scenario", ["stages", "bad_input", "monitor_divergence"])
+@pytest.mark.parametrize("scenario", ["stages", "bad_input", "monitor_divergence",
+                                      "spike_skip"])
 def test_layouts_replicas_and_errors(world, scenario):
     run(world, scenario)

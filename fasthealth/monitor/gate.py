@@ -11,8 +11,15 @@ the verdict joins; any other optimizer costs one ``bool()`` per step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.amp.grad_scaler import OptState
+
+from ..ops.layout import COL
+from .precursors import PRECURSOR_SCALARS, PrecursorProbe
+from .record import DeviceRecord, not_measured
+from .skip_rule import SkipRule
 
 
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
@@ -125,3 +132,68 @@ def disarm(optimizer: torch.optim.Optimizer, *args) -> None:
     for attr in ("grad_scale", "found_inf"):
         if attr in optimizer.__dict__:
             delattr(optimizer, attr)
+
+
+class Gate:
+    """The Monitor's hand on the optimizer: the spike verdict (``on_spike="skip"``), the step
+    or its skip, and the precursors' measurement around it. ``guard``: whether anything may be
+    skipped (``on_nonfinite`` "skip"/"raise", or spike skipping); without it the step is plain
+    (no ``found_inf``, no sync)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, scaler: Any,
+                 record: DeviceRecord, device: torch.device, *, guard: bool,
+                 skip_rule: SkipRule | None, precursors: PrecursorProbe | None) -> None:
+        self.optimizer, self.scaler, self.record, self.device = optimizer, scaler, record, device
+        self.guard, self.skip_rule, self.precursors = guard, skip_rule, precursors
+        self._post_hook: Any = None  # the optimizer step post-hook of check()
+        self._pending: tuple[int, int] | None = None  # (slot, step) of check()'s last row
+
+    def spike(self, loss: Any, total: torch.Tensor, bad: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(whether ``on_spike="skip"`` skips this step, the rule's two scores), on the device;
+        (False, NaNs) without the rule. ``bad``: the step is non-finite."""
+        nan = not_measured(self.device)
+        if self.skip_rule is None:
+            return torch.zeros_like(bad), nan.expand(2)
+        loss = nan if loss is None else loss.to(self.device, torch.float64)
+        return self.skip_rule.update(loss, total[COL["norm"]], ~bad)
+
+    def act(self, t: int, bad: torch.Tensor, take_step: bool) -> torch.Tensor:
+        """Steps, or skips when ``bad``; without ``take_step`` arms the skip of the trainer's
+        own step instead. Returns whether the step is skipped (0-dim bool)."""
+        opt = self.optimizer
+        if opt is None:
+            return torch.zeros_like(bad)
+        if self.precursors is not None:
+            self.precursors.before_step(t)
+        if take_step:
+            if self.scaler is not None:
+                skipped = step_with_scaler(opt, self.scaler, bad, self.guard)
+            else:
+                skipped = step_or_skip(opt, bad, self.guard)
+            if self.precursors is not None:
+                self.precursors.after_step()
+            return skipped
+        if self._post_hook is None:
+            self._post_hook = opt.register_step_post_hook(self._after_trainer_step)
+        self._pending = (self.record.fill, t)
+        return arm_skip(opt, bad, self.scaler)
+
+    def _after_trainer_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        """After a trainer's own step (``Monitor.check``): the skip disarmed, the update
+        measured into that step's row."""
+        disarm(optimizer)
+        if self.precursors is not None and self._pending is not None:
+            self.precursors.after_step()
+            self.record.put(*self._pending, self.precursors.ratio_scalars())
+        self._pending = None
+
+    def precursor_scalars(self) -> dict[str, torch.Tensor]:
+        if self.precursors is None:
+            return dict.fromkeys(PRECURSOR_SCALARS, not_measured(self.device))
+        return self.precursors.scalars()
+
+    def remove(self) -> None:
+        if self._post_hook is not None:
+            self._post_hook.remove()
+            self._post_hook = None

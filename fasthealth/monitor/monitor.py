@@ -33,10 +33,11 @@ from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
 from . import gate
-from .detectors import Detector, default_detectors
+from .detectors import Detector, SpikeDetector, default_detectors
 from .events import Event, Incident, Observation
 from .journal import Journal
 from .options import check_options, loss_value
+from .precursors import PrecursorProbe, precursor_rules
 from .record import (
     DeviceRecord,
     loss_scale,
@@ -44,6 +45,7 @@ from .record import (
     or_nan,
 )
 from .sinks import map_tensors
+from .skip_rule import SkipEvents, SkipRule
 
 
 def _rng_state() -> dict[str, Any]:
@@ -103,6 +105,9 @@ class Monitor:
         backend: str | None = None,
         detectors: list[Detector] | None = None,
         dumps: str = "incident",
+        precursors: bool = True,
+        logits: Any = None,
+        attention: str | None = None,
     ) -> None:
         opts = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
         optimizer = check_options(model, optimizer, opts)  # before anything is made
@@ -125,17 +130,29 @@ class Monitor:
             raise ValueError(f"fasthealth: backend={backend!r} cannot run on model's device "
                              f"({self.device}): {why}")
         self.record = DeviceRecord(self.names, flush_every, self.device)
+        self.precursors = (PrecursorProbe(model, self.params, self.device, logits=logits,
+                                          attention=attention) if precursors else None)
         if detectors is None:
             detectors = default_detectors(
                 self.names, spike_zscore=spike_zscore, spike_window=spike_window,
                 warmup_steps=warmup_steps, vanishing_threshold=vanishing_threshold,
                 min_loss_scale=min_loss_scale if scaler is not None else None)
+            if precursors:
+                detectors += precursor_rules(self.precursors, optimizer, self.params)
+        self.skip_rule: SkipRule | None = None
+        if on_spike == "skip":  # a skipped step is always an event that says so
+            self.skip_rule = SkipRule(self.device, zscore=spike_zscore, window=spike_window,
+                                      warmup=warmup_steps)
+            detectors = [SkipEvents(d, spike_zscore, self.skip_rule.grad_factor)
+                         if isinstance(d, SpikeDetector) else d for d in detectors]
         self.detectors = list(detectors)
+        self.gate = gate.Gate(optimizer, scaler, self.record, self.device,
+                              guard=on_nonfinite in ("skip", "raise") or on_spike == "skip",
+                              skip_rule=self.skip_rule, precursors=self.precursors)
         self.steps_seen = 0
         self._next_step = 0
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
-        self._disarm: Any = None  # the optimizer step post-hook of check()
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         # made before the sinks: a bad module regex writes nothing
         self.activations: ActivationMonitor | None = None
@@ -202,16 +219,20 @@ class Monitor:
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
         grads = [g for g in (self.params[i][1].grad for i in present) if g is not None]
         values = [grad_values(g) for g in grads]  # a sparse gradient's stored values
-        # with a process group the verdict is every rank's: a NaN anywhere skips everywhere
+        # with a process group the verdict is every rank's: a NaN anywhere skips everywhere,
+        # and the skip rule sees the ranks' mean loss
+        pg = self.process_group
         stats = grads_stats(values, [self.names[i] for i in present], [], backend=self.backend,
-                            process_group=self.process_group, extra_bad=~loss_ok,
-                            replica_group=self.replica_group)
+                            process_group=pg, extra_bad=~loss_ok,
+                            replica_group=self.replica_group,
+                            extra_loss=loss_d if self.skip_rule is not None else None)
         table = stats.raw.to(self.device)
         grads_ok = table[-1, COL["all_finite"]] != 0
-        bad = ~grads_ok if self.process_group is not None else ~(loss_ok & grads_ok)
-
-        skipped = self._act(grads, table, bad, take_step)
+        bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
+        spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
+        nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
+        skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
         scalars = {
             "loss": loss_d, "grad_norm": total[COL["norm"]],
             "grad_finite_norm": total[COL["finite_norm"]], "grad_amax": total[COL["amax"]],
@@ -221,33 +242,25 @@ class Monitor:
             "optimizer_nonfinite": self._scan_optimizer(t),
             "replica_mismatch": or_nan(stats.replica_mismatch, self.device),
             "replica_mismatch_mask": or_nan(stats.replica_mismatch_mask, self.device),
+            "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
+            "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
         }
         self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids))
         self.steps_seen += 1
         if self.record.full:
             self.flush()
-        return Observation(step=t, skip=bad, loss=loss_d, stats=stats)
+        return Observation(step=t, skip=bad | spike, loss=loss_d, stats=stats)
 
-    def _act(self, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
+    def _act(self, t: int, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
              take_step: bool) -> torch.Tensor:
-        """Clip, snapshot the parameters for replay, then step or skip (or, without
-        ``take_step``, arm the skip of the trainer's step); returns skipped."""
+        """Clip, snapshot the parameters for replay, then step or skip when ``bad`` (or,
+        without ``take_step``, arm the skip of the trainer's step); returns skipped."""
         if self.max_grad_norm is not None and grads:
             gate.clip_(grads, table[-1, COL["norm"]], self.max_grad_norm)
         if self._snapshots is not None:
             torch._foreach_copy_(self._snapshots[self.record.fill],
                                  [p.detach() for _, p in self.params])
-        opt = self.optimizer
-        if opt is None:
-            return torch.zeros_like(bad)
-        guard = self.on_nonfinite in ("skip", "raise")
-        if take_step:
-            if self.scaler is not None:
-                return gate.step_with_scaler(opt, self.scaler, bad, guard)
-            return gate.step_or_skip(opt, bad, guard)
-        if self._disarm is None:
-            self._disarm = opt.register_step_post_hook(gate.disarm)
-        return gate.arm_skip(opt, bad if guard else torch.zeros_like(bad), self.scaler)
+        return self.gate.act(t, bad, take_step)
 
     def _scan_optimizer(self, t: int) -> torch.Tensor:
         """NaN + Inf count of the optimizer's state every ``optimizer_check_every`` steps."""
@@ -313,9 +326,12 @@ class Monitor:
             self.journal.close()
             if self.activations is not None:
                 self.activations.remove()
-            for h in self.hooks + ([self._disarm] if self._disarm is not None else []):
+            if self.precursors is not None:
+                self.precursors.remove()
+            for h in self.hooks:
                 h.remove()
-            self.hooks, self._disarm = [], None
+            self.hooks = []
+            self.gate.remove()
 
     def _close_at_exit(self) -> None:
         try:

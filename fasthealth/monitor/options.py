@@ -18,8 +18,9 @@ from .detectors import Detector
 from .incidents import DUMPS
 
 ON_NONFINITE = ("skip", "raise", "warn")
-# what a loss or grad-norm spike does: "warn" records it; "skip" (skip the step) is to come
-ON_SPIKE = ("warn",)
+# what a loss or grad-norm spike does: "warn" records it; "skip" also skips the step, decided
+# on the device (skip_rule.py)
+ON_SPIKE = ("warn", "skip")
 
 
 def shown(v: Any) -> str:
@@ -161,8 +162,10 @@ def _check_distributed(process_group: Any, replica_group: Any) -> None:
                         f"{shown(replica_group)}")
 
 
-def _check_parts(activations: Any, scaler: Any, backend: Any, detectors: Any) -> None:
-    """The arguments that name or hand over parts: activations, scaler, backend, detectors."""
+def _check_parts(activations: Any, scaler: Any, backend: Any, detectors: Any, logits: Any,
+                 attention: Any) -> None:
+    """The arguments that name or hand over parts: activations, logits, attention, scaler,
+    backend, detectors."""
     names_ok = isinstance(activations, (list, tuple)) and all(
         isinstance(n, str) for n in activations)
     if not (activations is None or isinstance(activations, (bool, str)) or names_ok):
@@ -174,6 +177,18 @@ def _check_parts(activations: Any, scaler: Any, backend: Any, detectors: Any) ->
             re.compile(activations)
         except re.error as exc:
             raise ValueError(f"fasthealth: activations={activations!r} is not a valid regular "
+                             f"expression ({exc})") from None
+    if not (logits is None or logits is False or isinstance(logits, str)):
+        raise TypeError("fasthealth: logits must be None (find the LM head), a module name or "
+                        f"False, got {shown(logits)}")
+    if attention is not None:
+        if not isinstance(attention, str):
+            raise TypeError("fasthealth: attention must be None or a regex over module names, "
+                            f"got {shown(attention)}")
+        try:
+            re.compile(attention)
+        except re.error as exc:
+            raise ValueError(f"fasthealth: attention={attention!r} is not a valid regular "
                              f"expression ({exc})") from None
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"fasthealth: scaler must be a torch.amp.GradScaler or None, got "
@@ -199,9 +214,16 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
     name the argument and its value."""
     inner = _check_model_and_optimizer(model, optimizer)
     _check_numbers(o)
+    if o["on_spike"] == "skip" and inner is None:
+        raise ValueError("fasthealth: on_spike='skip' needs the optimizer (Monitor(model, "
+                         "optimizer, on_spike='skip')): the step it skips is the optimizer's")
     _check_log_options(o["log_dir"], o["tensorboard"])
     _check_distributed(o["process_group"], o["replica_group"])
-    _check_parts(o["activations"], o["scaler"], o["backend"], o["detectors"])
+    _check_parts(o["activations"], o["scaler"], o["backend"], o["detectors"], o["logits"],
+                 o["attention"])
+    if not isinstance(o["precursors"], bool):
+        raise TypeError(f"fasthealth: precursors must be True or False, got "
+                        f"{shown(o['precursors'])}")
     return inner
 
 

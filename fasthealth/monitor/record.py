@@ -20,7 +20,10 @@ from ..optim import optimizer_state_tensors
 SCALARS = (
     "loss", "grad_norm", "grad_finite_norm", "grad_amax", "nan_count", "inf_count",
     "grads_finite", "loss_finite", "skipped", "loss_scale", "optimizer_nonfinite",
-    "replica_mismatch", "replica_mismatch_mask",
+    "replica_mismatch", "replica_mismatch_mask", "spike_skip", "skip_z_loss",
+    "skip_z_grad_norm",
+    # the precursors' (precursors.py)
+    "update_ratio_max", "update_ratio_arg", "logit_max", "log_z", "attention_logit_max",
 )
 
 
@@ -81,6 +84,15 @@ class DeviceRecord:
                 row[self.bad].index_copy_(0, idx, per_bad)
         self._info.append(info)
         return slot
+
+    def put(self, slot: int, step: int, scalars: dict[str, torch.Tensor]) -> bool:
+        """Fills SCALARS fields of the pending row ``slot`` after it was written (a value that
+        comes after the trainer's optimizer step); False when that row has been flushed."""
+        if slot >= self.fill or self._info[slot]["step"] != step:
+            return False
+        for k, v in scalars.items():
+            self._buf[slot, SCALARS.index(k)] = v.to(self.device, torch.float64)
+        return True
 
     def take(self) -> list[HostStep]:
         """The filled rows on the host (one device-to-host copy); the record is then empty."""

@@ -42,6 +42,8 @@ def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bo
         rec[k] = int(rec[k]) if rec[k] == rec[k] else None
     for k in ("grads_finite", "loss_finite", "skipped"):
         rec[k] = bool(rec[k])
+    if rec["spike_skip"] == rec["spike_skip"]:  # NaN: on_spike is not "skip"
+        rec["spike_skip"] = bool(rec["spike_skip"])
     if events:
         rec["events"] = [e.kind for e in events]
     if per_tensor:

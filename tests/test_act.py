@@ -1,0 +1,319 @@
+"""docs/spec.md section 6, acting before the damage: ``on_spike="skip"`` (decided on the device,
+NaN-safe, the update gated and never scaled, a bad batch leaving the run where it would have
+been) and the precursors (notices: update-to-weight ratio, gradient RMS under Adam's eps,
+output-logit and attention-logit growth)."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fasthealth as fh
+from fasthealth.monitor.skip_rule import SkipRule
+
+X = torch.randn(4096, 10, generator=torch.Generator().manual_seed(0))
+Y = X @ torch.randn(10, 1, generator=torch.Generator().manual_seed(1)) + 0.1 * torch.randn(
+    4096, 1, generator=torch.Generator().manual_seed(2))
+
+OPTIMIZERS = {
+    "adamw_fused": lambda p: torch.optim.AdamW(p, 1e-2, fused=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, 1e-2, foreach=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, 1e-2, momentum=0.9),
+}
+
+
+def regression(opt_name, steps, bad_at=None, bad=lambda y: y * 50.0, on_spike="skip",
+               watch=None, drop_at=None, **opts):
+    """A ReLU MLP regression under the Monitor; ``bad(y)`` replaces the targets at ``bad_at``;
+    the batch of step ``drop_at`` is left out (no step at all). Returns (losses, monitor,
+    (params, optimizer state) before and after the bad step)."""
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = OPTIMIZERS[opt_name](m.parameters())
+    mon = fh.Monitor(m, opt, on_spike=on_spike, **opts)
+    losses, around = [], None
+    for t in range(steps):
+        i = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(t))
+        x, y = X[i], Y[i]
+        if t == drop_at:
+            losses.append(math.nan)
+            continue
+        if t == bad_at:
+            x, y = (x, bad(y)) if not callable(watch) else watch(x, y)
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        if t == bad_at:
+            before = copy.deepcopy((m.state_dict(), opt.state_dict()["state"]))
+        mon.step(loss, batch=(x, y))
+        opt.zero_grad()
+        if t == bad_at:
+            around = before, copy.deepcopy((m.state_dict(), opt.state_dict()["state"]))
+        losses.append(loss.item())
+    mon.close()
+    return losses, mon, around
+
+
+def same_state(a, b):
+    def eq(x, y):
+        if isinstance(x, torch.Tensor):
+            return torch.equal(x, y)
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        if isinstance(x, (tuple, list)):
+            return len(x) == len(y) and all(eq(a, b) for a, b in zip(x, y))
+        return x == y
+    return eq(a, b)
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_bad_batch_is_skipped_without_damage(opt_name):
+    """A batch of 50x targets at step 150: skipped at its step, parameters and optimizer state
+    untouched, the loss afterwards exactly that of the run without that batch, one alarm
+    incident and no aftermath alarms."""
+    clean, _, _ = regression(opt_name, 200, drop_at=150)
+    losses, mon, (before, after) = regression(opt_name, 200, bad_at=150)
+    assert same_state(before, after), "the skipped step changed parameters or optimizer state"
+    assert losses[151:] == clean[151:], "the run did not continue as if the batch never came"
+    skipped = [e for e in mon.events if e.details.get("skipped")]
+    assert {e.step for e in skipped} == {150}
+    assert any(e.kind == "loss_spike" and e.severity == "alarm" for e in skipped)
+    assert [e for e in mon.events if e.step > 150 and e.severity == "alarm"] == []
+    assert len([i for i in mon.incidents if i.severity == "alarm"]) == 1
+    # the same bad batch without skipping damages the run (what the skip prevents)
+    warned, _, _ = regression(opt_name, 200, bad_at=150, on_spike="warn")
+    assert sum(warned[151:171]) > 2 * sum(clean[151:171])
+
+
+@pytest.mark.parametrize("opt_name", ["adamw_fused", "adamw_foreach"])
+def test_nan_batch_leaves_adam_moments_finite(opt_name):
+    """A NaN in the batch: the step is gated (never multiplied by 0: 0 x NaN is NaN), so Adam's
+    moments stay finite and later steps are not skipped."""
+    def nan_batch(x, y):
+        x = x.clone()
+        x[0, 0] = math.nan
+        return x, y
+    losses, mon, (before, after) = regression(opt_name, 120, bad_at=100, watch=nan_batch)
+    assert same_state(before, after)
+    state = after[1]
+    for st in state.values():
+        assert torch.isfinite(st["exp_avg"]).all() and torch.isfinite(st["exp_avg_sq"]).all()
+    assert all(math.isfinite(v) for v in losses[101:])
+    assert {e.step for e in mon.events if e.severity == "alarm"} == {100}
+
+
+def test_healthy_run_is_not_skipped(tmp_path):
+    """A healthy run skips nothing; steps.jsonl says so step by step."""
+    losses, mon, _ = regression("adamw_fused", 300, log_dir=tmp_path)
+    assert not [e for e in mon.events if e.details.get("skipped")]
+    rows = [json.loads(line) for line in open(tmp_path / "steps.jsonl")]
+    assert len(rows) == 300 and all(r["spike_skip"] is False for r in rows)
+
+
+def test_jsonl_records_the_skipped_step(tmp_path):
+    _, mon, _ = regression("adamw_fused", 160, bad_at=150, log_dir=tmp_path)
+    rows = {r["step"]: r for r in map(json.loads, open(tmp_path / "steps.jsonl"))}
+    assert rows[150]["spike_skip"] is True and rows[150]["skipped"] is True
+    assert rows[150]["skip_z_loss"] > 6
+    assert not any(r["spike_skip"] for s, r in rows.items() if s != 150)
+
+
+def test_decision_needs_no_host_sync(monkeypatch):
+    """With a fused optimizer nothing in mon.step reads a device value on the host: every
+    conversion of a tensor to a Python value fails while steps run (flushes excepted)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(m.parameters(), 1e-2, fused=True)
+    mon = fh.Monitor(m, opt, on_spike="skip", flush_every=500)
+    batches = [(X[i * 32:(i + 1) * 32], Y[i * 32:(i + 1) * 32]) for i in range(60)]
+
+    def fail(self, *a, **k):
+        raise AssertionError("host sync in mon.step")
+    for x, y in batches[:3]:  # warm caches (first-call work may inspect values)
+        F.mse_loss(m(x), y).backward()
+        mon.step(F.mse_loss(m(x), y).detach())
+        opt.zero_grad()
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, fail)
+    for x, y in batches[3:]:
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        mon.step(loss)
+        opt.zero_grad()
+    monkeypatch.undo()
+    mon.close()
+
+
+def test_a_new_level_is_not_skipped_forever():
+    """Targets x10 from step 120 on (a regime change, not a bad batch): at most max_run (5)
+    steps are skipped, then the run trains on and the rule takes the new level in."""
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(m.parameters(), 1e-2, fused=True)
+    mon = fh.Monitor(m, opt, on_spike="skip")
+    skipped = []
+    for t in range(220):
+        i = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(t))
+        y = Y[i] * (10.0 if t >= 120 else 1.0)
+        loss = F.mse_loss(m(X[i]), y)
+        loss.backward()
+        skipped.append(mon.step(loss).skip.item())
+        opt.zero_grad()
+    mon.close()
+    assert 1 <= sum(skipped[120:126]) <= 5 and sum(skipped) <= 5
+    assert not any(skipped[130:])
+
+
+def test_skip_rule_ignores_nan_and_skipped_values():
+    """The rule's window never takes a non-finite or a skipped value: after a NaN step and a
+    skipped outlier, a normal value is normal and the next outlier is still one."""
+    r = SkipRule(torch.device("cpu"), warmup=20)
+    ok, bad = torch.tensor(True), torch.tensor(False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        skip, _ = r.update(1 + 0.01 * torch.randn((), generator=g), torch.tensor(2.0) +
+                           0.02 * torch.randn((), generator=g), ok)
+        assert not skip
+    skip, _ = r.update(torch.tensor(math.nan), torch.tensor(math.nan), bad)
+    assert not skip  # non-finite: on_nonfinite's business, not the spike rule's
+    skip, z = r.update(torch.tensor(5.0), torch.tensor(2.0), ok)
+    assert skip and z[0] > 6
+    assert (r.buf[~r.buf.isnan()] < 4).all()  # neither the NaN nor the outlier went in
+    skip, _ = r.update(torch.tensor(1.0), torch.tensor(2.0), ok)
+    assert not skip
+    skip, _ = r.update(torch.tensor(5.0), torch.tensor(2.0), ok)
+    assert skip
+
+
+def test_check_path_skips_the_trainers_step():
+    """Monitor.check (the callbacks' path) arms the skip of the step the trainer takes."""
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(m.parameters(), 1e-2, fused=True)
+    mon = fh.Monitor(m, opt, on_spike="skip")
+    for t in range(160):
+        i = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(t))
+        y = Y[i] * (50.0 if t == 150 else 1.0)
+        loss = F.mse_loss(m(X[i]), y)
+        loss.backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        mon.check(loss)
+        opt.step()
+        opt.zero_grad()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
+        assert moved == (t != 150), t
+    mon.close()
+    assert {e.step for e in mon.events if e.details.get("skipped")} == {150}
+
+
+def test_on_spike_skip_needs_an_optimizer():
+    m = nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="on_spike='skip' needs the optimizer"):
+        fh.Monitor(m, on_spike="skip")
+    with pytest.raises(ValueError, match="on_spike"):
+        fh.Monitor(m, torch.optim.SGD(m.parameters(), 0.1), on_spike="drop")
+
+
+# ---- precursors -----------------------------------------------------------------------------
+
+class TinyLM(nn.Module):
+    """A one-block GPT with a packed q/k/v projection and an ``lm_head``."""
+
+    def __init__(self, vocab=32, d=32, heads=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.block = nn.Module()
+        self.block.attn = nn.Module()
+        self.block.attn.qkv = nn.Linear(d, 3 * d)
+        self.block.attn.heads = heads
+        self.lm_head = nn.Linear(d, vocab)
+        self.heads = heads
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        b, t, d = x.shape
+        q, k, v = self.block.attn.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.lm_head(x + y.transpose(1, 2).reshape(b, t, d))
+
+
+def lm_run(steps, grow=None, lr=1e-3, **opts):
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = torch.optim.AdamW(m.parameters(), lr)
+    mon = fh.Monitor(m, opt, attention=r"attn$", **opts)
+    g = torch.Generator().manual_seed(0)
+    for t in range(steps):
+        ids = torch.randint(0, 32, (8, 17), generator=g)
+        logits = m(ids[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 32), ids[:, 1:].reshape(-1))
+        loss.backward()
+        mon.step(loss)
+        opt.zero_grad()
+        if grow is not None:
+            grow(t, m, opt)
+    mon.close()
+    return mon
+
+
+def kinds(mon):
+    return [(e.step, e.kind, e.severity) for e in mon.events if e.kind.startswith("precursor_")]
+
+
+def test_precursors_stay_quiet_on_a_healthy_lm():
+    assert kinds(lm_run(200)) == []
+
+
+def test_logit_and_attention_growth_are_notices():
+    """The head's and the q/k projection's weights growing 4% a step from step 100: both
+    precursors fire, as notices, while the loss alarms nothing yet."""
+    def grow(t, m, opt):
+        if t >= 100:
+            with torch.no_grad():
+                m.lm_head.weight.mul_(1.04)
+                m.block.attn.qkv.weight[:64].mul_(1.04)
+    found = kinds(lm_run(200, grow))
+    assert {k for _, k, _ in found} >= {"precursor_logit_growth", "precursor_attention_logits"}
+    assert all(sev == "notice" and step > 100 for step, _, sev in found)
+
+
+def test_update_ratio_precursor_fires_on_an_lr_jump():
+    def jump(t, m, opt):
+        if t == 120:
+            for grp in opt.param_groups:
+                grp["lr"] *= 100
+    found = kinds(lm_run(160, jump))
+    ratio = [s for s, k, _ in found if k == "precursor_update_ratio"]
+    assert ratio and 120 < ratio[0] <= 131
+
+
+def test_adam_eps_precursor():
+    """A loss scaled by 1e-9 makes every gradient RMS fall under eps=1e-8."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(m.parameters(), 1e-3)
+    mon = fh.Monitor(m, opt)
+    for t in range(60):
+        loss = F.mse_loss(m(X[:32]), Y[:32]) * 1e-9
+        loss.backward()
+        mon.step(loss)
+        opt.zero_grad()
+    mon.close()
+    found = kinds(mon)
+    assert [k for _, k, _ in found] == ["precursor_adam_eps"] and found[0][2] == "notice"
+
+
+def test_precursor_options_name_bad_input():
+    m = TinyLM()
+    opt = torch.optim.AdamW(m.parameters())
+    with pytest.raises(ValueError, match="logits='head' names no module"):
+        fh.Monitor(m, opt, logits="head")
+    with pytest.raises(ValueError, match="attention='mlp' matches no self-attention"):
+        fh.Monitor(m, opt, attention="mlp")
+    mon = fh.Monitor(m, opt, precursors=False)
+    assert mon.precursors is None
+    mon.close()
