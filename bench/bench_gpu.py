@@ -223,9 +223,6 @@ def measure(case: str, dtype_name: str, shapes, names: list[str], reps: int,
         print(f"{case:<11} {dtype_name:<9} {p:<20} gpu {g or float('nan'):9.4f} ms "
               f"{row['gpu_gbps'] or float('nan'):8.1f} GB/s   wall {w:9.4f} ms "
               f"{row['wall_gbps']:8.1f} GB/s", flush=True)
-    del fns, graphs, sets
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -305,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # the case's inputs did not fit, or the context is lost
             rows = [{"case": case, "dtype": dtype, "provider": p,
                      "error": f"{type(exc).__name__}: {exc}"[:300]} for p in names]
-            if not args.fake:
-                torch.cuda.empty_cache()
+        if not args.fake:  # the case's inputs and graphs are gone: give their memory back
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         gpu_results.update(paths, rows)
         print(f"wrote {case} {dtype} ({len(rows)} rows) to {args.results}", flush=True)
     if args.compile and not args.fake:
