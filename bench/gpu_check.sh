@@ -225,8 +225,9 @@ else
   DONE[selftest]=1
 fi
 
-# tests_one BACKEND KEXPR: the GPU tests of one backend (-k KEXPR), in its own process; a
-# test stuck past its limit ends that process, and the tests after it run in a new one while
+# tests_one BACKEND KEXPR: the GPU tests of one backend (-k KEXPR), in its own process, which
+# is also the automatic choice there (the monitor's and NCCL's tests: never the other backend);
+# a test stuck past its limit ends that process, and the tests after it run in a new one while
 # STEP_END leaves time
 tests_one() {
   local b=$1 k=$2
@@ -235,7 +236,8 @@ tests_one() {
   for attempt in 1 2 3; do
     echo "== tests, backend $b, process $attempt" >> "$log"
     seen=$( { wc -l < "$ledger"; } 2>/dev/null || echo 0)
-    env FASTHEALTH_GPU_BACKENDS="$b" FASTHEALTH_TEST_TIMEOUT="$TEST_LIMIT" \
+    env FASTHEALTH_GPU_BACKENDS="$b" FASTHEALTH_BACKEND="${b/none/}" \
+      FASTHEALTH_TEST_TIMEOUT="$TEST_LIMIT" \
       FASTHEALTH_TEST_LEDGER="$ledger" FASTHEALTH_HANG_LOG="$hang" \
       PYTHONPATH="$PWD/tests:$PYTHONPATH" "$PY" -m pytest -p per_test_limit -v --tb=short -rs \
       -p no:cacheprovider ${k:+-k "$k"} $TEST_FILES >> "$log" 2>&1

@@ -5,8 +5,8 @@ merges (bench/gpu_results.py).
 
 The dry run (FASTHEALTH_GPU_DRY=1) builds nothing, assumes both GPU backends, benchmarks with
 fake timings (bench_gpu.py --fake: the same case loop and writes) and runs the GPU tests for
-real (they skip themselves without CUDA). The whole matrix of forced failures takes minutes on
-2 cores: marked ``slow`` (``make test`` runs it, ``make test-fast`` not).
+real (they skip themselves without CUDA). The matrix of forced failures and hangs takes about 6
+minutes on 2 cores: marked ``slow`` (``make test`` runs it, ``make test-fast`` not).
 """
 
 import json
@@ -255,3 +255,25 @@ def test_dry_run_without_a_working_python_still_writes_the_file(tmp_path):
     got = steps(doc)
     assert p.returncode == 1 and doc["rows"] == [] and "did not write" in doc["error"]
     assert got["env"] == got["bench-cuda"] == got["tests"] == "FAILED" and len(got) == 8
+
+
+def test_the_new_baselines_compute_what_they_say():
+    import baselines
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=g).bfloat16() for s in [(50, 20), (20,), (3, 3, 3)]]
+    want = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in ts]))
+    norms = baselines.foreach_norm(ts)
+    assert [n.item() for n in norms] == [torch.linalg.vector_norm(t).item() for t in ts]
+    before = [t.clone() for t in ts]
+    params = baselines.grad_holders(ts)
+    assert [p.grad is t for p, t in zip(params, ts)] == [True] * 3
+    assert all(p.shape == t.shape and p.untyped_storage().nbytes() == 2
+               for p, t in zip(params, ts))  # one element each, expanded
+    total = baselines.clip_grad_norm(params)
+    assert total.item() == pytest.approx(want.item(), rel=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(before, ts))  # scaled by exactly 1
+    flat = torch.cat([t.flatten() for t in ts])
+    out = torch.empty_like(flat)
+    assert torch.equal(baselines.copy_limit(flat, out), flat)
