@@ -40,21 +40,12 @@ def pytest_configure(config):
 
 
 def started(ledger: str | os.PathLike) -> set[str]:
+    """The tests a ledger saw start."""
     try:
         lines = Path(ledger).read_text().splitlines()
     except OSError:
         return set()
     return {line[6:] for line in lines if line.startswith("start ")}
-
-
-def unfinished(ledger: str | os.PathLike) -> list[str]:
-    """The tests a ledger saw start and never end."""
-    try:
-        lines = Path(ledger).read_text().splitlines()
-    except OSError:
-        return []
-    ended = {line[4:] for line in lines if line.startswith("end ")}
-    return [line[6:] for line in lines if line.startswith("start ") and line[6:] not in ended]
 
 
 def pytest_collection_modifyitems(config, items):
