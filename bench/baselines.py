@@ -48,6 +48,11 @@ def naive_full_loop(tensors: Sequence[torch.Tensor]) -> list[dict[str, float]]:
     return out
 
 
+def foreach_norm(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain torch._foreach_norm: one norm per tensor, no flag. What any fused check must beat."""
+    return torch._foreach_norm(list(tensors))
+
+
 def foreach_norm_isfinite(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """torch._foreach_norm plus a count of non-finite elements: norms and one flag, no stats."""
     norms = torch._foreach_norm(list(tensors))
@@ -62,6 +67,31 @@ def total_norm_isfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(torch.nn.utils.get_total_norm(list(tensors)))
 
 
+def grad_holders(tensors: Sequence[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Parameters whose ``.grad`` are ``tensors``, for ``clip_grad_norm``. Each parameter is one
+    element expanded to the gradient's shape, so that a 7B-sized set does not need a second
+    14 GB for weights that clipping never reads."""
+    out = []
+    for t in tensors:
+        p = torch.nn.Parameter(t.new_zeros(()).expand(t.shape))
+        p.grad = t
+        out.append(p)
+    return out
+
+
+def clip_grad_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, what training loops already run every step: the total
+    norm, then every gradient scaled in place by min(1, max_norm / norm) without a host sync
+    (reads the gradients twice and writes them once). max_norm is infinite: the scale is 1,
+    the gradients keep their values."""
+    return torch.nn.utils.clip_grad_norm_(params, float("inf"))
+
+
 def read_limit(flat: torch.Tensor) -> torch.Tensor:
     """A plain reduction over one flat buffer of the same bytes: how fast memory can be read."""
     return flat.sum()
+
+
+def copy_limit(flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A copy of that buffer: reads and writes, the other common bandwidth yardstick."""
+    return out.copy_(flat)

@@ -1,22 +1,48 @@
-"""GPU benchmark: fasthealth's cuda and triton backends against the naive loop,
-torch._foreach_norm, torch.compile of the reference, and the read limit, on one device.
+"""GPU benchmark: fasthealth's cuda and triton backends against what people run instead, and the
+read limit, on one device.
 
-Cases: GPT-2 small (148 tensors, 124M), GPT-2 XL (1.56B), a 7B-like set of LLaMA shapes, and
-5000 small tensors, in bfloat16 and float32. CUDA-event timing, warm-up, medians of interleaved
-repetitions; inputs smaller than 8x the L2 cache are rotated between two copies so that the L2
-does not flatter. Writes bench/results/h200.json (a list of rows {case, dtype, provider, ms,
-gbps}), h200_machine.json (device, versions, the GPU goals checked against the rows) and a
-plot. `compile` (torch.compile of the reference) runs on GPT-2 small only: compiling the
-reference over hundreds of tensors takes minutes of device time.
+Providers (bench/baselines.py holds the baselines; tests check they compute what they say):
+  cuda, triton         fh.multi_tensor_stats(tensors, backend=...): every statistic, per tensor
+                       and total
+  foreach_norm         plain torch._foreach_norm: the norms alone, no flag
+  total_norm_isfinite  torch.nn.utils.get_total_norm + isfinite: the one-line alternative
+  clip_grad_norm       torch.nn.utils.clip_grad_norm_ (max_norm inf): what training loops run
+                       anyway; reads the gradients, then scales them in place
+  foreach_isfinite     _foreach_norm plus a per-tensor non-finite count (3 launches a tensor)
+  naive                per tensor isnan().any(), isinf().any(), norm(), each with .item()
+  read_sum             torch.sum over one flat buffer of the same bytes: the read limit
+  copy                 a copy of that buffer (GB/s count its reads and writes)
+  compile              torch.compile of the reference, GPT-2 small only (--compile: minutes)
 
-    python bench/bench_gpu.py [--out DIR] [--reps 20] [--quick]
+Two times per call. gpu_ms: the call captured in a CUDA graph, replayed many times between two
+CUDA events, divided by the replays: the GPU's own time, no launch overhead (the naive loop
+synchronizes, cannot be captured, and has none). wall_ms: a host timer over many calls with one
+synchronize at the end: what a training step pays, launches included. Each provider is warmed
+up first (fasthealth builds its work list; Triton compiles), checked once for host syncs under
+torch.cuda.set_sync_debug_mode("error"), then timed in rounds that interleave the providers in
+a rotating order; medians over the rounds. Inputs smaller than 8x the L2 cache alternate between
+two copies so that the L2 does not flatter. GB/s count the gradient bytes read once.
+
+Cases (most telling first, so that a run cut short keeps them): GPT-2 small (148 tensors,
+124M), a 7B-like set of LLaMA shapes (291 tensors, 6.7B: 13.5 GB in bfloat16), 5000 small
+tensors, GPT-2 XL (1.56B), in bfloat16 and float32. The results file (bench/gpu_results.py:
+rows, machine, goals) is merged into and rewritten atomically after every case.
+
+    python bench/bench_gpu.py [--results bench/results/h200.json] [--reps 5] [--quick]
+        [--backends cuda,triton] [--no-baselines] [--plot bench/results/h200.png]
 """
 
+from __future__ import annotations
+
 import argparse
-import json
+import functools
+import math
+import os
+import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,175 +50,275 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ modules
 
 import baselines  # noqa: E402
-from harness import plot, small_shapes  # noqa: E402
+import gpu_results  # noqa: E402
+from harness import small_shapes  # noqa: E402
 
 import fasthealth as fh  # noqa: E402
-from fasthealth.ops import reference  # noqa: E402
-from fasthealth.selftest import gpt2_shapes  # noqa: E402
+from fasthealth.ops import reference, validation  # noqa: E402
+from fasthealth.selftest import GPT2_SMALL, gpt2_shapes  # noqa: E402
+
+BASELINES = ("foreach_norm", "total_norm_isfinite", "clip_grad_norm", "foreach_isfinite",
+             "naive", "read_sum", "copy")
+TARGET_S = 0.02  # host time per timed batch of calls or replays
+MAX_CALLS = 200
 
 
-def llama7b_shapes():
+def llama7b_shapes() -> list[tuple[int, ...]]:
     d, f, layers, vocab = 4096, 11008, 32, 32000
-    shapes = [(vocab, d)]
+    shapes: list[tuple[int, ...]] = [(vocab, d)]
     for _ in range(layers):
         shapes += [(d, d)] * 4 + [(f, d), (f, d), (d, f), (d,), (d,)]
     return shapes + [(d,), (vocab, d)]
 
 
-def cases(quick):
+def cases(quick: bool) -> list[tuple[str, str, list[tuple[int, ...]]]]:
+    """(case, dtype, shapes), the ones the goals read first."""
+    shapes = {"gpt2-small": gpt2_shapes(**GPT2_SMALL), "7b-like": llama7b_shapes(),
+              "5000-small": small_shapes(5000, 1024, 32768),
+              "gpt2-xl": gpt2_shapes(50257, 1024, 1600, 48)}
+    order = [("gpt2-small", "bfloat16"), ("7b-like", "bfloat16"), ("5000-small", "bfloat16"),
+             ("gpt2-small", "float32"), ("7b-like", "float32"), ("gpt2-xl", "bfloat16"),
+             ("5000-small", "float32"), ("gpt2-xl", "float32")]
     if quick:
-        return [("gpt2-small", gpt2_shapes(50257, 1024, 768, 12)),
-                ("5000-small", small_shapes(5000, 1024, 32768))]
-    return [("gpt2-small", gpt2_shapes(50257, 1024, 768, 12)),
-            ("gpt2-xl", gpt2_shapes(50257, 1024, 1600, 48)),
-            ("7b-like", llama7b_shapes()),
-            ("5000-small", small_shapes(5000, 1024, 32768))]
+        order = order[:1] + order[2:3]
+    return [(c, d, shapes[c]) for c, d in order]
 
 
-def time_ms(fn, arg):
+class Inputs:
+    """One copy of a case's gradients, and what the baselines read instead."""
+
+    def __init__(self, shapes, dtype, flat: bool, holders: bool):
+        dev = torch.device("cuda")
+        self.tensors = [torch.randn(s, device=dev, dtype=dtype).mul_(0.02) for s in shapes]
+        self.flat = torch.cat([t.flatten() for t in self.tensors]) if flat else None
+        self.out = torch.empty_like(self.flat) if flat else None
+        self.params = baselines.grad_holders(self.tensors) if holders else None
+
+
+@functools.cache
+def compiled_reference():
+    return torch.compile(reference.multi_tensor_stats)
+
+
+def provider(name: str, x: Inputs) -> Callable[[], object]:
+    if name in gpu_results.FUSED:
+        return lambda: fh.multi_tensor_stats(x.tensors, backend=name).raw
+    return {
+        "foreach_norm": lambda: baselines.foreach_norm(x.tensors),
+        "total_norm_isfinite": lambda: baselines.total_norm_isfinite(x.tensors),
+        "clip_grad_norm": lambda: baselines.clip_grad_norm(x.params),
+        "foreach_isfinite": lambda: baselines.foreach_norm_isfinite(x.tensors),
+        "naive": lambda: baselines.naive_loop(x.tensors),
+        "read_sum": lambda: baselines.read_limit(x.flat),
+        "copy": lambda: baselines.copy_limit(x.flat, x.out),
+        "compile": lambda: compiled_reference()(x.tensors),
+    }[name]
+
+
+def host_syncs(fn: Callable[[], object]) -> bool:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def wall_ms(fns: list[Callable[[], object]], calls: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
+def gpu_ms(graphs: list[torch.cuda.CUDAGraph], replays: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
     start.record()
-    fn(arg)
+    for i in range(replays):
+        graphs[i % len(graphs)].replay()
     end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
     torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return graph
 
 
-def measure(case, shapes, dtype, reps, l2, with_compile, backends=("cuda", "triton"),
-            baseline=True):
-    """Rows of one (case, dtype): every provider, interleaved, medians. ``backends``: the
-    fasthealth backends to time; ``baseline``: the naive loop, _foreach_norm and the read
-    limit too (once per device run, not once per backend process)."""
-    dev = torch.device("cuda")
-    nbytes = sum(torch.Size(s).numel() for s in shapes) * dtype.itemsize
+def batch(one_ms: float) -> int:
+    return max(1, min(MAX_CALLS, math.ceil(TARGET_S * 1e3 / max(one_ms, 1e-3))))
+
+
+def measure(case: str, dtype_name: str, shapes, names: list[str], reps: int,
+            l2: int) -> list[dict]:
+    """Rows of one (case, dtype), one a provider: warm-up, sync check, capture, then ``reps``
+    interleaved rounds of wall and graph timings. A provider that fails gets a row with its
+    error; the others go on."""
+    dtype = getattr(torch, dtype_name)
+    numel = sum(math.prod(s) for s in shapes)
+    nbytes = numel * dtype.itemsize
     copies = 2 if nbytes < 8 * l2 else 1
-    sets = [[torch.randn(s, device=dev, dtype=dtype) * 0.02 for s in shapes]
-            for _ in range(copies)]
-    flats = [torch.cat([t.flatten() for t in ts]) for ts in sets]
-    provs = {}
-    for b in backends:
-        if b in fh.available_backends():
-            provs[b] = lambda ts, b=b: fh.multi_tensor_stats(ts, backend=b).raw
-    if baseline:
-        provs["naive"] = baselines.naive_loop
-        provs["foreach"] = baselines.foreach_norm_isfinite
-    if with_compile:
-        provs["compile"] = torch.compile(reference.multi_tensor_stats)
-    times = {p: [] for p in provs}
-    if baseline:
-        times["read_limit"] = []
-    for fn in provs.values():  # warm-up (and compilation)
-        fn(sets[0])
-    torch.cuda.synchronize()
-    for r in range(reps):
-        k = r % copies
-        for p, fn in provs.items():
-            times[p].append(time_ms(fn, sets[k]))
-        if baseline:
-            times["read_limit"].append(time_ms(baselines.read_limit, flats[k]))
+    flat = bool({"read_sum", "copy"} & set(names))
+    sets = [Inputs(shapes, dtype, flat, "clip_grad_norm" in names) for _ in range(copies)]
+    base = {"case": case, "dtype": dtype_name, "tensors": len(shapes), "mb": round(nbytes / 1e6, 1)}
+    fns, graphs, info, errors = {}, {}, {}, {}
+    for p in names:
+        try:
+            fs = [provider(p, x) for x in sets]
+            for f in fs:  # warm-up: work lists, Triton and torch.compile compilation
+                f()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fs[0]()
+            torch.cuda.synchronize()
+            one = (time.perf_counter() - t0) * 1e3
+            info[p] = {"host_sync": host_syncs(fs[0]), "calls": batch(one)}
+            fns[p] = fs
+        except Exception as exc:  # a provider's failure is a result; the others go on
+            errors[p] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
+            continue
+        if p == "naive":
+            info[p]["no_graph"] = "synchronizes (.item()): wall time only"
+            continue
+        try:
+            graphs[p] = [capture(f) for f in fs]
+            gpu_ms(graphs[p], 1)  # the first replay uploads the graph
+            info[p]["replays"] = batch(gpu_ms(graphs[p], 1))
+        except Exception as exc:  # not capturable: wall time only, and say why
+            graphs.pop(p, None)
+            info[p]["no_graph"] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
+    walls = {p: [] for p in fns}
+    gpus = {p: [] for p in graphs}
+    order = list(fns)
+    for r in range(reps if order else 0):
+        for p in order[r % len(order):] + order[:r % len(order)]:
+            walls[p].append(wall_ms(fns[p], info[p]["calls"]))
+            if p in graphs:
+                gpus[p].append(gpu_ms(graphs[p], info[p]["replays"]))
     rows = []
-    for p, ts in times.items():
-        ms = statistics.median(ts)
-        rows.append({"case": case, "dtype": str(dtype).replace("torch.", ""), "provider": p,
-                     "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)})
-        print(f"{case:<11} {str(dtype)[6:]:<9} {p:<11} {ms:9.3f} ms "
-              f"{nbytes / ms / 1e6:8.1f} GB/s", flush=True)
+    for p in names:
+        if p in errors:
+            rows.append({**base, "provider": p, "error": errors[p]})
+            print(f"{case:<11} {dtype_name:<9} {p:<20} ERROR {errors[p]}", flush=True)
+            continue
+        moved = 2 * nbytes if p == "copy" else nbytes
+        w = statistics.median(walls[p])
+        g = statistics.median(gpus[p]) if gpus.get(p) else None
+        row = {**base, "provider": p, "gpu_ms": round(g, 4) if g else None,
+               "wall_ms": round(w, 4), "gpu_gbps": round(moved / g / 1e6, 1) if g else None,
+               "wall_gbps": round(moved / w / 1e6, 1), "rounds": reps, **info[p]}
+        rows.append(row)
+        print(f"{case:<11} {dtype_name:<9} {p:<20} gpu {g or float('nan'):9.4f} ms "
+              f"{row['gpu_gbps'] or float('nan'):8.1f} GB/s   wall {w:9.4f} ms "
+              f"{row['wall_gbps']:8.1f} GB/s", flush=True)
     return rows
 
 
-def main(argv=None):
+def fake_measure(case: str, dtype_name: str, shapes, names: list[str], reps: int,
+                 l2: int) -> list[dict]:
+    """The dry run's stand-in (FASTHEALTH_BENCH_FAKE_SLEEP seconds a case, no GPU): rows of
+    the same form, marked fake, so that the writes of a run cut short can be checked here."""
+    time.sleep(float(os.environ.get("FASTHEALTH_BENCH_FAKE_SLEEP", "0.1")))
+    mb = sum(math.prod(s) for s in shapes) * getattr(torch, dtype_name).itemsize / 1e6
+    return [{"case": case, "dtype": dtype_name, "tensors": len(shapes), "mb": round(mb, 1),
+             "provider": p, "gpu_ms": 1.0, "wall_ms": 1.0, "gpu_gbps": round(mb / 1e3, 1),
+             "wall_gbps": round(mb / 1e3, 1), "rounds": reps, "host_sync": False,
+             "fake": True} for p in names]
+
+
+def machine(fake: bool) -> dict:
+    if fake:
+        return {"device": "fake (dry run, no GPU)", "torch": torch.__version__}
+    props = torch.cuda.get_device_properties(torch.device("cuda"))
+    try:
+        import triton  # the version only; the triton backend imports it anyway
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"device": props.name, "capability": f"{props.major}.{props.minor}",
+            "sms": props.multi_processor_count,
+            "l2_mb": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+            "memory_gb": round(props.total_memory / 1e9, 1), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton_version,
+            "key": validation.machine_key(), "backends": fh.available_backends(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+METHOD = ("gpu_ms: the call captured in a CUDA graph, median over rounds of (events around N "
+          "replays) / N; wall_ms: median over rounds of (host time of N calls, one synchronize "
+          "at the end) / N; N sized to about 20 ms; providers interleaved in a rotating order; "
+          "inputs under 8x L2 alternate between two copies; GB/s: gradient bytes read once "
+          "(copy: read and written); host_sync: the call under "
+          "torch.cuda.set_sync_debug_mode('error')")
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
+    ap.add_argument("--results", type=Path, default=Path("bench/results/h200.json"))
+    ap.add_argument("--copy", type=Path, action="append", default=[],
+                    help="also write the results here")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds per case")
+    ap.add_argument("--quick", action="store_true", help="GPT-2 small and 5000-small, bf16")
     ap.add_argument("--backends", default="cuda,triton",
                     help="the fasthealth backends to time (bench/gpu_check.sh: one a process)")
     ap.add_argument("--no-baselines", action="store_true",
-                    help="skip the naive loop, _foreach_norm and the read limit")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="only the torch.compile provider, on GPT-2 small")
-    ap.add_argument("--rows", help="write the rows here (JSON) instead of h200.json/png")
-    ap.add_argument("--merge", nargs="*", help="merge these rows files into --out and stop")
+                    help="skip the baselines and the read limit (timed in another process)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also torch.compile of the reference, GPT-2 small (minutes)")
+    ap.add_argument("--plot", type=Path, help="the bar plot of the results, at the end")
+    ap.add_argument("--fake", action="store_true",
+                    help="no GPU: fake rows (bench/gpu_check.sh's dry run)")
     args = ap.parse_args(argv)
-    if args.merge is not None:
-        return merge(args)
-    props = torch.cuda.get_device_properties(torch.device("cuda"))
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
-    backends = [b for b in args.backends.split(",") if b]
-    rows = []
-    # results are written after every case: a run cut short by a time limit keeps what it did
-    if not args.compile_only:
-        for case, shapes in cases(args.quick):
-            for dtype in (torch.bfloat16, torch.float32):
-                rows += measure(case, shapes, dtype, args.reps, l2, False, backends,
-                                not args.no_baselines)
-                torch.cuda.empty_cache()
-                write(rows, props, args)
-    if args.compile_only or not (args.quick or args.no_compile):  # compiling takes a minute
-        shapes = dict(cases(False))["gpt2-small"]
-        for dtype in (torch.bfloat16, torch.float32):
-            got = measure("gpt2-small", shapes, dtype, args.reps, l2, True, (), False)
-            rows += [r for r in got if r["provider"] == "compile"]
-            write(rows, props, args)
-    for g in goals(rows):
-        print(f"goal: {g['goal']:<58} {g['value']:>8} {'met' if g['met'] else 'NOT MET'}")
-
-
-def merge(args) -> None:
-    """h200.json, h200_machine.json and h200.png from the rows files of several runs."""
-    rows = []
-    for f in args.merge:
+    # a shell starts background jobs with SIGINT ignored and Python keeps that; the device
+    # script's step limit interrupts with SIGINT, between cases' writes
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    paths = [args.results, *args.copy]
+    names = [b for b in args.backends.split(",") if b in gpu_results.FUSED]
+    if not args.fake:
+        names = [b for b in names if b in fh.available_backends()]
+    if not args.no_baselines:
+        names += BASELINES
+    run = fake_measure if args.fake else measure
+    l2 = 0 if args.fake else getattr(torch.cuda.get_device_properties(0), "L2_cache_size",
+                                     50 << 20)
+    gpu_results.update(paths, machine=machine(args.fake), method=METHOD)
+    for case, dtype, shapes in cases(args.quick):
         try:
-            rows += json.loads(Path(f).read_text())
-        except (OSError, ValueError) as exc:
-            print(f"merge: skipping {f}: {exc}")
-    props = torch.cuda.get_device_properties(torch.device("cuda"))
-    args.rows = None
-    write(rows, props, args)
-    for g in goals(rows):
-        print(f"goal: {g['goal']:<58} {g['value']:>8} {'met' if g['met'] else 'NOT MET'}")
-
-
-def write(rows, props, args):
-    if args.rows:
-        Path(args.rows).write_text(json.dumps(rows, indent=1))
-        return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = {"device": props.name, "torch": torch.__version__, "date": time.ctime(),
-            "backends": fh.available_backends(), "reps": args.reps, "goals": goals(rows)}
-    (out / "h200.json").write_text(json.dumps(rows, indent=1))
-    (out / "h200_machine.json").write_text(json.dumps(info, indent=1))
-    plot(rows, out / "h200.png", f"fasthealth on {props.name}, torch {torch.__version__}")
-
-
-def goals(rows: list[dict]) -> list[dict]:
-    """The GPU goals, read off the rows: share of the read limit on the largest case, speedup
-    over the naive loop on GPT-2 small bf16, and speed against torch._foreach_norm alone."""
-    ms = {(r["case"], r["dtype"], r["provider"]): r["ms"] for r in rows}
-    out = []
-    limits = [(r["ms"], r["case"], r["dtype"]) for r in rows if r["provider"] == "read_limit"]
-    if not limits:
-        return out
-    largest = max(limits)[1:]
-    for b in ("cuda", "triton"):
-        if (*largest, b) not in ms:
-            continue
-        share = ms[(*largest, "read_limit")] / ms[(*largest, b)]
-        out.append({"goal": f"{b}: share of read bandwidth, {' '.join(largest)}",
-                    "value": round(share, 3), "met": share >= 0.85})
-        if ("gpt2-small", "bfloat16", b) in ms and ("gpt2-small", "bfloat16", "naive") in ms:
-            x = ms[("gpt2-small", "bfloat16", "naive")] / ms[("gpt2-small", "bfloat16", b)]
-            out.append({"goal": f"{b}: times faster than naive, gpt2-small bfloat16",
-                        "value": round(x, 1), "met": x >= 50})
-        slower = [f"{c} {d}" for (c, d, p) in ms if p == b and ms[(c, d, b)] >= ms[(c, d,
-                  "foreach")]]
-        out.append({"goal": f"{b}: faster than _foreach_norm in every case",
-                    "value": len(slower), "met": not slower, "slower_in": slower})
-    return out
+            rows = run(case, dtype, shapes, names, args.reps, l2)
+        except Exception as exc:  # the case's inputs did not fit, or the context is lost
+            rows = [{"case": case, "dtype": dtype, "provider": p,
+                     "error": f"{type(exc).__name__}: {exc}"[:300]} for p in names]
+        if not args.fake:  # the case's inputs and graphs are gone: give their memory back
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        gpu_results.update(paths, rows)
+        print(f"wrote {case} {dtype} ({len(rows)} rows) to {args.results}", flush=True)
+    if args.compile and not args.fake:
+        case, dtype, shapes = cases(False)[0]
+        gpu_results.update(paths, measure(case, dtype, shapes, ["compile"], args.reps, l2))
+        print(f"wrote {case} {dtype} compile to {args.results}", flush=True)
+    doc = gpu_results.load(args.results)
+    for g in doc.get("goals", []):
+        met = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
+        print(f"goal: {g['goal']:<78} {g['value']!s:>12} {met}")
+    if args.plot:
+        gpu_results.plot(doc, args.plot)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,112 +1,293 @@
 #!/usr/bin/env bash
-# Every GPU step in one call on the lent H200 (device tool), fail-soft, within 7 minutes worst
-# case (DEADLINE seconds), each step under its own limit and the deadline:
-#   env      the GPU, driver, torch, triton and nvcc there;
-#   build    the extension with its own torch and nvcc (sm_90, 16 jobs); if the CUDA build fails,
-#            the CPU extension alone, so that the Triton steps still run;
-#   tests    tests/test_gpu.py, one process per backend (an illegal address in one backend
-#            cannot poison the other's), a per-test limit that names a hang, SIGINT at the step
-#            limit so pytest still prints its summary; then `fasthealth selftest`;
-#   bench    bench/bench_gpu.py, one process per backend (the baselines with the first), rows
-#            written after every case; then torch.compile's provider, last and only if time is
-#            left; then the rows merged into h200.json, h200_machine.json, h200.png;
-#   summary  every step's status, time and the tail of its output, in summary.txt.
-# What comes back under $OUT (8 files at most): summary.txt, env.txt, build.txt, tests.txt,
-# bench.txt, h200.json, h200_machine.json, h200.png.
-# Usage (from the repo root): bash bench/gpu_check.sh [--quick]
+# Every GPU step in one device call on the lent H200, and a results file whatever happens:
+# $OUT/h200.json (bench/gpu_results.py) is rewritten after every benchmark case and every step,
+# so a step that fails, hangs or is skipped, or the whole call cut short, still leaves every
+# case that ran and every step's status.
+#
+# Usage, from the repo root: bash bench/gpu_check.sh [--quick]
+# (device tool: run(command="bash bench/gpu_check.sh", timeout_s=480))
+#
+# Steps, most wanted first, with their limits in seconds (at most / needed to start) and the
+# time each should take on a fresh H200:
+#   env           20 /  5   ~5 s   the GPU, driver, torch, triton, nvcc         -> env.txt
+#   build-cuda   170 / 60   ~90 s  the extension (sm_90, 16 jobs)               -> build.txt
+#   build-cpu     90 / 30   ~30 s  only if the CUDA build failed: the CPU extension, so that
+#                                  the Triton steps still run
+#   backends      20 /  5   ~5 s   which GPU backends load
+#   bench-cuda   120 / 30   ~50 s  bench/bench_gpu.py: cuda and every baseline  -> bench.txt
+#   bench-triton  80 / 20   ~40 s  the same for triton, in its own process (an illegal address
+#                                  in one backend cannot poison the other)
+#   selftest      90 / 30   ~45 s  fasthealth selftest; its record goes into h200.json
+#                                                                               -> selftest.txt
+#   tests        130 / 30   ~90 s  tests/test_gpu.py, one pytest process per backend, side by
+#                                  side; a per-test limit fails that test only; one stuck past
+#                                  it ends its process and the tests after it run again
+#                                                                               -> tests.txt
+#   finish        30 / 10   ~5 s   the goals and h200.png
+# About 330 s in all. A step gets at most its own limit, and never more than the deadline
+# leaves after the needs of every step still to come: one that overruns cannot starve the
+# ones after it, and finish always has its time. At its limit a step gets SIGINT (pytest still
+# prints its summary, the benchmark stops between writes), then SIGKILL 10 s later.
+# Back under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
+# h200.json h200.png; h200.json is copied into bench/results/ too.
+#
+# Knobs, for the dry run here (tests/test_gpu_script.py) and for reruns:
+#   DEADLINE=S              the whole run's budget (420)
+#   FASTHEALTH_GPU_DRY=1    no GPU needed: no build, both backends assumed, the benchmark with
+#                           fake timings (bench_gpu.py --fake), a fake selftest record; the
+#                           tests run for real (tests/test_gpu.py skips itself without CUDA)
+#   FORCE_FAIL=a,b          these steps fail at once; FORCE_HANG=a,b: they hang to their limit
+#   FASTHEALTH_GPU_LIMITS=name=S,...   a step's own limit
+#   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/test_gpu.py)
+#   FASTHEALTH_GPU_COPY=PATH           the copy of h200.json (bench/results/h200.json; none in
+#                                      a dry run), empty for none
+#   PYTHON                             the interpreter (python3)
 set -uo pipefail
 OUT=${OUT:-/tmp/fasthealth-gpu}
 mkdir -p "$OUT"
-QUICK=${1:-}
+PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-420}
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 FASTHEALTH_TEST_TIMEOUT=45
-export FASTHEALTH_HANG_LOG=$(mktemp)  # where a test that hangs leaves every thread's traceback
+DRY=${FASTHEALTH_GPU_DRY:-}
+QUICK=
+[ "${1:-}" = --quick ] && QUICK=--quick
+RESULTS=$OUT/h200.json
+COPY=${FASTHEALTH_GPU_COPY-bench/results/h200.json}
+[ -n "$DRY" ] && COPY=${FASTHEALTH_GPU_COPY:-}  # a dry run writes into the tree only if told
+TEST_FILES=${FASTHEALTH_GPU_TEST_FILES:-tests/test_gpu.py}
+TEST_LIMIT=${FASTHEALTH_TEST_TIMEOUT:-40}  # per test; stuck in C code: 15 s more, then exit
+SUMMARY=$OUT/summary.txt
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+export PY WORK TEST_FILES TEST_LIMIT
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the in-place build, when pip cannot install
 start=$(date +%s)
-SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-ROWS=$(mktemp -d)
+: > "$WORK/steps.tsv"
+results=(--results "$RESULTS")
+[ -n "$COPY" ] && results+=(--copy "$COPY")
 
-left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
+declare -A MAXT MINT DONE
+ORDER=()
+plan() { ORDER+=("$1"); MAXT[$1]=$2; MINT[$1]=$3; }
+plan env 20 5
+plan build-cuda 170 60
+plan build-cpu 90 30
+plan backends 20 5
+plan bench-cuda 120 30
+plan bench-triton 80 20
+plan selftest 90 30
+plan tests 130 30
+plan finish 30 10
+DONE[build-cpu]=1  # nothing kept for it unless the CUDA build fails
 
-# step NAME LIMIT LOG COMMAND...: runs COMMAND (stdout+stderr appended to LOG) under
-# min(LIMIT, time left - 20 s), interrupted with SIGINT (then killed 10 s later); skipped when
-# fewer than 15 s are left. Records status and time in summary.txt; returns the exit status.
+elapsed() { echo $(( $(date +%s) - start )); }
+left() { echo $(( DEADLINE - $(elapsed) )); }
+listed() { [[ ",$2," == *",$1,"* ]]; }  # listed NAME LIST: NAME is in the comma list
+
+# reserve NAME: what the steps after NAME still to run need
+reserve() {
+  local s sum=0 after=
+  for s in "${ORDER[@]}"; do
+    [ -n "$after" ] && [ -z "${DONE[$s]:-}" ] && sum=$(( sum + MINT[$s] ))
+    [ "$s" = "$1" ] && after=1
+  done
+  echo "$sum"
+}
+
+# record NAME STATUS SECONDS LIMIT RC [NOTE]: summary.txt, and the steps into h200.json
+record() {
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >> "$WORK/steps.tsv"
+  echo "$1: $2 in $3 s (limit $4 s, exit $5)${6:+ $6}" >> "$SUMMARY"
+  "$PY" bench/gpu_results.py "${results[@]}" steps "$WORK/steps.tsv" --deadline "$DEADLINE" \
+    --elapsed "$(elapsed)" ${DRY:+--dry} >> "$SUMMARY" 2>&1
+}
+
+# step NAME LOG COMMAND...: COMMAND (its output appended to LOG) under the step's limit, cut to
+# what the deadline leaves after the later steps' needs; skipped when that is under its own
+# need. STEP_END (epoch seconds) tells the command when it will be stopped. Returns its status.
 step() {
-  local name=$1 limit=$2 log=$3; shift 3
-  local budget=$(( $(left) - 20 ))
-  (( budget < limit )) && limit=$budget
-  if (( limit < 15 )); then
-    echo "$name: SKIPPED (no time left)" | tee -a "$SUMMARY"
+  local name=$1 log=$2; shift 2
+  local limit=${MAXT[$name]} need=${MINT[$name]} own
+  own=$(tr ',' '\n' <<< "${FASTHEALTH_GPU_LIMITS:-}" | sed -n "s/^$name=//p")
+  if [ -n "$own" ]; then limit=$own; (( need > own )) && need=$own; fi
+  DONE[$name]=1
+  local avail=$(( $(left) - $(reserve "$name") ))
+  (( avail < limit )) && limit=$avail
+  if (( limit < need )); then
+    record "$name" SKIPPED 0 "$limit" 124 "(needs ${need} s; the deadline leaves ${avail} s)"
     return 124
   fi
-  echo "== $name (limit ${limit}s, t=$(( $(date +%s) - start ))s)" | tee -a "$log"
-  local t0=$(date +%s)
-  timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
-  local rc=$?
-  local what=ok
-  (( rc == 124 || rc == 137 )) && what="TIMED OUT"
-  (( rc != 0 && rc != 124 && rc != 137 )) && what="FAILED (exit $rc)"
-  echo "$name: $what in $(( $(date +%s) - t0 ))s" | tee -a "$SUMMARY"
+  if listed "$name" "${FORCE_FAIL:-}"; then
+    set -- bash -c "echo 'forced failure (FORCE_FAIL)'; exit 3"
+  elif listed "$name" "${FORCE_HANG:-}"; then
+    set -- bash -c "echo 'forced hang (FORCE_HANG)'; exec sleep 100000"
+  fi
+  echo "== $name (limit ${limit} s, t=$(elapsed) s): $*" >> "$log"
+  local t0 rc status=ok
+  t0=$(date +%s)
+  STEP_END=$(( t0 + limit )) timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  (( rc == 124 || rc == 137 )) && status="TIMED OUT"
+  (( rc != 0 && rc != 124 && rc != 137 )) && status=FAILED
+  record "$name" "$status" $(( $(date +%s) - t0 )) "$limit" "$rc"
   return $rc
 }
 
-step env 30 "$OUT/env.txt" bash -c '
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__)"
-  nvcc --version | tail -2'
+finish_up() {
+  if ! [ -s "$RESULTS" ]; then  # gpu_results.py never ran: the steps, written from here
+    {
+      printf '{"rows": [], "error": "bench/gpu_results.py did not write this file (see'
+      printf ' summary.txt)", "steps": ['
+      awk -F'\t' '{printf "%s{\"name\": \"%s\", \"status\": \"%s\", \"seconds\": %d,",
+                          (NR > 1 ? ", " : ""), $1, $2, $3
+                   printf " \"limit\": %d, \"rc\": %d}", $4, $5}' "$WORK/steps.tsv"
+      printf ']}\n'
+    } > "$RESULTS"
+    [ -n "$COPY" ] && mkdir -p "$(dirname "$COPY")" && cp "$RESULTS" "$COPY"
+  fi
+  {
+    echo
+    echo "== total $(elapsed) s of ${DEADLINE} s"
+    for f in env build bench selftest tests; do
+      [ -f "$OUT/$f.txt" ] || continue
+      echo; echo "== tail of $f.txt"; tail -25 "$OUT/$f.txt"
+    done
+  } >> "$SUMMARY"
+  cat "$SUMMARY"
+  rm -rf "$WORK"
+}
+trap finish_up EXIT
+trap 'exit 130' INT TERM
+
+step env "$OUT/env.txt" bash -c '
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
+    || echo "no nvidia-smi"
+  nvcc --version | tail -2 || echo "no nvcc"
+  "$PY" -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\",
+    torch.version.cuda, \"triton\", triton.__version__, \"device\",
+    torch.cuda.is_available() and torch.cuda.get_device_name())"'
 
 install() {  # the editable install; an in-place build when pip cannot install here
-  python3 -m pip install --no-build-isolation --no-deps -e . && return 0
+  "$PY" -m pip install --no-build-isolation --no-deps -e . && return 0
   echo "pip install failed: building in place instead"
-  python3 setup.py build_ext --inplace || return 1
+  "$PY" setup.py build_ext --inplace || return 1
   [ -e fasthealth/triton_kernels ] || ln -s ../triton_kernels fasthealth/triton_kernels
 }
 export -f install
-if ! step build-cuda 200 "$OUT/build.txt" env FASTHEALTH_FORCE_CUDA=1 bash -c install; then
+build=(bash -c install)
+[ -n "$DRY" ] && build=(echo "dry run: no build")
+if ! step build-cuda "$OUT/build.txt" env FASTHEALTH_FORCE_CUDA=1 "${build[@]}"; then
+  unset 'DONE[build-cpu]'
   echo "the CUDA build failed: building the CPU extension alone for the Triton steps" \
-    | tee -a "$SUMMARY"
-  step build-cpu-only 120 "$OUT/build.txt" env FASTHEALTH_SKIP_CUDA=1 bash -c install
+    >> "$SUMMARY"
+  step build-cpu "$OUT/build.txt" env FASTHEALTH_SKIP_CUDA=1 "${build[@]}"
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-step backends 30 "$OUT/build.txt" python3 -c "
+
+if [ -n "$DRY" ]; then
+  probe=(bash -c "echo '${FASTHEALTH_GPU_DRY_BACKENDS:-cuda triton}' > '$WORK/backends'")
+else
+  probe=("$PY" -c "
 import fasthealth as fh
-print('backends', fh.available_backends(), 'load_error', fh.ops.compiled.load_error)"
-BACKENDS=$(python3 -c "import fasthealth as fh; print(' '.join(
-  b for b in ('cuda', 'triton') if b in fh.available_backends()))" 2>/dev/null)
-echo "GPU backends here: ${BACKENDS:-none}" | tee -a "$SUMMARY"
-
-for b in $BACKENDS; do
-  step "tests-$b" 100 "$OUT/tests.txt" env FASTHEALTH_GPU_BACKENDS="$b" \
-    python3 -m pytest -v -rs -p no:cacheprovider tests/test_gpu.py
-  if [ -s "$FASTHEALTH_HANG_LOG" ]; then
-    echo "tests-$b: a test hung (45 s): its tracebacks are in tests.txt" | tee -a "$SUMMARY"
-    { echo "== tracebacks of the hung test"; cat "$FASTHEALTH_HANG_LOG"; } >> "$OUT/tests.txt"
-    : > "$FASTHEALTH_HANG_LOG"
-  fi
-done
-
-# the user's own validation (docs/spec.md section 9): its table goes to tests.txt
-[ -n "$BACKENDS" ] && step selftest 120 "$OUT/tests.txt" python3 -m fasthealth selftest
-
-baselines=""
-for b in $BACKENDS; do
-  step "bench-$b" 90 "$OUT/bench.txt" python3 bench/bench_gpu.py --backends "$b" \
-    --no-compile $baselines --reps 15 --rows "$ROWS/rows-$b.json" $QUICK
-  baselines="--no-baselines"
-done
-if [ -z "$QUICK" ] && [ -n "$BACKENDS" ]; then
-  step bench-compile 75 "$OUT/bench.txt" python3 bench/bench_gpu.py --compile-only --reps 15 \
-    --rows "$ROWS/rows-compile.json"
+print('backends', fh.available_backends(), 'load_error', fh.ops.compiled.load_error)
+open('$WORK/backends', 'w').write(' '.join(
+    b for b in ('cuda', 'triton') if b in fh.available_backends()))")
 fi
-step merge 30 "$OUT/bench.txt" python3 bench/bench_gpu.py --out "$OUT" --merge "$ROWS"/rows-*.json
+step backends "$OUT/build.txt" "${probe[@]}"
+BACKENDS=$(cat "$WORK/backends" 2>/dev/null)
+echo "GPU backends: ${BACKENDS:-none}" >> "$SUMMARY"
 
-{
-  echo
-  echo "== total $(( $(date +%s) - start ))s of ${DEADLINE}s"
-  for f in env build tests bench; do
-    [ -f "$OUT/$f.txt" ] || continue
-    echo; echo "== tail of $f.txt"; tail -30 "$OUT/$f.txt"
+# the benchmark: the first backend's process times the baselines too (the next one does if
+# that one did not finish); without a GPU backend the baselines run alone
+[[ " $BACKENDS " == *" cuda "* ]] || DONE[bench-cuda]=1
+[[ " $BACKENDS " == *" triton "* ]] || DONE[bench-triton]=1
+fake=
+[ -n "$DRY" ] && fake=--fake
+baselines=
+for b in ${BACKENDS:-none}; do
+  name=bench-$b
+  [ "$b" = none ] && name=bench-cuda
+  if [ -z "$baselines" ]; then MAXT[$name]=120; MINT[$name]=30; fi
+  step "$name" "$OUT/bench.txt" "$PY" bench/bench_gpu.py --backends "${b/none/}" $baselines \
+    "${results[@]}" $fake $QUICK && baselines=--no-baselines
+done
+
+if [ -n "$BACKENDS" ]; then
+  if [ -n "$DRY" ]; then
+    selftest=(bash -c "echo 'dry run: fasthealth selftest'
+      echo '{\"key\": \"dry run\", \"results\": {}}' > '$WORK/selftest.json'")
+  else
+    selftest=("$PY" -m fasthealth selftest --json "$WORK/selftest.json")
+  fi
+  step selftest "$OUT/selftest.txt" "${selftest[@]}"
+  "$PY" bench/gpu_results.py "${results[@]}" attach selftest "$WORK/selftest.json" \
+    >> "$SUMMARY" 2>&1
+else
+  DONE[selftest]=1
+fi
+
+# tests_one BACKEND KEXPR: the GPU tests of one backend (-k KEXPR), in its own process, which
+# is also the automatic choice there (the monitor's and NCCL's tests: never the other backend);
+# a test stuck past its limit ends that process, and the tests after it run in a new one while
+# STEP_END leaves time
+tests_one() {
+  local b=$1 k=$2
+  local log=$WORK/tests-$b.txt ledger=$WORK/ledger-$b hang=$WORK/hang-$b.txt
+  local attempt rc worst=0 seen hung
+  for attempt in 1 2 3; do
+    echo "== tests, backend $b, process $attempt" >> "$log"
+    seen=$( { wc -l < "$ledger"; } 2>/dev/null || echo 0)
+    env FASTHEALTH_GPU_BACKENDS="$b" FASTHEALTH_BACKEND="${b/none/}" \
+      FASTHEALTH_TEST_TIMEOUT="$TEST_LIMIT" \
+      FASTHEALTH_TEST_LEDGER="$ledger" FASTHEALTH_HANG_LOG="$hang" \
+      PYTHONPATH="$PWD/tests:$PYTHONPATH" "$PY" -m pytest -p per_test_limit -v --tb=short -rs \
+      -p no:cacheprovider ${k:+-k "$k"} $TEST_FILES >> "$log" 2>&1
+    rc=$?
+    (( worst == 0 )) && worst=$rc
+    # the test this process started and never ended
+    hung=$(tail -n +$(( seen + 1 )) "$ledger" 2>/dev/null | awk '
+      /^start /{s[substr($0, 7)] = 1} /^end /{delete s[substr($0, 5)]} END{for (t in s) print t}')
+    [ -z "$hung" ] && return $worst
+    { echo; echo "== $hung did not end (exit $rc); every thread's traceback:"; cat "$hang"; } \
+      >> "$log"
+    : > "$hang"
+    if (( $(date +%s) + 15 > STEP_END )); then
+      echo "== no time left for the tests after it" >> "$log"
+      return $worst
+    fi
   done
-} >> "$SUMMARY"
-cat "$SUMMARY"
-rm -rf "$ROWS"
+  return $worst
+}
+
+# run_tests BACKEND KEXPR ...: every backend's process at once
+run_tests() {
+  local pids=() rc=0 p
+  while (( $# )); do
+    tests_one "$1" "$2" &
+    pids+=($!)
+    shift 2
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  return $rc
+}
+export -f tests_one run_tests
+
+# with both backends, the tests that name neither (the monitor, NCCL) run in the cuda process
+# and Triton's own only in the triton one
+if [[ " $BACKENDS " == *" cuda "* && " $BACKENDS " == *" triton "* ]]; then
+  which=(cuda "not triton" triton triton)
+elif [ -z "$BACKENDS" ]; then
+  which=(none "")
+else
+  which=("${BACKENDS// /}" "")
+fi
+step tests "$OUT/tests.txt" bash -c 'run_tests "$@"' run_tests "${which[@]}"
+for ((i = 0; i < ${#which[@]}; i += 2)); do
+  [ -f "$WORK/tests-${which[i]}.txt" ] && cat "$WORK/tests-${which[i]}.txt" >> "$OUT/tests.txt"
+done
+grep -h "^== .* did not end" "$WORK"/tests-*.txt >> "$SUMMARY" 2>/dev/null
+
+step finish "$OUT/bench.txt" "$PY" bench/gpu_results.py "${results[@]}" finish \
+  --plot "$OUT/h200.png"
+
+# exit status 0 when every step ran and was ok (the files come back either way)
+awk -F'\t' '$2 != "ok" {bad = 1} END {exit bad}' "$WORK/steps.tsv"

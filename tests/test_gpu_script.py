@@ -1,0 +1,279 @@
+"""The device script (bench/gpu_check.sh) dry-run here, without a GPU: whichever step fails,
+hangs or finds no time left, a results file comes back with every case that ran and every
+step's status. Also the per-test limit plugin (tests/per_test_limit.py) and the results file's
+merges (bench/gpu_results.py).
+
+The dry run (FASTHEALTH_GPU_DRY=1) builds nothing, assumes both GPU backends, benchmarks with
+fake timings (bench_gpu.py --fake: the same case loop and writes) and runs the GPU tests for
+real (they skip themselves without CUDA). The matrix of forced failures and hangs takes about 6
+minutes on 2 cores: marked ``slow`` (``make test`` runs it, ``make test-fast`` not).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import gpu_results
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+STEPS = ["env", "build-cuda", "backends", "bench-cuda", "bench-triton", "selftest", "tests",
+         "finish"]
+FUSED_ROWS = 2 + 7  # cuda, triton and the baselines (bench_gpu.BASELINES)
+
+QUICK_TESTS = """
+def test_on_cuda_ok():
+    pass
+
+
+def test_on_triton_ok():
+    pass
+"""
+
+HUNG_TESTS = """
+import signal
+import time
+
+
+def test_1_ok():
+    pass
+
+
+def test_2_slow():
+    time.sleep(30)
+
+
+def test_3_stuck_in_c():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # as a hung kernel would
+    time.sleep(60)
+
+
+def test_4_after_the_stuck_one():
+    pass
+"""
+
+
+def dry_run(tmp_path, test_files=None, **env):
+    out = tmp_path / "out"
+    if test_files is None:
+        test_files = tmp_path / "test_quick.py"
+        test_files.write_text(QUICK_TESTS)
+    full = {**os.environ, "OUT": str(out), "FASTHEALTH_GPU_DRY": "1", "PYTHON": sys.executable,
+            "FASTHEALTH_GPU_TEST_FILES": str(test_files), "FASTHEALTH_BENCH_FAKE_SLEEP": "0.05",
+            **env}
+    full.pop("FASTHEALTH_GPU_COPY", None)
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True,
+                       text=True, timeout=300)
+    assert (out / "h200.json").exists(), p.stdout + p.stderr
+    doc = json.loads((out / "h200.json").read_text())
+    return p, out, doc
+
+
+def steps(doc):
+    return {s["name"]: s["status"] for s in doc["steps"]}
+
+
+def written(out):
+    """(case, dtype) the benchmark said it wrote, per bench step, from bench.txt."""
+    got, step = {}, None
+    for line in (out / "bench.txt").read_text().splitlines():
+        if m := re.match(r"== (bench-\w+) ", line):
+            step = m.group(1)
+        elif m := re.match(r"wrote (\S+) (\S+) ", line):
+            got.setdefault(step, set()).add((m.group(1), m.group(2)))
+    return got
+
+
+def cases_of(doc, provider):
+    return {(r["case"], r["dtype"]) for r in doc["rows"] if r["provider"] == provider}
+
+
+def assert_every_written_case_is_there(doc, wrote):
+    """What each benchmark process said it wrote, and nothing else, is in the file."""
+    assert {(r["case"], r["dtype"]) for r in doc["rows"]} == set().union(*wrote.values())
+    for b in ("cuda", "triton"):
+        if f"bench-{b}" in wrote and b in {r["provider"] for r in doc["rows"]}:
+            assert cases_of(doc, b) == wrote[f"bench-{b}"]
+
+
+def test_dry_run_every_step_ok(tmp_path):
+    copy = ROOT / "bench" / "results" / "h200.json"
+    before = copy.stat().st_mtime_ns if copy.exists() else None
+    p, out, doc = dry_run(tmp_path, test_files="tests/test_gpu.py")
+    assert p.returncode == 0, p.stdout
+    assert (copy.stat().st_mtime_ns if copy.exists() else None) == before  # no copy: dry
+    assert steps(doc) == dict.fromkeys(STEPS, "ok")
+    assert len(doc["rows"]) == 8 * FUSED_ROWS and all(r["fake"] for r in doc["rows"])
+    assert cases_of(doc, "cuda") == cases_of(doc, "read_sum") == written(out)["bench-cuda"]
+    assert cases_of(doc, "triton") == written(out)["bench-triton"]
+    assert doc["selftest"] == {"key": "dry run", "results": {}}
+    assert doc["run"]["dry_run"] and doc["goals"] and (out / "h200.png").exists()
+    assert sorted(f.name for f in out.iterdir()) == [
+        "bench.txt", "build.txt", "env.txt", "h200.json", "h200.png", "selftest.txt",
+        "summary.txt", "tests.txt"]
+    tests = (out / "tests.txt").read_text()
+    # one process per backend; tests/test_gpu.py skips itself here, with its reason
+    assert "== tests, backend cuda, process 1" in tests
+    assert "== tests, backend triton, process 1" in tests
+    assert "needs a CUDA device" in tests and " deselected" in tests
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", STEPS)
+def test_dry_run_with_a_step_forced_to_fail(tmp_path, step):
+    p, out, doc = dry_run(tmp_path, FORCE_FAIL=step)
+    assert p.returncode == 1
+    got = steps(doc)
+    assert got[step] == "FAILED", got
+    assert all(s == "ok" for n, s in got.items() if n != step), got
+    wrote = written(out)
+    assert_every_written_case_is_there(doc, wrote)
+    if step == "build-cuda":
+        assert got["build-cpu"] == "ok"
+    if step == "backends":  # no GPU backend found: the baselines alone, the tests of neither
+        assert {r["provider"] for r in doc["rows"]} == {
+            "foreach_norm", "total_norm_isfinite", "clip_grad_norm", "foreach_isfinite",
+            "naive", "read_sum", "copy"}
+        assert "selftest" not in got and "backend none" in (out / "tests.txt").read_text()
+    elif step == "bench-cuda":  # the next benchmark process times the baselines instead
+        assert cases_of(doc, "read_sum") == wrote["bench-triton"]
+        assert len(wrote["bench-triton"]) == 8 and not cases_of(doc, "cuda")
+    elif step == "bench-triton":
+        assert not cases_of(doc, "triton") and len(doc["rows"]) == 8 * (FUSED_ROWS - 1)
+    elif step == "selftest":
+        assert "missing" in doc["selftest"]
+    elif step == "finish":
+        assert not (out / "h200.png").exists()
+    else:
+        assert len(doc["rows"]) == 8 * FUSED_ROWS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["build-cuda", "bench-cuda", "tests", "finish"])
+def test_dry_run_with_a_step_hanging_to_its_limit(tmp_path, step):
+    p, out, doc = dry_run(tmp_path, FORCE_HANG=step, FASTHEALTH_GPU_LIMITS=f"{step}=4")
+    got = steps(doc)
+    assert p.returncode == 1 and got[step] == "TIMED OUT", got
+    assert all(s == "ok" for n, s in got.items() if n != step), got
+    assert_every_written_case_is_there(doc, written(out))
+
+
+@pytest.mark.slow
+def test_dry_run_benchmark_cut_mid_way_keeps_the_cases_it_wrote(tmp_path):
+    # 2 s a case, stopped after 15 s (a few of them starting Python): some cases written
+    p, out, doc = dry_run(tmp_path, FASTHEALTH_BENCH_FAKE_SLEEP="2",
+                          FASTHEALTH_GPU_LIMITS="bench-cuda=15")
+    wrote = written(out)
+    assert steps(doc)["bench-cuda"] == "TIMED OUT"
+    assert 0 < len(wrote["bench-cuda"]) < 8
+    assert cases_of(doc, "cuda") == wrote["bench-cuda"]
+    assert cases_of(doc, "read_sum") == wrote["bench-triton"]  # baselines timed again there
+
+
+@pytest.mark.slow
+def test_dry_run_with_no_time_left_still_writes_the_file(tmp_path):
+    # a 35 s budget: less than the steps after each need, so all are skipped but the last
+    p, out, doc = dry_run(tmp_path, DEADLINE="35")
+    got = steps(doc)
+    assert got.pop("finish") == "ok"
+    assert set(got.values()) == {"SKIPPED"} and doc["rows"] == []
+    assert "SKIPPED" in (out / "summary.txt").read_text()
+
+
+def test_dry_run_a_hung_test_fails_alone_and_the_rest_run(tmp_path):
+    f = tmp_path / "test_hang.py"
+    f.write_text(HUNG_TESTS)
+    p, out, doc = dry_run(tmp_path, test_files=f, FASTHEALTH_GPU_DRY_BACKENDS="cuda",
+                          FASTHEALTH_TEST_TIMEOUT="1", FASTHEALTH_TEST_GRACE="1",
+                          FORCE_FAIL="env,bench-cuda,finish")  # not needed here: quicker
+    tests = (out / "tests.txt").read_text()
+    assert "test_2_slow FAILED" in tests and "per-test limit of 1 s" in tests
+    assert "test_3_stuck_in_c did not end" in tests and "in test_3_stuck_in_c" in tests
+    assert "== tests, backend cuda, process 2" in tests
+    assert "test_4_after_the_stuck_one PASSED" in tests and "3 deselected" in tests
+    assert "did not end" in (out / "summary.txt").read_text()
+    assert steps(doc)["tests"] == "FAILED"
+
+
+# ---- the results file ----------------------------------------------------------------------
+
+def row(case, dtype, provider, gpu, wall, **kw):
+    return {"case": case, "dtype": dtype, "provider": provider, "gpu_ms": gpu, "wall_ms": wall,
+            "host_sync": False, **kw}
+
+
+def test_results_merge_atomically_and_goals_tolerate_partial_rows(tmp_path):
+    path, copy = tmp_path / "h.json", tmp_path / "tree" / "h.json"
+    gpu_results.update([path, copy], [row("gpt2-small", "bfloat16", "cuda", 1.0, 2.0)],
+                       machine={"device": "x"})
+    doc = gpu_results.load(path)
+    assert doc == gpu_results.load(copy) and doc["machine"] == {"device": "x"}
+    by = {g["goal"]: g for g in doc["goals"]}
+    share = by["cuda: >= 85% of the read limit, gpt2-small bfloat16 (GPU time)"]
+    assert share["met"] is None and share["missing"]  # no read limit yet: not decided
+    gpu_results.update([path], [row("gpt2-small", "bfloat16", "read_sum", 0.9, 1.0),
+                                row("gpt2-small", "bfloat16", "foreach_norm", 1.5, 1.5),
+                                row("gpt2-small", "bfloat16", "naive", None, 150.0),
+                                row("gpt2-small", "bfloat16", "cuda", 1.0, 2.0, host_sync=True),
+                                {"case": "7b-like", "dtype": "bfloat16", "provider": "cuda",
+                                 "error": "OutOfMemoryError"}])
+    doc = gpu_results.load(path)
+    assert len(doc["rows"]) == 5  # the second cuda row replaced the first
+    by = {g["goal"]: g for g in doc["goals"]}
+    assert by["cuda: >= 85% of the read limit, gpt2-small bfloat16 (GPU time)"]["value"] == 0.9
+    assert by["cuda: faster than torch._foreach_norm in every case (GPU time)"]["met"] is True
+    assert by["cuda: faster than torch._foreach_norm in every case (wall time)"]["slower_in"] \
+        == ["gpt2-small bfloat16"]
+    assert by["cuda: >= 50x faster than the naive loop, gpt2-small bfloat16 (wall time)"][
+        "value"] == 75.0
+    assert by["cuda: no host sync"]["met"] is False
+    assert not list(tmp_path.glob(".*.tmp"))
+    path.write_text("{not json")  # a damaged file is started afresh, not a crash
+    gpu_results.update([path], [row("a", "b", "cuda", 1.0, 1.0)])
+    assert len(gpu_results.load(path)["rows"]) == 1
+
+
+def test_results_steps_from_the_script(tmp_path):
+    tsv = tmp_path / "steps.tsv"
+    tsv.write_text("env\tok\t3\t20\t0\nbuild-cuda\tTIMED OUT\t170\t170\t124\n")
+    gpu_results.main(["--results", str(tmp_path / "h.json"), "steps", str(tsv),
+                      "--deadline", "420", "--elapsed", "180"])
+    doc = gpu_results.load(tmp_path / "h.json")
+    assert doc["steps"][1] == {"name": "build-cuda", "status": "TIMED OUT", "seconds": 170,
+                               "limit": 170, "rc": 124}
+    assert doc["run"] == {"deadline_s": 420, "elapsed_s": 180, "dry_run": False}
+
+
+def test_dry_run_without_a_working_python_still_writes_the_file(tmp_path):
+    # every Python step fails and bench/gpu_results.py cannot run: the script writes the
+    # steps itself
+    p, out, doc = dry_run(tmp_path, PYTHON="false")
+    got = steps(doc)
+    assert p.returncode == 1 and doc["rows"] == [] and "did not write" in doc["error"]
+    assert got["env"] == got["bench-cuda"] == got["tests"] == "FAILED" and len(got) == 8
+
+
+def test_the_new_baselines_compute_what_they_say():
+    import baselines
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(s, generator=g).bfloat16() for s in [(50, 20), (20,), (3, 3, 3)]]
+    want = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in ts]))
+    norms = baselines.foreach_norm(ts)
+    assert [n.item() for n in norms] == [torch.linalg.vector_norm(t).item() for t in ts]
+    before = [t.clone() for t in ts]
+    params = baselines.grad_holders(ts)
+    assert [p.grad is t for p, t in zip(params, ts)] == [True] * 3
+    assert all(p.shape == t.shape and p.untyped_storage().nbytes() == 2
+               for p, t in zip(params, ts))  # one element each, expanded
+    total = baselines.clip_grad_norm(params)
+    assert total.item() == pytest.approx(want.item(), rel=1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(before, ts))  # scaled by exactly 1
+    flat = torch.cat([t.flatten() for t in ts])
+    out = torch.empty_like(flat)
+    assert torch.equal(baselines.copy_limit(flat, out), flat)
