@@ -55,8 +55,18 @@ def options_for(model) -> dict:
     return opts
 
 
+SERIES = ("loss", "grad_norm", "grads_finite", "loss_finite", "spike_skip", "skip_z_loss",
+          "skip_z_grad_norm", "update_ratio_max", "logit_max", "log_z", "attention_logit_max")
+
+
 def _events(out: dict) -> list[tuple]:
     return [tuple(e) for e in out["events"]]
+
+
+def _series(out: dict) -> dict:
+    """Every step's recorded values of SERIES (NaN as None): for offline looks at the rules."""
+    return {k: [s.values.get(k) if s.values.get(k) == s.values.get(k) else None
+                for s in out["steps"]] for k in SERIES}
 
 
 def run_healthy(name: str, seed: int) -> dict:
@@ -64,6 +74,7 @@ def run_healthy(name: str, seed: int) -> dict:
     import torch
     from families import FAMILIES
 
+    torch.set_num_threads(1)  # two workers on two cores: no oversubscribed OpenMP spinning
     torch.manual_seed(seed)
     fam = FAMILIES[name]
     setup = fam.build(torch.Generator().manual_seed(seed), fam.steps)
@@ -72,7 +83,7 @@ def run_healthy(name: str, seed: int) -> dict:
     skipped = [s.step for s in out["steps"] if s.values.get("spike_skip", 0) > 0]
     return {"kind": "healthy", "name": name, "seed": seed, "steps": fam.steps,
             "held_out": fam.held_out, "skipped": skipped, "events": _events(out),
-            "seconds": round(time.time() - t0, 1)}
+            "series": _series(out), "seconds": round(time.time() - t0, 1)}
 
 
 def run_fault(name: str, seed: int) -> dict:
@@ -81,6 +92,7 @@ def run_fault(name: str, seed: int) -> dict:
     from corpus import onset_of
     from faults import FAULTS
 
+    torch.set_num_threads(1)
     spec = FAULTS[name]
     onset = onset_of(spec, spec.steps, seed)
     res: dict = {"kind": "fault", "name": name, "seed": seed, "steps": spec.steps,
@@ -100,6 +112,7 @@ def run_fault(name: str, seed: int) -> dict:
         if variant == "skip":
             res["skipped"] = [s.step for s in out["steps"] if s.values.get("spike_skip", 0) > 0]
             res["events"] = _events(out)
+            res["series"] = _series(out)
         if name in LR_JUMPS:
             break  # no clean twin: the jump is the run
     res["loss_skip"], res["loss_clean"] = curves["skip"], curves.get("clean")
@@ -181,6 +194,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated family/fault names")
     ap.add_argument("--label", default="current")
     ap.add_argument("--out", default=str(HERE / "results" / "act.json"))
+    ap.add_argument("--series", help="also write every run's per-step values to this file")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()
     from families import FAMILIES
@@ -211,9 +225,14 @@ def main() -> None:
                        or platform.machine(), "cpus": os.cpu_count(), "seeds": args.seeds,
                        "final": args.final, "seconds": round(time.time() - t0),
                        "summary": summary,
-                       "runs": [{k: v for k, v in r.items() if not k.startswith("loss_")}
+                       "runs": [{k: v for k, v in r.items()
+                                 if not k.startswith("loss_") and k != "series"}
                                 for r in results]}
     path.write_text(json.dumps(doc, indent=1))
+    if args.series:
+        Path(args.series).write_text(json.dumps(
+            [{k: r[k] for k in ("kind", "name", "seed", "onset", "series") if k in r}
+             for r in results]))
     print(f"wrote {path} [{args.label}] in {time.time() - t0:.0f} s")
 
 

@@ -297,7 +297,7 @@ def test_adam_eps_precursor():
     m = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.Adam(m.parameters(), 1e-3)
     mon = fh.Monitor(m, opt)
-    for t in range(60):
+    for _ in range(60):
         loss = F.mse_loss(m(X[:32]), Y[:32]) * 1e-9
         loss.backward()
         mon.step(loss)

@@ -48,6 +48,19 @@ from .sinks import map_tensors
 from .skip_rule import SkipEvents, SkipRule
 
 
+def skip_aware(detectors: list[Detector], zscore: float, grad_factor: float) -> list[Detector]:
+    """``detectors`` with their spike rule wrapped so that every skipped step is an event."""
+    return [SkipEvents(d, zscore, grad_factor) if isinstance(d, SpikeDetector) else d
+            for d in detectors]
+
+
+def _check_backend(backend: str | None, device: torch.device) -> None:
+    why = None if backend in (None, "auto") else unsupported(backend, device)
+    if why is not None:
+        raise ValueError(f"fasthealth: backend={backend!r} cannot run on model's device "
+                         f"({device}): {why}")
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -125,10 +138,7 @@ class Monitor:
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
         self.device = self.params[0][1].device
-        why = None if backend in (None, "auto") else unsupported(backend, self.device)
-        if why is not None:
-            raise ValueError(f"fasthealth: backend={backend!r} cannot run on model's device "
-                             f"({self.device}): {why}")
+        _check_backend(backend, self.device)
         self.record = DeviceRecord(self.names, flush_every, self.device)
         self.precursors = (PrecursorProbe(model, self.params, self.device, logits=logits,
                                           attention=attention) if precursors else None)
@@ -139,12 +149,10 @@ class Monitor:
                 min_loss_scale=min_loss_scale if scaler is not None else None)
             if precursors:
                 detectors += precursor_rules(self.precursors, optimizer, self.params)
-        self.skip_rule: SkipRule | None = None
-        if on_spike == "skip":  # a skipped step is always an event that says so
-            self.skip_rule = SkipRule(self.device, zscore=spike_zscore, window=spike_window,
-                                      warmup=warmup_steps)
-            detectors = [SkipEvents(d, spike_zscore, self.skip_rule.grad_factor)
-                         if isinstance(d, SpikeDetector) else d for d in detectors]
+        self.skip_rule = (SkipRule(self.device, zscore=spike_zscore, window=spike_window,
+                                   warmup=warmup_steps) if on_spike == "skip" else None)
+        if self.skip_rule is not None:  # a skipped step is always an event that says so
+            detectors = skip_aware(detectors, spike_zscore, self.skip_rule.grad_factor)
         self.detectors = list(detectors)
         self.gate = gate.Gate(optimizer, scaler, self.record, self.device,
                               guard=on_nonfinite in ("skip", "raise") or on_spike == "skip",

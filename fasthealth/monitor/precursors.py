@@ -31,6 +31,7 @@ import math
 import re
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -107,7 +108,7 @@ class PrecursorProbe:
     the LM head and the attention projections. ``before_step``/``after_step`` bracket the
     optimizer's step; ``scalars()`` gives this step's record fields (NaN: not measured)."""
 
-    def __init__(self, model: nn.Module, params: list[tuple[str, torch.Tensor]],
+    def __init__(self, model: nn.Module, params: Sequence[tuple[str, torch.Tensor]],
                  device: torch.device, *, every: int = 10, max_bytes: int = 2**30,
                  logits: Any = None, attention: str | None = None) -> None:
         self.device, self.every = device, every
@@ -354,7 +355,7 @@ class LogitPrecursor(Detector):
                 {"value": value, "early_level": ref})
 
 
-def adam_eps(optimizer: Any, params: list[tuple[str, torch.Tensor]]) -> list[float | None]:
+def adam_eps(optimizer: Any, params: Sequence[tuple[str, torch.Tensor]]) -> list[float | None]:
     """Per watched parameter, the eps of its Adam-family group (None: not Adam)."""
     eps: dict[int, float] = {}
     if optimizer is not None:
@@ -366,7 +367,7 @@ def adam_eps(optimizer: Any, params: list[tuple[str, torch.Tensor]]) -> list[flo
 
 
 def precursor_rules(probe: PrecursorProbe | None, optimizer: Any,
-                    params: list[tuple[str, torch.Tensor]]) -> list[Detector]:
+                    params: Sequence[tuple[str, torch.Tensor]]) -> list[Detector]:
     """The host rules of the precursors the probe measures (and the free Adam-eps one)."""
     if probe is None:
         return []
