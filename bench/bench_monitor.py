@@ -6,6 +6,12 @@ so machine noise hits both alike. Reports the median step time of each and the o
 Writes bench/results/monitor_overhead.json.
 
     python bench/bench_monitor.py [--steps 8] [--seq 128] [--batch 1]
+    python bench/bench_monitor.py --act   # also: precursors off, and skip + every precursor
+
+With ``--act`` three Monitors take turns with the plain loop: ``precursors=False`` (no
+precursor), the defaults (the update-to-weight ratio every 10 steps, the Adam-eps rule) and
+``on_spike="skip"`` with the LM head's logits and every attention module watched; written to
+bench/results/monitor_overhead_act.json.
 """
 
 import argparse
@@ -30,8 +36,13 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="a small model, for a smoke run")
-    ap.add_argument("--out", default="bench/results/monitor_overhead.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--act", action="store_true",
+                    help="compare precursors off / defaults / skip + every precursor")
     args = ap.parse_args(argv)
+    if args.act:
+        return act(args)
+    args.out = args.out or "bench/results/monitor_overhead.json"
     torch.manual_seed(0)
     cfg = gpt2_config(args.small)
     model = TinyGPT(**cfg)
@@ -98,6 +109,68 @@ def main(argv=None):
     }
     print(json.dumps(result, indent=1))
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+ACT_VARIANTS = {
+    "precursors_off": {"precursors": False},
+    "defaults": {},
+    "skip_and_every_precursor": {"on_spike": "skip", "logits": "head", "attention": r"attn$"},
+}
+
+
+def act(args) -> int:
+    """Interleaved steps: the plain loop and one Monitor per ACT_VARIANTS entry."""
+    torch.manual_seed(0)
+    cfg = gpt2_config(args.small)
+    model = TinyGPT(**cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, cfg["vocab"], (args.batch, args.seq + 1))
+    mons = {k: fh.Monitor(model, opt, flush_every=5, max_grad_norm=1.0, **v)
+            for k, v in ACT_VARIANTS.items()}
+
+    def forward_backward():
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    def plain():
+        forward_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    runs = {"plain": plain, **{k: (lambda m=m: m.step(forward_backward()))
+                               for k, m in mons.items()}}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    names = list(runs)
+    for i in range(args.steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotate the order
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+        print(f"\rround {i + 1}/{args.steps}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    for m in mons.values():
+        m.close()
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    result = {
+        "model": cfg, "batch": args.batch, "seq": args.seq, "steps_each": args.steps,
+        "step_ms": {k: round(v, 2) for k, v in med.items()},
+        "overhead_pct_of_plain_step": {k: round((v - med["plain"]) / med["plain"] * 100, 2)
+                                       for k, v in med.items() if k != "plain"},
+        "variants": ACT_VARIANTS,
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps(result, indent=1))
+    out = Path(args.out or "bench/results/monitor_overhead_act.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return 0

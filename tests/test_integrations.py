@@ -55,14 +55,14 @@ def plant_at(model, call, fn):
     return model.register_forward_pre_hook(pre, with_kwargs=True)
 
 
-def hf_train(tmp_path, model, steps=40, **kw):
+def hf_train(tmp_path, model, steps=40, monitor=None, **kw):
     from fasthealth.integrations.transformers import HealthCallback
 
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8,
         learning_rate=5e-3, report_to="none", save_strategy="no", logging_steps=1000,
         use_cpu=True, disable_tqdm=True, seed=0, **kw)
-    cb = HealthCallback(warmup_steps=10)
+    cb = HealthCallback(warmup_steps=10, **(monitor or {}))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=EmbedDataset(),
                                    callbacks=[cb])
     before = {}
@@ -160,7 +160,65 @@ def test_transformers_garbage_batch_accumulation_and_bf16(tmp_path):
     assert isinstance(dump["batch"], list) and len(dump["batch"]) == 2  # both micro-batches
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_transformers_on_spike_skip(tmp_path, optim):
+    """HealthCallback(on_spike="skip"): a garbage batch at optimizer step 60 is skipped (the
+    parameters stay as they were), the step is logged as skipped, and nothing after it
+    alarms."""
+    model = tiny_gpt2()
+
+    def garbage(kw):
+        kw["inputs_embeds"] = torch.randn_like(kw["inputs_embeds"]) * 30
+        kw["labels"] = torch.randint(0, 64, kw["labels"].shape)
+        return kw
+
+    plant_at(model, 61, garbage)
+    mon, before = hf_train(tmp_path, model, steps=80, optim=optim,
+                           monitor={"on_spike": "skip"})
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert [r["step"] for r in steps if r["spike_skip"]] == [60]
+    assert steps[60]["skipped"] is True
+    for a, b in zip(before[60], before[61]):
+        assert torch.equal(a, b)
+    assert any(e.step == 60 and e.kind == "loss_spike" and e.details.get("skipped")
+               for e in mon.events)
+    assert not [e for e in mon.events if e.step > 60 and e.severity == "alarm"]
+
+
 lightning = pytest.importorskip("lightning")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_lightning_on_spike_skip(tmp_path, fused):
+    """The Lightning callback takes on_spike="skip": a batch of targets x50 at optimizer step
+    150 is skipped, the parameters untouched."""
+    from fasthealth.integrations.lightning import HealthCallback
+
+    class Bad(DictData):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            if 8 * 150 <= i < 8 * 151:
+                item = dict(item, y=item["y"] * 50)
+            return item
+
+    module = regression_module(lightning.pytorch, fused)
+    seen = {}
+
+    class Snapshot(lightning.pytorch.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+    cb = HealthCallback(on_spike="skip")
+    trainer = lightning.pytorch.Trainer(
+        max_steps=160, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        callbacks=[cb, Snapshot()])
+    loader = torch.utils.data.DataLoader(Bad(n=8 * 160), batch_size=8, shuffle=False)
+    trainer.fit(module, loader)
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert [r["step"] for r in steps if r["spike_skip"]] == [150]
+    for a, b in zip(seen[150], seen[151]):
+        assert torch.equal(a, b)
 
 
 def regression_module(pl, fused):
