@@ -186,6 +186,39 @@ def print_tables(summary: dict) -> None:
         print(f"{name:<35} skipped at its step {caught}/{len(rows)}{extra}")
 
 
+def plot_skip(results: list[dict], path: Path) -> None:
+    """The loss of each bad-batch fault's first seed with on_spike="skip", with "warn" (the
+    update lands) and without the bad batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((r for r in results if r["kind"] == "fault" and r["name"] in BAD_BATCH
+                   and r.get("loss_clean")), key=lambda r: (r["name"], r["seed"]))
+    firsts = {r["name"]: r for r in reversed(runs)}
+    if not firsts:
+        return
+    fig, axes = plt.subplots(len(firsts), 1, figsize=(9, 2.6 * len(firsts)), squeeze=False)
+    for ax, (name, r) in zip(axes[:, 0], sorted(firsts.items())):
+        o = r["onset"]
+        lo, hi = max(0, o - 40), min(len(r["loss_skip"]), o + 80)
+        xs = range(lo, hi)
+        ax.plot(xs, r["loss_clean"][lo:hi], lw=2.5, alpha=0.35, color="C2",
+                label="no bad batch")
+        ax.plot(xs, r["loss_warn"][lo:hi], lw=0.9, color="C3", label='on_spike="warn"')
+        ax.plot(xs, r["loss_skip"][lo:hi], lw=0.9, color="C0", label='on_spike="skip"')
+        ax.axvline(o, color="k", ls=":", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_title(f"{name} (seed {r['seed']}): the bad batch at step {o}", fontsize=9)
+        ax.set_ylabel("loss")
+    axes[0, 0].legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -229,6 +262,7 @@ def main() -> None:
                                  if not k.startswith("loss_") and k != "series"}
                                 for r in results]}
     path.write_text(json.dumps(doc, indent=1))
+    plot_skip(results, path.with_name("act_skip.png"))
     if args.series:
         Path(args.series).write_text(json.dumps(
             [{k: r[k] for k in ("kind", "name", "seed", "onset", "series") if k in r}
