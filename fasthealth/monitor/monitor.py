@@ -84,7 +84,10 @@ class Monitor:
     ``detectors`` (the event rules, ``monitor.detectors.Detector`` instances, in reporting
     order; default ``default_detectors(...)`` with the options above), ``dumps`` (which steps
     are saved for ``fh.replay``: "incident", the first alarm step of each incident; "alarm",
-    every step with an alarm; "event", every step with an event; "none").
+    every step with an alarm; "event", every step with an event; "none"), ``precursors``
+    (True: the precursor notices of ``precursors.py``), ``logits`` (the LM head whose logits
+    the logit precursor reads: None finds it, a module name, or False), ``attention`` (a regex
+    over module names: the self-attention modules whose attention logits are watched; None).
 
     Every argument is checked here, before anything is made or written (types, ranges and
     combinations: ``tensorboard=True`` needs ``log_dir`` and an importable tensorboard,
