@@ -42,6 +42,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# this checkout's fasthealth, not whichever one is installed (an editable install of another
+# worktree would otherwise be what gets measured)
+sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE / "detectors"))
 
 # Monitor options to choose from ({} = the Monitor's defaults, always first). Options the

@@ -6,6 +6,10 @@ same plots as one image) into the log directory, and prints a short text summary
 incidents (one per fault: span, severity, cause, kinds, events, dump), then its events, alarms
 and notices counted apart.
 
+What ``fh.replay`` found for an incident's dump (``<dump>.replay.json``, written beside the dump
+by the replay) is shown with the incident: reproduced or not, the source, the first module that
+made a non-finite value, the samples that alone reproduce it.
+
 A log dir written before incidents existed (no ``incidents.jsonl``) is reported too: its
 incidents are taken from the events' ``incident`` field where they have one, else each step
 with events is an incident of its own.
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .monitor.events import ALARM, NOTICE, severity_of
+from .monitor.replay import result_path
 from .monitor.sinks import json_kind, read_jsonl
 
 EVENT_COLORS = {
@@ -223,22 +228,57 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
            "cause": check("cause", lambda v: isinstance(v, str), "a kind"),
            "severity": check("severity", lambda v: v in SEVERITIES, "\"alarm\" or \"notice\""),
            "events": check("events", lambda v: is_step(v) and v >= 0, "a count"),
+           "counts": check("counts", lambda v: isinstance(v, dict) and all(
+               isinstance(k, str) and is_step(n) and n >= 0 for k, n in v.items()),
+               "steps by kind"),
            "dump": check("dump", lambda v: isinstance(v, str), "a path"),
            "message": check("message", lambda v: isinstance(v, str), "a string"),
            "replay": _replay_of(rec), "logged": True}
     return out
 
 
+REPLAY_KEYS = ("reproduced", "first_nonfinite", "culprit_ids", "source", "verdict")
+
+
 def _replay_of(rec: dict) -> dict | None:
-    """What replay found, where a record carries it (``first_nonfinite``, ``culprit_ids``,
-    ``source``, ``verdict``, at its top level or under ``replay``); None when it carries none.
-    The Monitor writes none: replay runs after training (``fh.replay(dump, model, loss_fn)``)
-    and a tool that logs its findings can add them to the incident's record."""
+    """What replay found, where a record carries it (``reproduced``, ``first_nonfinite``,
+    ``culprit_ids``, ``source``, ``verdict``, at its top level or under ``replay``); None when
+    it carries none. The Monitor writes none: replay runs after training and writes its result
+    beside the dump (``_replay_beside``); a tool that logs its findings can also add them to
+    the incident's record."""
     src: dict = rec["replay"] if isinstance(rec.get("replay"), dict) else rec
-    found = {k: src[k] for k in ("first_nonfinite", "culprit_ids", "source", "verdict")
-             if src.get(k) is not None}
+    found = {k: src[k] for k in REPLAY_KEYS if src.get(k) is not None}
     found = {k: v for k, v in found.items() if isinstance(v, (str, list, int, float))}
     return found or None
+
+
+def _dump_candidates(dump: str, log_dir: str | Path | None) -> list[Path]:
+    """Where a dump may be: its path as logged, under the log_dir, or in the log_dir's dumps/
+    (a log_dir that was moved)."""
+    p = Path(dump)
+    if log_dir is None:
+        return [p]
+    d = Path(log_dir)
+    return [p, d / p, d / "dumps" / p.name]
+
+
+def _replay_beside(dump: str, log_dir: str | Path, problems: Problems) -> dict | None:
+    """What ``fh.replay`` wrote beside ``dump`` (``<dump>.replay.json``), read like the logs:
+    None when there is none; an unreadable one is named in ``problems``."""
+    for cand in _dump_candidates(dump, log_dir):
+        path = result_path(cand)
+        try:
+            if not path.is_file():
+                continue
+            rec = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:
+            problems.skipped.append((path.name, 0, f"cannot be read ({exc}): ignored"))
+            return None
+        if not isinstance(rec, dict):
+            problems.skipped.append((path.name, 0, f"{json_kind(rec)}, not an object: ignored"))
+            return None
+        return _replay_of(rec)
+    return None
 
 
 def _read_meta(path: Path, problems: Problems) -> dict:
@@ -327,7 +367,11 @@ def read_log(log_dir: str | Path) -> Log:
         else:
             records = [r for r in (_clean_incident(w, rec, problems) for w, rec in raw_inc)
                        if r is not None]
-    return Log(meta, steps, events, incidents_of(events, records), problems)
+    incidents = incidents_of(events, records)
+    for inc in incidents:
+        if inc.get("dump") and not inc.get("replay"):
+            inc["replay"] = _replay_beside(inc["dump"], d, problems)
+    return Log(meta, steps, events, incidents, problems)
 
 
 def read(log_dir: str | Path) -> tuple[dict, list[dict], list[dict], Problems]:
@@ -439,12 +483,10 @@ def _plural(n: int, word: str) -> str:
 def _dump_shown(dump: str, log_dir: str | Path | None) -> tuple[str, bool]:
     """The dump's path as the summary shows it (under the log_dir: relative to it) and whether
     the file is there (also when the log_dir was moved: then it is in its dumps/)."""
-    p = Path(dump)
     if log_dir is None:
-        return dump, p.exists()
+        return dump, Path(dump).exists()
     d = Path(log_dir)
-    moved = d / "dumps" / p.name
-    for cand in (p, d / p, moved):
+    for cand in _dump_candidates(dump, log_dir):
         try:
             if cand.exists():
                 try:
@@ -468,6 +510,9 @@ def _replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
         return (f"dump {path} (not replayed: run fh.replay(dump, model, loss_fn) for the "
                 "first bad module and samples)")
     found = []
+    if r.get("reproduced") is not None:
+        found.append("reproduces" if r["reproduced"] else
+                     "does not reproduce (a transient fault, not this batch)")
     if r.get("first_nonfinite"):
         found.append(f"first non-finite module {r['first_nonfinite']}")
     if r.get("source"):
@@ -479,6 +524,30 @@ def _replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
     if r.get("verdict") and not found:
         found.append(str(r["verdict"]))
     return f"dump {path}; replay: " + "; ".join(found)
+
+
+def replay_brief(r: dict | None) -> str | None:
+    """What replay found, in a few words for a plot label: the samples, else the first module,
+    else the source, else "transient"; None when not replayed."""
+    if not r:
+        return None
+    if r.get("reproduced") is False:
+        return "transient"
+    ids = r.get("culprit_ids")
+    if isinstance(ids, list) and ids:
+        return "samples " + ",".join(map(str, ids[:3])) + (" ..." if len(ids) > 3 else "")
+    if r.get("first_nonfinite"):
+        return str(r["first_nonfinite"])
+    if r.get("source"):
+        return f"source {r['source']}"
+    return "reproduces" if r.get("reproduced") else None
+
+
+def _with_counts(kinds: list[str], counts: dict | None) -> list[str]:
+    """Each kind, with the number of steps it was seen at when more than one (an incident
+    records the first event of a kind and counts its repeats)."""
+    counts = counts or {}
+    return [f"{k} x{counts[k]}" if counts.get(k, 1) > 1 else k for k in kinds]
 
 
 def _kinds_shown(kinds: list[str], width: int = 60) -> str:
@@ -507,8 +576,9 @@ def incident_table(incidents: list[dict], log_dir: str | Path | None = None) -> 
         for inc in group[:LISTED]:
             span = f"{inc['start']}-{inc['end']}" + (" open" if inc["state"] != "closed"
                                                     else "")
+            kinds = _kinds_shown(_with_counts(inc["kinds"], inc.get("counts")))
             lines.append(f"    {'#' + str(inc['id']):<5} {span:<13} {inc['severity']:<9} "
-                         f"{inc['events']:>6}  {inc['cause']:<26} {_kinds_shown(inc['kinds'])}")
+                         f"{inc['events']:>6}  {inc['cause']:<26} {kinds}")
             more = _replay_line(inc, log_dir)
             if more:
                 lines.append(f"          {more}")
@@ -980,7 +1050,8 @@ LABELLED = 40  # incidents labelled on the loss panel at most
 
 
 def _label_incidents(ax, incidents: list[dict], rows: int = 3) -> None:
-    """Each incident's id and cause at the top of its span, inside the axes (below the edge
+    """Each incident's id and cause (and what replay found, when it fits) at the top of its
+    span, inside the axes (below the edge
     where non-finite losses are marked), in up to ``rows`` rows so that labels do not overlap;
     a label that fits nowhere is shortened to its id, or left out (the summary lists every
     incident). Run once the figure's layout is final: it measures the labels."""
@@ -998,8 +1069,11 @@ def _label_incidents(ax, incidents: list[dict], rows: int = 3) -> None:
         if end_px <= min(right) + 8:  # no row has room left (a crowded run): none drawn
             continue
         # from its start rightwards, else (at the right edge) leftwards from its end
-        tries = [(text, row, ha) for text in (f"#{inc['id']} {inc['cause']}", f"#{inc['id']}")
-                 for ha in ("left", "right") for row in range(rows)]
+        brief = replay_brief(inc.get("replay"))
+        texts = ([f"#{inc['id']} {inc['cause']}: {brief}"] if brief else []) + [
+            f"#{inc['id']} {inc['cause']}", f"#{inc['id']}"]
+        tries = [(text, row, ha) for text in texts for ha in ("left", "right")
+                 for row in range(rows)]
         for text, row, ha in tries:
             x = inc["start"] - 0.5 if ha == "left" else max(inc["end"] + 0.5, inc["start"])
             t = ax.text(x, 0.93 - 0.085 * row, text, fontsize=7.5, ha=ha, va="top",
@@ -1066,7 +1140,8 @@ def _incident_rows(incidents: list[dict], log_dir: str | Path) -> str:
         rows.append(
             f"<tr style='color:{LABEL_COLORS[sev]}'><td>#{e(str(inc['id']))}</td>"
             f"<td>{inc['start']}-{inc['end']}{' (open)' if inc['state'] != 'closed' else ''}"
-            f"</td><td>{e(sev)}</td><td>{e(inc['cause'])}</td><td>{e(', '.join(inc['kinds']))}"
+            f"</td><td>{e(sev)}</td><td>{e(inc['cause'])}</td>"
+            f"<td>{e(', '.join(_with_counts(inc['kinds'], inc.get('counts'))))}"
             f"</td><td>{inc['events']}</td><td>{e(more)}</td></tr>")
     return "\n".join(rows)
 

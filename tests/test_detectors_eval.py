@@ -25,7 +25,7 @@ import corpus  # noqa: E402
 SLICE = dict(bench_detectors.QUICK, grid=[{}, {"spike_zscore": 11.0, "warmup_steps": 60}])
 
 # Seed 0 at the Monitor's defaults: what the rules still get wrong (bench/results/detectors.json,
-# after_final, has every seed). Everything else must hold.
+# after_23b, has every seed). Everything else must hold.
 KNOWN_FALSE_ALARMS = {
     "digits_mlp_sgd_momentum_plateau": "loss_spike and a loss-confirmed exploding_grad while "
                                        "leaving the plateau",

@@ -38,7 +38,73 @@ def test_aftermath_joins_the_fault_and_a_quiet_period_closes_it():
     closed = t.advance(221)
     assert closed is inc and not inc.open and (inc.start, inc.end) == (100, 170)
     other, opened, _ = t.add(221, [ev(221, "divergence")])
-    assert opened and other.id == 1 and [e.incident for e in inc.events] == [0] * 5
+    assert opened and other.id == 1 and [e.incident for e in inc.events] == [0] * 2
+    # the repeated loss spikes are counted on the incident's first one, not recorded apart
+    spike = inc.events[0]
+    assert (spike.kind, spike.repeats, spike.last_step) == ("loss_spike", 3, 170)
+    assert inc.counts == {"loss_spike": 4, "grad_norm_spike": 1}
+
+
+def test_repeats_are_counted_on_the_first_event_of_their_kind_and_severity():
+    t = IncidentTracker()
+    _, _, _, kept = t.file(10, [ev(10, "nonfinite_loss"), ev(10, "nonfinite_grad")])
+    assert [e.kind for e in kept] == ["nonfinite_loss", "nonfinite_grad"]
+    for s in range(11, 40):
+        inc, opened, _, kept = t.file(s, [ev(s, "nonfinite_loss"), ev(s, "nonfinite_grad")])
+        assert not opened and kept == []
+    notice = Event(40, "exploding_grad", "", {})
+    confirmed = Event(41, "exploding_grad", "", {"severity": ALARM}, severity=ALARM)
+    assert t.file(40, [notice])[3] == [notice]
+    assert t.file(41, [confirmed])[3] == [confirmed]  # an alarm is not a notice's repeat
+    assert [(e.kind, e.repeats, e.last_step) for e in inc.events[:2]] == [
+        ("nonfinite_loss", 29, 39), ("nonfinite_grad", 29, 39)]
+    assert inc.counts == {"nonfinite_loss": 30, "nonfinite_grad": 30, "exploding_grad": 2}
+    assert inc.to_json("closed")["counts"] == inc.counts
+    assert inc.to_json("closed")["events"] == 4
+    t.advance(200)
+    assert t.file(200, [ev(200, "nonfinite_loss")])[3][0].repeats == 0  # a new incident
+
+
+def test_an_alarm_incident_stays_open_while_the_loss_has_not_come_back():
+    """A persistent fault (the features' scale changed for good) spikes again long after its
+    first alarms: while the loss stays above where it was before, that is its aftermath."""
+    t = IncidentTracker(quiet=50)
+    for _ in range(100):
+        t.observe(1.0, float("nan"))
+    inc, opened, _ = t.add(100, [ev(100, "loss_spike")])
+    for s in range(100, 300):
+        t.observe(3.0, float("nan"))  # the loss stays 3x up
+        assert t.advance(s + 1) is None
+    again, opened, _ = t.add(300, [ev(300, "divergence")])
+    assert again is inc and not opened
+    for _ in range(300, 320):
+        t.observe(1.1, float("nan"))  # back within 20% of where it was
+    assert t.advance(351) is inc
+
+
+def test_a_collapsed_loss_scale_keeps_its_incident_open_until_it_recovers():
+    t = IncidentTracker(quiet=50)
+    for _ in range(50):
+        t.observe(1.0, 65536.0)
+    inc, _, _ = t.add(50, [ev(50, "loss_scale_collapse")])
+    for _ in range(50, 200):
+        t.observe(1.0, 2048.0)  # 32x below: gradients underflow from here on
+    assert t.advance(200) is None
+    assert t.add(200, [ev(200, "vanishing_grad")])[0] is inc
+    t.observe(1.0, 16384.0)  # within 8x again
+    assert t.advance(251) is inc
+
+
+def test_a_notice_incident_and_skipped_steps_close_by_their_quiet_periods_whatever_the_loss():
+    t = IncidentTracker(notice_quiet=10, skipped_quiet=3)
+    for _ in range(50):
+        t.observe(1.0, float("nan"))
+    t.add(50, [ev(50, "grad_norm_spike")])
+    for _ in range(50, 70):
+        t.observe(5.0, float("nan"))
+    assert t.advance(61) is not None
+    t.add(70, [ev(70, "nonfinite_loss", skipped=True)])
+    assert t.advance(74) is not None
 
 
 def test_a_notice_that_the_loss_confirms_becomes_an_alarm_incident():
@@ -108,7 +174,15 @@ def test_every_event_mode_keeps_the_old_dumps(tmp_path):
     m = make_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     mon = train(m, opt, 140, plant=_bad_batch_then_recovery, log_dir=tmp_path, dumps="event")
-    assert len(list((tmp_path / "dumps").iterdir())) == len({e.step for e in mon.events})
+    # every step a rule fired at: the steps of the recorded events and of their repeats
+    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    found = {r["step"] for r in lines if r.get("events")}
+    assert found >= {e.step for e in mon.events} | {e.last_step for e in mon.events
+                                                    if e.repeats}
+    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == [
+        f"step_{s:08d}.pt" for s in sorted(found)]
+    assert sum(inc.counts[k] for inc in mon.incidents for k in inc.counts) == sum(
+        len(r["events"]) for r in lines if r.get("events"))
 
 
 def test_two_nans_apart_are_two_incidents():

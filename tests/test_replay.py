@@ -2,6 +2,7 @@
 forward or the backward pass, the innermost module), which samples cause it, dumps of wrapped
 models, and dumps that must not run code."""
 
+import json
 import math
 import pickle
 
@@ -214,3 +215,54 @@ def test_a_0_dim_tensor_in_the_batch_rides_along_and_the_batch_still_bisects(tmp
     ev = next(e for e in mon.events if e.step == 5 and e.dump)
     r = fh.replay(ev.dump, model, loss_fn)
     assert r.reproduced and r.culprit_ids == [506], r
+
+
+def test_replay_writes_its_result_beside_the_dump_and_the_report_shows_it(tmp_path, monkeypatch):
+    """A real run, a real dump, a real replay, then `fasthealth report`: the incident's line
+    and its plot label say what replay found (the module, the sample), and the dump and the
+    logs are left as they were."""
+    import importlib
+
+    from fasthealth import report
+
+    # the module (fasthealth.monitor.replay, the name, is the function)
+    replay_mod = importlib.import_module("fasthealth.monitor.replay")
+
+    torch.manual_seed(0)
+    model = Net()
+    mon = run(model, tmp_path, 7, mask_sample(5))
+    inc = next(i for i in mon.incidents if i.cause == "nonfinite_loss")
+    logged = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    r = fh.replay(inc.dump, model, lm_loss)
+    assert r.culprit_ids == [705]
+    written = replay_mod.result_path(inc.dump)
+    assert written.name == f"{inc.dump.rsplit('/', 1)[-1]}.replay.json"
+    rec = json.loads(written.read_text())
+    assert rec["reproduced"] is True and rec["source"] == "forward"
+    assert rec["first_nonfinite"] == "blocks.0" and rec["culprit_ids"] == [705]
+    assert rec["step"] == 7 and rec["verdict"] == r.verdict
+    for p in tmp_path.rglob("*"):  # nothing else changed, nothing left behind
+        if p.is_file() and p != written:
+            assert logged[p.name] == p.read_bytes(), p
+    assert not list(tmp_path.rglob("*.tmp"))
+
+    _, text = report.write(tmp_path)
+    line = next(t for t in text.splitlines() if "replay:" in t)
+    assert "reproduces; first non-finite module blocks.0; source forward; samples 705" in line
+    log = report.read_log(tmp_path)
+    shown = next(i for i in log.incidents if i["cause"] == "nonfinite_loss")
+    assert report.replay_brief(shown["replay"]) == "samples 705"
+    fig = report.figure(log.meta, log.steps, log.events, log.incidents)
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert any(t.endswith("nonfinite_loss: samples 705") for t in labels), labels
+
+    # a replay that cannot write its result warns and still returns it
+    def refuse(*a, **k):
+        raise PermissionError("read-only log_dir")
+
+    monkeypatch.setattr(replay_mod.tempfile, "mkstemp", refuse)
+    with pytest.warns(RuntimeWarning, match="could not be written"):
+        again = fh.replay(inc.dump, model, lm_loss)
+    assert again.culprit_ids == [705]
+    assert json.loads(written.read_text())["culprit_ids"] == [705]  # the earlier one stands
+    assert fh.replay(inc.dump, model, lm_loss, save=False).reproduced

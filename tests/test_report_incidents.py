@@ -321,3 +321,22 @@ def test_a_one_step_incident_is_drawn_wide_enough_to_see_and_crowds_are_not_labe
     fig = report.figure({"names": NAMES}, steps, [], many)
     assert not fig.axes[0].texts and "too many to label" in fig.axes[0].get_title()
     matplotlib.pyplot.close(fig)
+
+
+def test_an_incident_shows_how_many_steps_each_kind_was_seen_at(tmp_path):
+    """A Monitor records the first event of each kind in an incident and counts its repeats
+    (``counts`` in the closed record): the table shows them; a count of the wrong kind is
+    named and left out."""
+    steps, events = _two_incidents(tmp_path)
+    with open(tmp_path / "incidents.jsonl", "a") as f:
+        f.write(json.dumps(_incident(
+            "closed", 0, 20, 24, ["loss_spike", "grad_norm_spike"], "loss_spike", "alarm", 3,
+            str(tmp_path / "dumps" / "step_00000020.pt"),
+            counts={"loss_spike": 7, "grad_norm_spike": 1})) + "\n")
+        f.write(json.dumps(_incident("closed", 1, 70, 71, ["grad_norm_spike"],
+                                     "grad_norm_spike", "notice", 2, counts=["bad"])) + "\n")
+    log = report.read_log(tmp_path)
+    text = report.summary(log.meta, log.steps, log.events, log.incidents, tmp_path)
+    assert "loss_spike x7, grad_norm_spike" in _table_line(text, "#0")
+    assert " x" not in _table_line(text, "#1")
+    assert any("'counts'" in why for _, _, why in log.problems.marked)

@@ -126,7 +126,8 @@ def step_decay(opt, every: int, gamma: float):
 # ---- recording and replay -------------------------------------------------------------------
 
 # what the step's batch and RNG state are, and what a Monitor's flush writes into the info
-_DROP = ("batch", "sample_ids", "rng", "events", "dump", "dump_due", "incident", "incidents")
+_DROP = ("batch", "sample_ids", "rng", "events", "found", "dump", "dump_due", "incident",
+         "incidents")
 
 
 class Recorder(Detector):

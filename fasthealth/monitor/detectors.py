@@ -32,7 +32,8 @@ too wide to see a garbage batch; differences leave the trend out.
   median seen so far.
 - ``lr_jump``: the learning rate (the optimizer's first group) more than 3x the highest it has
   been, after ``warmup`` steps: the cause, read off at the step, before the loss shows it (an
-  LR jump that moves the loss 5% is otherwise seen only late, or not at all).
+  LR jump that moves the loss 5% is otherwise seen only late, or not at all); or more than 3x
+  the highest it had been when it last stopped rising (a ramp of 10% a step, caught after 12).
 - ``oscillation``: over the last 32 losses, deviations from the trend alternate (lag-1
   autocorrelation below -0.8), the swings are 3x the run's usual ones, and the loss does not
   trend down. Minibatch noise goes up and down too, but with the swings of its own past.
@@ -454,11 +455,20 @@ class LRJumpDetector(Detector):
     """The learning rate more than ``ratio`` (3) times the highest it has been, after
     ``warmup`` steps (``lr_jump``): a schedule stepped at the wrong rate, a resumed run with
     another configuration, a hand edit. Warm-ups climb a few percent a step and restarts
-    (SGDR, cycles) return to the old peak, never 3x above it."""
+    (SGDR, cycles) return to the old peak, never 3x above it.
+
+    A climb is judged as a whole: the learning rate more than ``ratio`` times the highest it
+    had been when it last stopped rising (a step at or below the one before, after ``warmup``
+    steps), reported once per climb: a schedule whose exponent changed sign grows 10% a step
+    and never jumps 3x at once. A warm-up from the first step has no such point, so it is
+    judged step by step only."""
 
     def __init__(self, ratio: float = 3.0, warmup: int = 20):
         self.ratio, self.warmup = ratio, warmup
         self.peak = 0.0
+        self.last: float | None = None
+        self.settled: float | None = None  # the peak when the rate last stopped rising
+        self.since = 0  # steps it has risen since
         self.seen = 0
 
     def observe(self, s: HostStep) -> list[Found]:
@@ -467,15 +477,29 @@ class LRJumpDetector(Detector):
             return []
         self.seen += 1
         peak, self.peak = self.peak, max(self.peak, lr)
-        if self.seen <= self.warmup or not (peak > 0 and lr > self.ratio * peak):
+        rose = self.last is not None and lr > self.last
+        self.last = lr
+        if self.seen > self.warmup and not rose:
+            self.settled, self.since = self.peak, 0
+        elif rose:
+            self.since += 1
+        if self.seen <= self.warmup:
             return []
+        if peak > 0 and lr > self.ratio * peak:
+            ref, how = peak, f"the highest it had been ({peak:.4g})"
+        elif self.settled is not None and self.settled > 0 and lr > self.ratio * self.settled:
+            ref = self.settled
+            how = (f"the highest it had been ({ref:.4g}) before it began climbing "
+                   f"{self.since} steps ago")
+        else:
+            return []
+        self.settled = None  # this climb is reported; the next starts where it stops
         return [("lr_jump",
-                 f"learning rate {lr:.4g} is {lr / peak:.3g}x the highest it had been "
-                 f"({peak:.4g}). "
+                 f"learning rate {lr:.4g} is {lr / ref:.3g}x {how}. "
                  "Check first: the scheduler (stepped per batch instead of per epoch? a resumed "
-                 "scheduler state?), then the run's configuration; if the jump is intended, "
-                 "watch the loss and gradient norm over the next steps",
-                 {"lr": lr, "previous_peak": peak, "ratio": lr / peak})]
+                 "scheduler state? a growth factor above 1?), then the run's configuration; if "
+                 "the change is intended, watch the loss and gradient norm over the next steps",
+                 {"lr": lr, "previous_peak": ref, "ratio": lr / ref, "climb_steps": self.since})]
 
 
 class OscillationDetector(LossTrendDetector):

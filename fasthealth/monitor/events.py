@@ -48,7 +48,11 @@ class Event:
     """One finding at one step: ``kind`` (see detectors.py), a readable ``message``, the numbers
     behind it in ``details``, ``dump`` (the saved batch and state, for ``fh.replay``; the first
     alarm step of each incident has one), ``severity`` ("alarm" or "notice") and ``incident``,
-    the id of the ``Incident`` it belongs to."""
+    the id of the ``Incident`` it belongs to.
+
+    Within one incident only the first event of each kind and severity is recorded (in
+    ``mon.events`` and events.jsonl); the same finding at later steps of that incident counts
+    on it: ``repeats`` (how many more steps it was seen at) and ``last_step`` (the latest)."""
 
     step: int
     kind: str
@@ -57,12 +61,16 @@ class Event:
     dump: str | None = None
     severity: str = ""
     incident: int | None = None
+    repeats: int = 0
+    last_step: int | None = None
 
     def __post_init__(self) -> None:
         if not self.severity:
             self.severity = severity_of(self.kind)
 
     def to_json(self) -> dict:
+        """The event as events.jsonl has it: as first seen (its repeats are counted on its
+        incident's record)."""
         return {"step": self.step, "kind": self.kind, "severity": self.severity,
                 "incident": self.incident, "message": self.message,
                 "details": jsonable(self.details), "dump": self.dump}
@@ -72,8 +80,10 @@ class Event:
 class Incident:
     """The events of one fault: from ``start`` to ``end`` (steps), the ``kinds`` seen in order of
     first appearance, ``cause`` (the kind of its first alarm, else of its first event),
-    ``severity`` ("alarm" once any of its events is one), ``events`` and ``dump`` (the saved
-    step of its first alarm). ``open`` until ``quiet`` steps pass without a new event."""
+    ``severity`` ("alarm" once any of its events is one), ``events`` (the first of each kind and
+    severity: later ones are counted on it, ``Event.repeats``), ``counts`` (the steps each kind
+    was seen at) and ``dump`` (the saved step of its first alarm). ``open`` until it is over
+    (``incidents.py``)."""
 
     id: int
     start: int
@@ -84,6 +94,7 @@ class Incident:
     events: list[Event] = field(default_factory=list)
     dump: str | None = None
     open: bool = True
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def message(self) -> str:
@@ -94,8 +105,8 @@ class Incident:
     def to_json(self, state: str) -> dict:
         return {"record": "incident", "state": state, "id": self.id, "start": self.start,
                 "end": self.end, "kinds": list(self.kinds), "cause": self.cause,
-                "severity": self.severity, "events": len(self.events), "dump": self.dump,
-                "message": self.message}
+                "severity": self.severity, "events": len(self.events),
+                "counts": dict(self.counts), "dump": self.dump, "message": self.message}
 
 
 @dataclass

@@ -3,8 +3,10 @@
 The device side (``monitor.py``: record + gate) leaves one row per step in the device record;
 at a flush the rows come to the host in one copy and reach here in step order. For each step
 the rules of ``detectors.py`` run once, their events are filed under incidents
-(``incidents.py``), and the sinks (``sinks.py``) write the JSONL lines, TensorBoard and the
-dump of the step where an incident's first alarm fell.
+(``incidents.py``: an event that repeats one of its open incident's is counted on it, not
+recorded again; the step's line in steps.jsonl still names every kind seen), and the sinks
+(``sinks.py``) write the JSONL lines, TensorBoard and the dump of the step where an incident's
+first alarm fell.
 
 A step leaves the backlog only once its events are in ``events`` and its lines are queued: an
 interrupted flush (Ctrl-C in a save) loses and repeats nothing. Writing failures are recorded
@@ -49,17 +51,19 @@ class Journal:
         """Detects, files and writes ``steps`` (and any left from an interrupted flush);
         returns the new events; raises NonFiniteError with ``on_nonfinite="raise"``."""
         self.backlog += steps
-        new: list[Event] = []
+        new: list[Event] = []  # every event of these steps, the repeats counted on others too
         while self.backlog:
             s = self.backlog[0]
             if "events" not in s.info:  # the rules see each step once, even when retried
-                new.extend(self._file(s))
+                self._file(s)
+                new.extend(s.info["found"])
             events = s.info["events"]
             if s.info["dump_due"] and self.jsonl is not None and "dump" not in s.info:
-                s.info["dump"] = self._save_dump(s, events, snapshots)
+                s.info["dump"] = self._save_dump(s, s.info["found"], snapshots)
             if self.jsonl is not None:
-                per_tensor = s.step % self.per_tensor_every == 0 or bool(events)
-                self.jsonl.queue(step_json(s, self.names, events, per_tensor), events)
+                found = s.info["found"]  # the step's line names every kind seen at it
+                per_tensor = s.step % self.per_tensor_every == 0 or bool(found)
+                self.jsonl.queue(step_json(s, self.names, found, per_tensor), events)
                 self.jsonl.queue_incidents([inc.to_json(state)
                                             for inc, state in s.info["incidents"]])
             if self.tb is not None:
@@ -73,24 +77,26 @@ class Journal:
                 raise NonFiniteError(fatal)
         return new
 
-    def _file(self, s: HostStep) -> list[Event]:
+    def _file(self, s: HostStep) -> None:
         """Runs the rules on step ``s`` and files its events under incidents; what the step
-        then writes (incident records, whether it dumps) is kept in ``s.info``."""
+        then writes is kept in ``s.info``: ``found`` (every event), ``events`` (those recorded:
+        the others repeat one of their incident's and are counted on it), the incident records
+        and whether it dumps."""
         closed = self.tracker.advance(s.step)
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
-        events = [Event(s.step, kind, msg, dict(d, **details), severity=d.get("severity", ""))
-                  for rule in self.detectors for kind, msg, d in rule.observe(s)]
-        incident, opened, alarmed = self.tracker.add(s.step, events)
+        found = [Event(s.step, kind, msg, dict(d, **details), severity=d.get("severity", ""))
+                 for rule in self.detectors for kind, msg, d in rule.observe(s)]
+        incident, opened, alarmed, events = self.tracker.file(s.step, found)
+        self.tracker.observe(s.values["loss"], s.values["loss_scale"])
         ended = ([closed] if closed else []) + self.tracker.take_closed()
         s.info["incidents"] = [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened else [])
-        s.info["dump_due"] = dump_due(self.dumps, events, alarmed)
-        s.info["events"] = events
+        s.info["dump_due"] = dump_due(self.dumps, found, alarmed)
+        s.info["found"], s.info["events"] = found, events
         self.events.extend(events)
         if alarmed and incident is not None:
             for listener in self.alarm_listeners:
                 listener(incident)
-        return events
 
     def _save_dump(self, s: HostStep, events: list[Event],
                    snapshots: list[list[torch.Tensor]] | None) -> str | None:
@@ -103,7 +109,7 @@ class Journal:
             return None
         for e in events:
             e.dump = dump
-        incident = self.tracker.incidents[events[0].incident or 0]
+        incident = self.tracker.incidents[s.info["found"][0].incident or 0]
         if incident.dump is None:
             incident.dump = dump
         return dump

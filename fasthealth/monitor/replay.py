@@ -14,15 +14,24 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   output was not (a masked softmax inside an attention block names the block).
 - ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, the
   batch is bisected: the sample ids of the smallest part found that alone reproduces the event.
+
+What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
+reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
+shows it with the incident. The file is new (written to a temporary name, then renamed over
+any earlier result of the same dump); the dump and the user's files are never touched, and a
+failed write warns without failing the replay.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +43,7 @@ from .events import FATAL_KINDS
 from .sinks import map_tensors
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+RESULT_SUFFIX = ".replay.json"  # what replay found, beside the dump: "<dump>.replay.json"
 
 
 @dataclass
@@ -193,12 +203,52 @@ def _bisect(m, loss_fn, batch, d: dict, n: int) -> tuple[list[int], int]:
     return current.tolist(), replays
 
 
+def result_path(dump: str | os.PathLike) -> Path:
+    """Where replay writes what it found for ``dump``: beside it, ``<dump>.replay.json``."""
+    p = Path(dump)
+    return p.with_name(p.name + RESULT_SUFFIX)
+
+
+def _jsonable_id(v: Any) -> Any:
+    return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+
+
+def save_result(dump: str | os.PathLike, d: dict, r: ReplayResult) -> Path | None:
+    """Writes ``r`` (what replay found for ``dump``, loaded as ``d``) to ``result_path(dump)``
+    atomically: a temporary file in the same folder, renamed over the result's name. Returns
+    the path, or None (with a warning) when it could not be written: the replay stands."""
+    out = result_path(dump)
+    rec = {"record": "replay", "dump": Path(dump).name, "step": d.get("step"),
+           "reproduced": r.reproduced, "source": r.source, "first_nonfinite": r.first_nonfinite,
+           "culprit_ids": None if r.culprit_ids is None else [_jsonable_id(i)
+                                                               for i in r.culprit_ids],
+           "kinds": r.kinds, "exact": r.exact, "replays": r.replays,
+           "loss": r.loss if math.isfinite(r.loss) else None, "verdict": r.verdict}
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, out)
+        return out
+    except (OSError, TypeError, ValueError) as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        warnings.warn(f"fasthealth: replay's result could not be written to {out}: {exc} "
+                      "(the replay itself is unaffected)", RuntimeWarning, stacklevel=3)
+        return None
+
+
 def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
            device: torch.device | str | None = None,
-           find_samples: bool | None = None) -> ReplayResult:
+           find_samples: bool | None = None, save: bool = True) -> ReplayResult:
     """Re-run the captured step on a copy of ``model``; see the module docstring.
     ``find_samples``: bisect the batch to the samples that cause the event (default: when the
-    dump has sample ids and the batch's tensors all have a first dimension of that length)."""
+    dump has sample ids and the batch's tensors all have a first dimension of that length).
+    ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``."""
     if dump is None:
         raise ValueError("fasthealth: this event has no dump (was the Monitor given log_dir?)")
     path = str(dump)
@@ -231,8 +281,11 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
         culprits, replays = [id_list[i] for i in found], 1 + k
     kinds = [e["kind"] for e in events]
     verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
-    return ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
-                        d.get("record", {}), source, culprits, replays)
+    result = ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
+                          d.get("record", {}), source, culprits, replays)
+    if save:
+        save_result(path, d, result)
+    return result
 
 
 def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p: _Pass,
