@@ -6,6 +6,7 @@
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <list>
 #include <memory>
@@ -49,8 +50,10 @@ struct StagedEntry {
   bool pinned;
 };
 
+// Both caches are never destroyed: at exit their CUDA buffers and events would be freed after
+// the CUDA runtime has shut down.
 std::mutex staged_mu;
-std::list<StagedEntry> staged_cache;
+std::list<StagedEntry>& staged_cache = *new std::list<StagedEntry>;
 
 // The staging buffer of `t` as `to`, refilled from `t` on the current stream.
 at::Tensor staged(const at::Tensor& t, at::ScalarType to, bool capturing) {
@@ -59,7 +62,7 @@ at::Tensor staged(const at::Tensor& t, at::ScalarType to, bool capturing) {
   const c10::StreamId stream = on_host(device) ? 0 : current_stream(device).id();
   const std::lock_guard<std::mutex> lock(staged_mu);
   for (auto it = staged_cache.begin(); it != staged_cache.end(); ++it) {
-    if (it->ptr == t.data_ptr() && it->from == t.scalar_type() && it->to == to &&
+    if (it->ptr == t.const_data_ptr() && it->from == t.scalar_type() && it->to == to &&
         it->device == device && t.sizes().equals(it->sizes) && t.strides().equals(it->strides)) {
       staged_cache.splice(staged_cache.begin(), staged_cache, it);
       StagedEntry& e = staged_cache.front();
@@ -69,7 +72,7 @@ at::Tensor staged(const at::Tensor& t, at::ScalarType to, bool capturing) {
     }
   }
   at::Tensor buffer = at::empty(t.sizes(), t.options().dtype(to));
-  staged_cache.push_front(StagedEntry{t.data_ptr(), t.sizes().vec(), t.strides().vec(),
+  staged_cache.push_front(StagedEntry{t.const_data_ptr(), t.sizes().vec(), t.strides().vec(),
                                       t.scalar_type(), to, device, buffer, stream, capturing});
   evict_unpinned(&staged_cache);
   return buffer.copy_(t);
@@ -98,7 +101,29 @@ bool same_limits(const PlanLimits& a, const PlanLimits& b) {
 }
 
 std::mutex list_mu;
-std::list<ListEntry> list_cache;
+std::list<ListEntry>& list_cache = *new std::list<ListEntry>;
+
+// Inputs are read a block at a time, after prefetching the block's TensorImpls and then their
+// storages: with thousands of small tensors (whose objects lie scattered and out of cache)
+// each input otherwise costs two or three dependent memory latencies, several times the cost
+// of the checks themselves (as in check_grads' CPU front door, csrc/fasthealth.cpp).
+constexpr int64_t kBlock = 64;
+
+void prefetch_block(const std::function<const at::Tensor&(int64_t)>& tensor, int64_t begin,
+                    int64_t end) {
+  c10::TensorImpl* impl[kBlock];
+  for (int64_t i = begin; i < end; ++i) {
+    impl[i - begin] = tensor(i).unsafeGetTensorImpl();
+    for (int k = 0; k < 4; ++k) {  // sizes, strides, dtype, device and storage: its first lines
+      __builtin_prefetch(reinterpret_cast<const char*>(impl[i - begin]) + 64 * k);
+    }
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    if (impl[i - begin]->has_storage()) {
+      __builtin_prefetch(impl[i - begin]->storage().unsafeGetStorageImpl());
+    }
+  }
+}
 
 }  // namespace
 
@@ -111,6 +136,7 @@ std::vector<TensorMeta> kernel_inputs(int64_t n,
   std::vector<std::pair<int32_t, bool>> kinds;  // launch groups, first seen first
   const c10::Device device = tensor(0).device();
   for (int64_t i = 0; i < n; ++i) {
+    if (i % kBlock == 0) prefetch_block(tensor, i, std::min(n, i + kBlock));
     const at::Tensor& t = tensor(i);
     check_input(t, static_cast<size_t>(i), device_type);
     TORCH_CHECK(t.device() == device, "fasthealth: input ", i, " is on ", t.device(),
@@ -122,7 +148,7 @@ std::vector<TensorMeta> kernel_inputs(int64_t n,
       ptr = staged_out->back().data_ptr();
       code = kF32;
     } else if (t.is_contiguous() || t.is_non_overlapping_and_dense()) {
-      ptr = t.data_ptr();  // read as it lies (a transpose covers its memory exactly)
+      ptr = t.const_data_ptr();  // read as it lies (a transpose covers its memory exactly)
     } else {
       staged_out->push_back(staged(t, t.scalar_type(), capturing));
       ptr = staged_out->back().data_ptr();
