@@ -13,6 +13,10 @@ taken out.
 - ``dispatch``: the compiled op called through ``torch.ops`` on N empty CPU tensors: the
   dispatcher's conversion of the tensor list plus the CPU kernel's per-input checks, an upper
   bound on what the op's dispatch adds to ``cuda_prep``.
+- ``dispatch_checks``: the op through ``torch.ops`` on the same N tensors with a complex one
+  last, so that the CPU launcher's per-input checks run over all of them and raise before any
+  kernel: the dispatcher's handling of the tensor list plus one check loop (as the CUDA
+  launcher's), and one exception. The best available bound on what the dispatcher adds.
 - ``triton_prep``: the Triton launcher with its three kernels replaced by no-ops: everything
   Python does per call up to the launches (inputs, plan lookup, grid).
 
@@ -86,7 +90,16 @@ def parts_for(n: int):
     def dispatch():
         return torch.ops.fasthealth.multi_tensor_stats(empty, math.inf, 0.0)
 
-    parts = {"front": front, "dispatch": dispatch}
+    bad = ts[:-1] + [torch.zeros(1, dtype=torch.complex64)]
+
+    def dispatch_checks():
+        try:
+            torch.ops.fasthealth.multi_tensor_stats(bad, math.inf, 0.0)
+        except (TypeError, RuntimeError):
+            return None
+        raise AssertionError("the complex input was accepted")
+
+    parts = {"front": front, "dispatch": dispatch, "dispatch_checks": dispatch_checks}
     C = ops.compiled.C
     if C is not None and hasattr(C, "work_list"):
         cuda_limits = C.cuda_plan_limits(396)  # an H200's chunk kernel: 132 SMs x 3 blocks
@@ -145,7 +158,7 @@ def main() -> None:
             for k, fn in parts.items():
                 samples[k].append(timed(fn, calls))
         row = {"tensors": n, "calls_per_round": calls, "repeats": args.repeats}
-        for k in ("front", "cuda_prep", "dispatch", "triton_prep"):
+        for k in ("front", "cuda_prep", "dispatch", "dispatch_checks", "triton_prep"):
             row[k + "_us"] = round(statistics.median(samples[k]), 2) if k in samples else None
             row[k + "_min_us"] = round(min(samples[k]), 2) if k in samples else None
         goal = 10 + 0.05 * n

@@ -137,10 +137,13 @@ def test_triton_paths_on_device():
         pytest.skip("triton is not available")
     from fasthealth.triton_kernels import tensor_stats as ts
 
+    # (the planner may cut these tensors into chunks smaller than 65536: csrc/plan.h)
     cases = fallback_cases()
     assert set(ts.chunk_paths([cases["normal"].cuda()])) == {0}
-    assert ts.chunk_paths([cases["offset (shifted pass)"].cuda()]) == [1, 1]
-    assert ts.chunk_paths([cases["one NaN (one exact chunk)"].cuda()]) == [0, 2, 0]
+    assert set(ts.chunk_paths([cases["offset (shifted pass)"].cuda()])) == {1}
+    paths = ts.chunk_paths([cases["one NaN (one exact chunk)"].cuda()])
+    assert paths.count(2) == 1 and set(paths) == {0, 2}, paths
+    assert paths.index(2) == (65536 + 5) // (3 * 65536 // len(paths))  # the NaN's chunk
 
 
 def test_no_host_sync(gbackend):
