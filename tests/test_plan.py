@@ -226,3 +226,32 @@ def test_bad_inputs_are_named(backend):
         call([torch.randn(3), "x"], backend)
     with pytest.raises(ValueError):
         call([], backend)
+
+
+def test_device_buffer_layout(backend):
+    """The buffer both launchers read (work_list.h): the plan's items (32 bytes each: pointer,
+    begin, count, slot, dtype, tensor), then first, runs and run_first, then the parameters."""
+    grouped, limits = BACKENDS[backend]
+    limits = list(limits)
+    limits[4] = 2  # runs of two records: the two-level layout
+    xs = [torch.randn(5), torch.randn(3 * 65536 + 1), torch.randn(7).double(), torch.empty(0)]
+    buf, n_items, n_runs, chunk, groups = C.work_list(xs, grouped, False, limits, [2.5, 0.5])
+    want = C.plan([x.numel() for x in xs], [0, 0, 1, 0] if grouped else [0] * 4, limits)
+    assert chunk == want[0] and n_items == len(want[1]) and n_runs == len(want[4]) - 1
+    b64, b32, n = buf.view(torch.int64), buf.view(torch.int32), len(xs)
+    rows = b64[:4 * n_items].view(n_items, 4)
+    rows32 = b32[:8 * n_items].view(n_items, 8)
+    got = [(int(r32[7]), int(r32[5]), int(r[1]), int(r32[4])) for r, r32 in zip(rows, rows32)]
+    assert got == list(want[1])  # (tensor, slot, begin, count), in launch order
+    for r, r32 in zip(rows, rows32):
+        t = xs[int(r32[7])]
+        assert int(r[0]) == t.data_ptr()
+        assert int(r32[6]) == fh.ops.layout.DTYPE_CODES[t.dtype]
+    at = 4 * n_items
+    assert b64[at:at + n + 1].tolist() == want[3]
+    at += n + 1
+    assert b64[at:at + n_runs + 1].tolist() == want[4]
+    at += n_runs + 1
+    assert b64[at:at + n + 1].tolist() == want[5]
+    at += n + 1
+    assert buf.view(torch.float64)[at:].tolist() == [2.5, 0.5]
