@@ -16,7 +16,8 @@ taken out.
 - ``dispatch_checks``: the op through ``torch.ops`` on the same N tensors with a complex one
   last, so that the CPU launcher's per-input checks run over all of them and raise before any
   kernel: the dispatcher's handling of the tensor list plus one check loop (as the CUDA
-  launcher's), and one exception. The best available bound on what the dispatcher adds.
+  launcher's), and one exception. What an eager CUDA call paid before it skipped the
+  dispatcher (``_C.cuda_table`` takes the list as ``cuda_prep``'s ``work_list`` does).
 - ``triton_prep``: the Triton launcher with its three kernels replaced by no-ops: everything
   Python does per call up to the launches (inputs, plan lookup, grid).
 

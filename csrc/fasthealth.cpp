@@ -188,6 +188,41 @@ py::tuple work_list_py(py::list tensors, bool grouped, bool capturing,
   return py::make_tuple(wl.buffer, wl.n_items, wl.n_runs, wl.chunk, out_groups);
 }
 
+#ifdef FASTHEALTH_WITH_CUDA
+// A tensor the eager CUDA path reads straight from the list: a plain CUDA tensor, exactly the
+// dispatch keys of one (as plain_cpu above for CPU). Anything else (a lazy negation or
+// conjugation, a subclass, a fake or functorch tensor) needs the dispatcher to resolve it.
+bool plain_cuda(const at::Tensor& t) {
+  static const c10::DispatchKeySet plain({c10::DispatchKey::CUDA,
+                                          c10::DispatchKey::ADInplaceOrView,
+                                          c10::DispatchKey::AutogradCUDA,
+                                          c10::DispatchKey::AutocastCUDA});
+  return t.defined() && plain.isSupersetOf(t.key_set());
+}
+
+struct NotPlain {};
+
+// The CUDA op's table for eager calls, straight from the Python list: the dispatcher's
+// conversion of a list of N tensors costs about as much again as the whole launch's host work
+// (bench/bench_host.py: dispatch), and nothing needs it for plain CUDA tensors. None when an
+// input is not a plain CUDA tensor: the caller then calls the op.
+py::object cuda_table_py(py::list tensors, double range_hi, double range_lo) {
+  const int64_t n = static_cast<int64_t>(PyList_GET_SIZE(tensors.ptr()));
+  auto get = [&](int64_t i) -> const at::Tensor& {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o)) throw NotPlain{};
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!plain_cuda(t)) throw NotPlain{};
+    return t;
+  };
+  try {
+    return py::cast(cuda_stats_table(n, get, range_hi, range_lo));
+  } catch (const NotPlain&) {
+    return py::none();
+  }
+}
+#endif
+
 // The plan itself (plan.h) of tensors of these sizes and launch groups, for tests:
 // (chunk, items as (tensor, slot, begin, count), group_begin, first, runs, run_first).
 py::tuple plan_py(const std::vector<int64_t>& numels, const std::vector<int32_t>& groups,
@@ -233,6 +268,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("capturing"), py::arg("limits"), py::arg("params"),
         "The GPU work list of the tensors, cached (csrc/work_list.h): (buffer, items, runs, "
         "chunk, launch groups).");
+#ifdef FASTHEALTH_WITH_CUDA
+  m.def("cuda_table", &fasthealth::cuda_table_py, py::arg("tensors"), py::arg("range_hi"),
+        py::arg("range_lo"),
+        "The CUDA op's table for an eager call on plain CUDA tensors, without the dispatcher; "
+        "None when the op must run instead (see csrc/fasthealth.cpp).");
+#endif
   m.def("plan", &fasthealth::plan_py, py::arg("numels"), py::arg("groups"), py::arg("limits"),
         "The work plan of tensors of these sizes (csrc/plan.h), for tests.");
   m.def("cuda_plan_limits", [](int64_t resident) {

@@ -445,3 +445,21 @@ def test_work_list_used_from_a_side_stream_before_its_copy_lands(gbackend):
     side.synchronize()
     main.synchronize()
     check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} side stream before the copy")
+
+
+def test_eager_cuda_path_matches_the_op():
+    """Eager calls of the cuda backend skip the dispatcher (C.cuda_table): the same table, bit
+    for bit, as the op; lazily negated or conjugated views go through the op."""
+    if "cuda" not in fh.available_backends():
+        pytest.skip("the cuda backend is not available")
+    C = fh.ops.compiled.C
+    cpu = sample(4, 80)
+    gpu = [t.cuda() for t in cpu]
+    direct = C.cuda_table(gpu, INF, 0.0)
+    op = torch.ops.fasthealth.multi_tensor_stats(gpu, INF, 0.0)
+    assert torch.equal(direct.nan_to_num(7.0), op.nan_to_num(7.0))
+    x = torch.randn(5000, device="cuda")
+    neg = torch._neg_view(x)
+    assert C.cuda_table([x, neg], INF, 0.0) is None
+    raw = fh.multi_tensor_stats([x, neg], backend="cuda").raw.cpu()
+    check_multi(raw, [x.cpu(), -x.cpu()], "cuda, a lazily negated view")

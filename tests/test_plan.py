@@ -255,3 +255,11 @@ def test_device_buffer_layout(backend):
     assert b64[at:at + n + 1].tolist() == want[5]
     at += n + 1
     assert buf.view(torch.float64)[at:].tolist() == [2.5, 0.5]
+
+
+@pytest.mark.skipif(C is None or not hasattr(C, "cuda_table"), reason="no CUDA kernels built")
+def test_eager_cuda_table_refuses_what_is_not_plain_cuda():
+    """The eager CUDA path reads plain CUDA tensors straight from the list; anything else (here
+    CPU tensors) returns None, and ops.run then calls the op through the dispatcher."""
+    assert C.cuda_table([torch.randn(3)], math.inf, 0.0) is None
+    assert C.cuda_table([torch.randn(3), "x"], math.inf, 0.0) is None

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -49,18 +50,17 @@ int64_t resident_blocks(Kernel kernel, int device) {
 
 }  // namespace
 
-at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, double range_lo) {
+at::Tensor cuda_stats_table(int64_t n, const std::function<const at::Tensor&(int64_t)>& tensor,
+                            double range_hi, double range_lo) {
   check_range(range_hi, range_lo);
-  const int64_t n = static_cast<int64_t>(tensors.size());
   TORCH_CHECK(n > 0, "fasthealth: multi_tensor_stats needs at least one tensor");
-  const c10::Device device = tensors[0].device();
+  const c10::Device device = tensor(0).device();
   const c10::cuda::CUDAGuard guard(device);
   const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
                          c10::cuda::CaptureStatus::None;
   std::vector<at::Tensor> staged;  // held until the kernels are launched
-  const std::vector<TensorMeta> metas = kernel_inputs(
-      n, [&](int64_t i) -> const at::Tensor& { return tensors[i]; }, c10::DeviceType::CUDA,
-      Grouping::kOne, capturing, &staged);
+  const std::vector<TensorMeta> metas = kernel_inputs(n, tensor, c10::DeviceType::CUDA,
+                                                      Grouping::kOne, capturing, &staged);
   const bool ranged = range_hi < fh_inf() || range_lo > 0.0;
   using kernels::kThreads;
   auto* chunk_kernel = ranged ? &kernels::chunk_stats_cuda<true>
@@ -93,6 +93,12 @@ at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, doub
       t, n, table.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return table;
+}
+
+at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, double range_lo) {
+  return cuda_stats_table(
+      static_cast<int64_t>(tensors.size()),
+      [&](int64_t i) -> const at::Tensor& { return tensors[i]; }, range_hi, range_lo);
 }
 
 TORCH_LIBRARY_IMPL(fasthealth, CUDA, m) {
