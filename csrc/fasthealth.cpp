@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "inputs.h"
+#include "plan.h"
+#include "work_list.h"
 
 namespace fasthealth {
 const char* cpu_isa_name();
@@ -146,6 +148,96 @@ py::object param_grads_table(py::list params, py::list dicts, py::list keys, dou
   return py::make_tuple(out, py::bytes(codes), py::cast(missing));
 }
 
+PlanLimits limits_of(const std::vector<int64_t>& v) {
+  TORCH_CHECK_VALUE(v.size() == 5 && v[0] > 0 && v[1] > 0 && v[1] <= v[0] && v[4] > 0,
+                    "fasthealth: plan limits are (max_chunk, min_chunk, resident, item_cost, "
+                    "merge_run)");
+  return {v[0], v[1], v[2], v[3], v[4]};
+}
+
+// The GPU work list of `tensors` (work_list.h), for the Triton launcher and the host benchmark:
+// (buffer, n_items, n_runs, chunk, groups as (dtype code, 16-byte aligned, first item, end));
+// `params` (float64) follow the plan in the buffer.
+// `grouped`: one launch group per dtype and alignment (Triton), else one (CUDA). The tensors are
+// read straight from the list: no Python attribute access, no reference taken per tensor.
+py::tuple work_list_py(py::list tensors, bool grouped, bool capturing,
+                       const std::vector<int64_t>& limits, const std::vector<double>& params) {
+  const int64_t n = static_cast<int64_t>(PyList_GET_SIZE(tensors.ptr()));
+  TORCH_CHECK_VALUE(n > 0, "fasthealth: multi_tensor_stats needs at least one tensor");
+  auto get = [&](int64_t i) -> const at::Tensor& {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    TORCH_CHECK_TYPE(THPVariable_Check(o), "fasthealth: input ", i, " is a ",
+                     Py_TYPE(o)->tp_name, ", not a torch.Tensor");
+    return THPVariable_Unpack(o);
+  };
+  const PlanLimits lim = limits_of(limits);
+  std::vector<at::Tensor> staged;  // (the cache holds them too; Python launches under the GIL)
+  const std::vector<TensorMeta> metas =
+      kernel_inputs(n, get, get(0).device().type(),
+                    grouped ? Grouping::kDtypeAlignment : Grouping::kOne, capturing, &staged);
+  const DeviceWorkList wl = work_list(metas, get(0).device(), lim, params, capturing);
+  const int64_t groups = static_cast<int64_t>(wl.group_begin.size()) - 1;
+  py::tuple out_groups(groups);
+  std::vector<bool> seen(groups, false);
+  for (const TensorMeta& m : metas) {
+    if (seen[m.group]) continue;
+    seen[m.group] = true;
+    out_groups[m.group] = py::make_tuple(m.dtype, reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0,
+                                         wl.group_begin[m.group], wl.group_begin[m.group + 1]);
+  }
+  return py::make_tuple(wl.buffer, wl.n_items, wl.n_runs, wl.chunk, out_groups);
+}
+
+#ifdef FASTHEALTH_WITH_CUDA
+// A tensor the eager CUDA path reads straight from the list: a plain CUDA tensor, exactly the
+// dispatch keys of one (as plain_cpu above for CPU). Anything else (a lazy negation or
+// conjugation, a subclass, a fake or functorch tensor) needs the dispatcher to resolve it.
+bool plain_cuda(const at::Tensor& t) {
+  static const c10::DispatchKeySet plain({c10::DispatchKey::CUDA,
+                                          c10::DispatchKey::ADInplaceOrView,
+                                          c10::DispatchKey::AutogradCUDA,
+                                          c10::DispatchKey::AutocastCUDA});
+  return t.defined() && plain.isSupersetOf(t.key_set());
+}
+
+struct NotPlain {};
+
+// The CUDA op's table for eager calls, straight from the Python list: the dispatcher's
+// conversion of a list of N tensors costs about as much again as the whole launch's host work
+// (bench/bench_host.py: dispatch), and nothing needs it for plain CUDA tensors. None when an
+// input is not a plain CUDA tensor: the caller then calls the op.
+py::object cuda_table_py(py::list tensors, double range_hi, double range_lo) {
+  const int64_t n = static_cast<int64_t>(PyList_GET_SIZE(tensors.ptr()));
+  auto get = [&](int64_t i) -> const at::Tensor& {
+    PyObject* o = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(o)) throw NotPlain{};
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!plain_cuda(t)) throw NotPlain{};
+    return t;
+  };
+  try {
+    return py::cast(cuda_stats_table(n, get, range_hi, range_lo));
+  } catch (const NotPlain&) {
+    return py::none();
+  }
+}
+#endif
+
+// The plan itself (plan.h) of tensors of these sizes and launch groups, for tests:
+// (chunk, items as (tensor, slot, begin, count), group_begin, first, runs, run_first).
+py::tuple plan_py(const std::vector<int64_t>& numels, const std::vector<int32_t>& groups,
+                  const std::vector<int64_t>& limits) {
+  TORCH_CHECK_VALUE(numels.size() == groups.size(), "fasthealth: one group per tensor");
+  std::vector<TensorMeta> metas(numels.size());
+  for (size_t i = 0; i < numels.size(); ++i) metas[i] = {nullptr, numels[i], kF32, groups[i]};
+  const WorkPlan p = plan_work(metas, limits_of(limits));
+  py::list items;
+  for (const ChunkItem& it : p.items) {
+    items.append(py::make_tuple(it.tensor, it.slot, it.begin, it.count));
+  }
+  return py::make_tuple(p.chunk, items, p.group_begin, p.first, p.runs, p.run_first);
+}
+
 }  // namespace
 }  // namespace fasthealth
 
@@ -172,6 +264,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "check_grads' CPU front door: (stats table, dtype codes, indices without a gradient) "
         "of the parameters, or None when the general path must run (see "
         "csrc/fasthealth.cpp).");
+  m.def("work_list", &fasthealth::work_list_py, py::arg("tensors"), py::arg("grouped"),
+        py::arg("capturing"), py::arg("limits"), py::arg("params"),
+        "The GPU work list of the tensors, cached (csrc/work_list.h): (buffer, items, runs, "
+        "chunk, launch groups).");
+#ifdef FASTHEALTH_WITH_CUDA
+  m.def("cuda_table", &fasthealth::cuda_table_py, py::arg("tensors"), py::arg("range_hi"),
+        py::arg("range_lo"),
+        "The CUDA op's table for an eager call on plain CUDA tensors, without the dispatcher; "
+        "None when the op must run instead (see csrc/fasthealth.cpp).");
+#endif
+  m.def("plan", &fasthealth::plan_py, py::arg("numels"), py::arg("groups"), py::arg("limits"),
+        "The work plan of tensors of these sizes (csrc/plan.h), for tests.");
+  m.def("cuda_plan_limits", [](int64_t resident) {
+          const fasthealth::PlanLimits l = fasthealth::cuda_plan_limits(resident);
+          return std::vector<int64_t>{l.max_chunk, l.min_chunk, l.resident, l.item_cost,
+                                      l.merge_run};
+        }, py::arg("resident"), "The CUDA kernel's plan limits for `resident` blocks.");
+  m.def("cache_counts", &fasthealth::cache_counts,
+        "(work lists, of them pinned, staging buffers, of them pinned) in the cache.");
   // the torch this module was compiled against: fasthealth/ops/compiled.py refuses another
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." +
                             std::to_string(TORCH_VERSION_MINOR) + "." +

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <vector>
 
 #include "stats.h"
@@ -54,6 +55,14 @@ struct CpuInput {
 // statistics (tensor_stats.cpp: FASTHEALTH_READ_PROBE).
 at::Tensor cpu_stats_table(const std::vector<CpuInput>& inputs, double range_hi,
                            double range_lo);
+
+#ifdef FASTHEALTH_WITH_CUDA
+// The CUDA table of `n` CUDA tensors, `tensor(i)` the i-th (cuda/tensor_stats.cu): what the
+// op's CUDA kernel runs, and what eager calls run straight from their Python list
+// (fasthealth.cpp: cuda_table).
+at::Tensor cuda_stats_table(int64_t n, const std::function<const at::Tensor&(int64_t)>& tensor,
+                            double range_hi, double range_lo);
+#endif
 
 inline void check_range(double range_hi, double range_lo) {
   TORCH_CHECK(range_hi > 0 && range_lo >= 0 && range_lo <= range_hi,

@@ -34,7 +34,7 @@ from fasthealth.ops.layout import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp",
-           ROOT / "csrc/cuda/stats_kernels.cuh", ROOT / "csrc/cuda/work_items.h",
+           ROOT / "csrc/cuda/stats_kernels.cuh", ROOT / "csrc/plan.h",
            ROOT / "csrc/stats.h"]
 CHUNK = 4096
 NAN, INF = float("nan"), float("inf")
@@ -81,10 +81,13 @@ def test_sixteen_bit_four_wide_loads():
         assert paths == (n_chunks, 0, 0), paths
 
 
-def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0)):
-    """(table [N + 1, TABLE_WIDTH], chunks finished by each path)."""
+def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0), resident=0, merge_run=256,
+        plan=False):
+    """(table [N + 1, TABLE_WIDTH], chunks finished by each path), and with ``plan`` the plan
+    (chunk, items, runs, [(tensor, slot, begin, count)] in launch order). ``resident`` and
+    ``merge_run``: the planner's limits (csrc/plan.h); resident 0 keeps chunks of CHUNK."""
     skews = skews or [0] * len(tensors)
-    buf = [struct.pack("<qdd", len(tensors), *rng)]
+    buf = [struct.pack("<qddqq", len(tensors), *rng, resident, merge_run)]
     for t, skew in zip(tensors, skews):
         t = t.contiguous()
         raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
@@ -97,8 +100,15 @@ def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0)):
         data = dst.read_bytes()
     n = len(tensors)
     table = torch.frombuffer(bytearray(data[: (n + 1) * TABLE_WIDTH * 8]), dtype=torch.float64)
-    paths = struct.unpack("<3q", data[(n + 1) * TABLE_WIDTH * 8:])
-    return table.view(n + 1, TABLE_WIDTH).clone(), paths
+    at = (n + 1) * TABLE_WIDTH * 8
+    paths = struct.unpack("<3q", data[at:at + 24])
+    table = table.view(n + 1, TABLE_WIDTH).clone()
+    if not plan:
+        return table, paths
+    chunk, items, runs = struct.unpack("<3q", data[at + 24:at + 48])
+    rows = list(struct.iter_unpack("<4q", data[at + 48:]))
+    assert len(rows) == items
+    return table, paths, (chunk, items, runs, rows)
 
 
 def chunks_of(tensors):
@@ -294,3 +304,65 @@ def test_random_batches(exe):
     fi = torch.finfo(torch.bfloat16)
     table, _ = run(exe, ts, skews, rng=(float(fi.max), float(fi.tiny)))
     check_multi(table, ts, "emulated cuda random batch, range", range_dtype=torch.bfloat16)
+
+
+def check_plan(plan, tensors):
+    """The plan covers every element once, records land in input order, largest items first."""
+    chunk, items, _, rows = plan
+    assert chunk & (chunk - 1) == 0 and chunk <= CHUNK
+    assert sorted(slot for _, slot, _, _ in rows) == list(range(items))
+    counts = [count for _, _, _, count in rows]
+    assert counts == sorted(counts, reverse=True)  # one launch group: largest first
+    by_slot = sorted(rows, key=lambda r: r[1])
+    covered = {}
+    for tensor, _, begin, count in by_slot:  # a tensor's slots are consecutive, in order
+        assert begin == covered.get(tensor, 0) and begin % chunk == 0
+        covered[tensor] = begin + count
+    assert [covered[i] for i in range(len(tensors))] == [t.numel() for t in tensors]
+    assert [r[0] for r in by_slot] == sorted(r[0] for r in by_slot)
+
+
+def test_chunk_size_from_total_work(exe):
+    """With few items per block the planner halves the chunk (down to CHUNK / 8), and the
+    kernels give the same statistics on the smaller, reordered items."""
+    g = torch.Generator().manual_seed(11)
+    ts = [torch.randn(n, generator=g) * 0.1 for n in (2 * CHUNK + 5, 700, CHUNK, 0, 3)]
+    ts.append(torch.randn(CHUNK + 9, generator=g).bfloat16())
+    whole, _, plan = run(exe, ts, plan=True)
+    assert plan[0] == CHUNK and plan[1] == chunks_of(ts)
+    check_plan(plan, ts)
+    table, paths, plan = run(exe, ts, resident=3, plan=True)
+    assert plan[0] < CHUNK and plan[0] >= CHUNK // 8 and plan[1] > chunks_of(ts)
+    check_plan(plan, ts)
+    assert sum(paths) == plan[1] - 1  # (the empty tensor's item takes no path)
+    check_multi(table, ts, "emulated cuda, planned chunks")
+    # the same inputs, the same plan: bit for bit the same results
+    again, _ = run(exe, ts, resident=3)
+    assert torch.equal(table.nan_to_num(7.0), again.nan_to_num(7.0))
+    assert torch.equal(table[:, COL["numel"]], whole[:, COL["numel"]])
+
+
+def test_many_blocks_keep_the_largest_chunk(exe):
+    ts = [torch.randn(39 * CHUNK)]
+    _, _, plan = run(exe, ts, resident=3, plan=True)
+    assert plan[0] == CHUNK  # 13 full waves of 3 blocks: halving would only add item costs
+
+
+def test_two_level_merge(exe):
+    """A tensor of many chunks is merged in runs, then per tensor: same statistics, and
+    deterministic; tensors of few chunks in the same call keep their single run."""
+    g = torch.Generator().manual_seed(12)
+    big = torch.randn(37 * CHUNK + 11, generator=g) * 2 + 0.5
+    big[5 * CHUNK + 1] = NAN
+    ts = [torch.randn(100, generator=g), big, (torch.randn(9 * CHUNK, generator=g) + 3).half(),
+          torch.randn(2 * CHUNK, generator=g, dtype=torch.float64)]
+    one, _, p1 = run(exe, ts, plan=True)
+    assert p1[2] == 0
+    two, _, p2 = run(exe, ts, merge_run=4, plan=True)
+    assert p2[2] == 1 + 10 + 3 + 1  # runs of at most 4 records
+    check_multi(two, ts, "emulated cuda, two-level merge")
+    check_multi(one, ts, "emulated cuda, one-level merge")
+    again, _ = run(exe, ts, merge_run=4)
+    assert torch.equal(two.nan_to_num(7.0), again.nan_to_num(7.0))
+    counts = [COL[k] for k in ("numel", "nan_count", "zero_count", "min", "max")]
+    assert torch.equal(one[:, counts].nan_to_num(7.0), two[:, counts].nan_to_num(7.0))

@@ -4,10 +4,11 @@ Reference: ``fasthealth/ops/reference.py`` (docs/spec.md section 2); record and 
 rules: the same as ``csrc/stats.h``. Read top to bottom: the partial record, the three kernels,
 the launcher.
 
-1. ``_chunk_stats_kernel``: one persistent launch per (dtype, 16-byte alignment) group over a
-   flat work list of (tensor, chunk) items, the tensors reached through an int64 pointer table
-   (aligned groups tell the compiler so: vector loads). Each program reduces whole chunks to
-   one partial record (partials are sized by the number of chunks). float32/16/bfloat16 chunks
+1. ``_chunk_stats_kernel``: one persistent launch per (dtype, 16-byte alignment) group over the
+   work list's items (csrc/plan.h: chunk sizes from the total work, largest items first; each
+   item carries its tensor's pointer; aligned groups tell the compiler so: vector loads). Each
+   program reduces whole chunks to one partial record, written at the item's slot in input
+   order (partials are sized by the number of chunks). float32/16/bfloat16 chunks
    take the fast path, the method of the CUDA and CPU kernels: per-lane float32 sums of x and
    x^2 (at most CHUNK / BLOCK terms a lane), min/max and counts, reduced in float64; then
      - a shifted second pass around the chunk's mean when the variance cancels
@@ -17,12 +18,15 @@ the launcher.
    The exact path (also float64 and integer inputs): per BLOCK, two passes over registers
    merged with Chan's formula and a power-of-two scaled sum of squares.
 2. ``_merge_chunks_kernel``: one program per tensor merges that tensor's chunk records in a
-   fixed order (vector blocks in closed form, then Chan), so results are deterministic.
+   fixed order (vector blocks in closed form, then Chan), so results are deterministic; for a
+   tensor of more than MERGE_RUN chunks, first per run of chunks, then per tensor.
 3. ``_finalize_kernel``: program i < N turns tensor i's record into its table row; program N
    merges all tensor records into the total row.
 
-Three launches plus one per dtype group, whatever the number of tensors. The metadata tables
-are cached per set of input pointers, so a second call with the same tensors launches kernels
+Three launches (four with the two-level merge) plus one per dtype group, whatever the number
+of tensors. The work list, the staging of float8 and non-dense inputs and their cache are the
+CUDA backend's own (csrc/work_list.h, through ``fasthealth._C.work_list``): one policy for
+pinning under capture and stream order. A second call with the same tensors launches kernels
 only (CUDA-graph capturable after one warm-up call).
 """
 
@@ -30,13 +34,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
-from fasthealth.ops import layout
+from fasthealth.ops import compiled, layout
 
 # Triton reads module globals only as constexprs: the named columns of ops/layout.py as such.
 # The partial record (struct Partial of csrc/stats.h, plus the path that finished a chunk):
@@ -81,7 +84,7 @@ PATH_FAST = tl.constexpr(float(layout.PATH_FAST))
 PATH_SHIFTED = tl.constexpr(float(layout.PATH_SHIFTED))
 PATH_EXACT = tl.constexpr(float(layout.PATH_EXACT))
 INF = tl.constexpr(float("inf"))
-# The fast path's limits (csrc/stats.h explains them): lanes sum CHUNK / BLOCK = 32 terms
+# The fast path's limits (csrc/stats.h explains them): lanes sum at most CHUNK / BLOCK = 32 terms
 TINY_AMAX = tl.constexpr(layout.FAST_MIN_AMAX)
 MAX_CANCEL = tl.constexpr(layout.CANCEL_BUDGET / 32)
 
@@ -260,10 +263,9 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
 
 
 @triton.jit
-def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, part, n_chunks,
-                        thresholds, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        DTYPE: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
-                        ALIGNED: tl.constexpr, RANGE: tl.constexpr):
+def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds,
+                        BLOCK: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
+                        FAST: tl.constexpr, ALIGNED: tl.constexpr, RANGE: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     hi = tl.load(thresholds).to(ACC)
@@ -271,13 +273,15 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
     # the exact path compares in float64 the same float32-rounded thresholds
     hi64 = hi.to(tl.float64)
     lo64 = lo.to(tl.float64)
-    for c in range(pid, n_chunks, nprog):
-        t = tl.load(chunk_tensor + c)
-        start = tl.load(chunk_index + c) * CHUNK
-        end = tl.minimum(start + CHUNK, tl.load(numels + t))
-        base = tl.load(ptrs + t).to(tl.pointer_type(DTYPE))
+    for c in range(item_lo + pid, item_hi, nprog):
+        # struct ChunkItem (csrc/plan.h): int64 ptr, begin; int32 count, slot, dtype, tensor
+        base = tl.load(items64 + 4 * c).to(tl.pointer_type(DTYPE))
+        start = tl.load(items64 + 4 * c + 1)
+        end = start + tl.load(items32 + 8 * c + 4)
+        slot = tl.load(items32 + 8 * c + 5)
         if ALIGNED:
             base = tl.multiple_of(base, 16)  # bytes: 16-byte vector loads
+            start = tl.multiple_of(start, 16)  # elements: chunks are powers of two >= BLOCK
         n = (end - start).to(tl.float64)
         path = tl.full((), PATH_EXACT, tl.float64)
         if FAST:
@@ -318,7 +322,7 @@ def _chunk_stats_kernel(ptrs, numels, chunk_tensor, chunk_index, chunk_slot, par
         else:
             fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
                 _exact_chunk(base, start, end, hi64, lo64, BLOCK, tl.float64))
-        row = part + tl.load(chunk_slot + c) * P_WIDTH
+        row = part + slot * P_WIDTH
         tl.store(row + P_PATH, path)
         _store_record(row, n, fin, pinf, ninf, zero, over,
                       under, fmin, fmax, mean, m2, scale, ssq)
@@ -415,13 +419,21 @@ def _finalize_kernel(tensor_part, table, n_tensors, VBLOCK: tl.constexpr,
 
 # ---- the launcher --------------------------------------------------------------------------
 
+# (element type, accumulator type) by the kernels' dtype code (csrc/stats.h; float8 inputs
+# arrive widened to float32, bool as bytes)
 _TL = {
-    torch.float32: (tl.float32, tl.float32), torch.float16: (tl.float16, tl.float32),
-    torch.bfloat16: (tl.bfloat16, tl.float32), torch.float64: (tl.float64, tl.float64),
-    torch.int8: (tl.int8, tl.float32), torch.uint8: (tl.uint8, tl.float32),
-    torch.bool: (tl.int8, tl.float32), torch.int16: (tl.int16, tl.float32),
-    torch.int32: (tl.int32, tl.float64), torch.int64: (tl.int64, tl.float64),
+    layout.DTYPE_CODES[torch.float32]: (tl.float32, tl.float32),
+    layout.DTYPE_CODES[torch.float16]: (tl.float16, tl.float32),
+    layout.DTYPE_CODES[torch.bfloat16]: (tl.bfloat16, tl.float32),
+    layout.DTYPE_CODES[torch.float64]: (tl.float64, tl.float64),
+    layout.DTYPE_CODES[torch.int8]: (tl.int8, tl.float32),
+    layout.DTYPE_CODES[torch.uint8]: (tl.uint8, tl.float32),
+    layout.DTYPE_CODES[torch.bool]: (tl.int8, tl.float32),
+    layout.DTYPE_CODES[torch.int16]: (tl.int16, tl.float32),
+    layout.DTYPE_CODES[torch.int32]: (tl.int32, tl.float64),
+    layout.DTYPE_CODES[torch.int64]: (tl.int64, tl.float64),
 }
+_FAST = {layout.DTYPE_CODES[d] for d in (torch.float32, torch.float16, torch.bfloat16)}
 # Interpreted on CPU tests run small shapes: small chunks exercise the multi-chunk merge.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CHUNK = int(os.environ.get("FASTHEALTH_TRITON_CHUNK", 1024 if _INTERPRET else 65536))
@@ -433,148 +445,68 @@ NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16
 # few more than this with range counts, which leaves one program per SM; at 128 ptxas fits
 # every variant without spilling (tests/test_triton_compile.py checks).
 MAX_REGISTERS = 128
-_FAST = (torch.float32, torch.float16, torch.bfloat16)  # float32 lanes with exact fallbacks
-# Plans (device work lists) by their inputs, least recently used first; those a CUDA graph has
-# captured are pinned: the graph reads them at every replay, so they are never evicted.
-_cache: OrderedDict = OrderedDict()
-_pinned: dict = {}
-# Copies of inputs the kernels cannot read as they lie (float8, non-dense views), by input:
-# the same buffer every call, refilled with copy_, so that a CUDA graph captures a stable
-# pointer (a fresh copy would miss the plan cache and be refused inside capture).
-_staging: OrderedDict = OrderedDict()
-MAX_CACHED = 32
+PROGRAMS_PER_SM = 65536 // (MAX_REGISTERS * 32 * NUM_WARPS)  # the grid: what the SMs hold
+# The plan's limits (csrc/plan.h): chunks from CHUNK down to CHUNK / 8 (at least one BLOCK), an
+# item's overhead about CHUNK / 32 elements, merge runs of MERGE_RUN records.
+MERGE_RUN = 256
+# Programs assumed resident for CPU tensors (the interpreter): 0, unknown, plans chunks of
+# CHUNK; tests set it to exercise smaller chunks.
+RESIDENT_CPU = 0
+_resident: dict[int, int] = {}
+
+
+def _resident_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return RESIDENT_CPU
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _resident:
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        _resident[index] = sms * PROGRAMS_PER_SM
+    return _resident[index]
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    widen = t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)  # float8 loads need sm_89+
-    if not widen:
-        if t.is_contiguous():
-            return t
-        # a permuted dense tensor (a transpose) covers its memory exactly: read it as it lies
-        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-        if t.permute(order).is_contiguous():
-            return t
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-    buf = _staging.get(key)
-    if buf is None:
-        buf = torch.empty(t.shape, dtype=torch.float32 if widen else t.dtype, device=t.device)
-        _staging[key] = buf
-        if len(_staging) > MAX_CACHED and not _capturing(t.device):
-            _staging.popitem(last=False)
-    else:
-        _staging.move_to_end(key)
-    return buf.copy_(t)
-
-
-def _plan(tensors: list[torch.Tensor], device: torch.device, rng: tuple[float, float]) -> dict:
-    """Device-side work lists and pointer tables, cached per set of (pointer, size, dtype)
-    and thresholds: a repeated call copies nothing to the device. A new plan is copied from
-    pinned memory without a host sync, and refused inside CUDA-graph capture (the graph would
-    replay a copy from a host buffer that is gone)."""
-    key = (device, rng, tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors))
-    capturing = _capturing(device)
-    hit = _pinned.get(key) or _cache.get(key)
-    if hit is not None:
-        if capturing:  # a graph now reads this plan at every replay: never evict it
-            _pinned[key] = _cache.pop(key, hit)
-        elif key in _cache:
-            _cache.move_to_end(key)
-        if device.type == "cuda" and hit["stream"] != torch.cuda.current_stream(device):
-            for t in hit["tensors"]:  # used on another stream too: freed only after it
-                t.record_stream(torch.cuda.current_stream(device))
-        return hit
-    if capturing:
-        raise RuntimeError(
-            "fasthealth: first call with these tensors is inside CUDA-graph capture; call it "
-            "once with the same tensors before capturing (the warm-up builds the device work "
-            "list that the graph then reuses)")
-    first = [0]
-    for t in tensors:
-        first.append(first[-1] + max(1, math.ceil(t.numel() / CHUNK)))
-
-    def dev(xs, dt):  # pinned + non_blocking: no host sync (a pageable copy would sync)
-        host = torch.tensor(xs, dtype=dt)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        return host.to(device, non_blocking=True)
-
-    groups = []
-    kinds = [(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]  # aligned: vector loads
-    for dtype, aligned in dict.fromkeys(kinds):
-        members = [i for i, k in enumerate(kinds) if k == (dtype, aligned)]
-        tensor_ix, index, slots = [], [], []
-        for j, i in enumerate(members):
-            for k in range(first[i + 1] - first[i]):
-                tensor_ix.append(j)
-                index.append(k)
-                slots.append(first[i] + k)
-        groups.append(dict(
-            dtype=dtype, aligned=aligned, members=members,
-            ptrs=dev([tensors[i].data_ptr() for i in members], torch.int64),
-            numels=dev([tensors[i].numel() for i in members], torch.int64),
-            chunk_tensor=dev(tensor_ix, torch.int32), chunk_index=dev(index, torch.int64),
-            chunk_slot=dev(slots, torch.int64), n_chunks=len(slots)))
-    plan = dict(groups=groups, n_chunks=first[-1],
-                chunk_first=dev(first, torch.int64), thresholds=dev(list(rng), torch.float64))
-    plan["tensors"] = [plan["chunk_first"], plan["thresholds"]] + [
-        g[k] for g in groups for k in ("ptrs", "numels", "chunk_tensor", "chunk_index",
-                                       "chunk_slot")]
-    plan["stream"] = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    _cache[key] = plan
-    if len(_cache) > MAX_CACHED:
-        _cache.popitem(last=False)
-    return plan
-
-
-def _inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float):
+    """(work list, chunk records [items, PARTIAL_WIDTH], resident programs) after one launch
+    per (dtype, alignment) group. The list comes from ``fasthealth._C.work_list``: inputs
+    checked, float8 and non-dense ones staged, the plan cached on the device with the range
+    thresholds after it (csrc/work_list.h: the policy)."""
+    if compiled.C is None:
+        raise RuntimeError(f"fasthealth: the triton backend plans its work in fasthealth._C, "
+                           f"which is not available ({compiled.load_error})")
     if not tensors:
         raise ValueError("fasthealth: the triton backend needs at least one tensor")
     device = tensors[0].device
-    dense = []
-    for i, t in enumerate(tensors):
-        if t.device != device:
-            raise ValueError(f"fasthealth: input {i} is on {t.device}, input 0 on {device}")
-        d = _dense(t.detach())
-        if d.dtype not in _TL:
-            raise TypeError(f"fasthealth: input {i} has unsupported dtype {t.dtype}")
-        dense.append(d)
-    return dense
-
-
-def _chunk_records(dense: list[torch.Tensor], range_hi: float, range_lo: float):
-    """(plan, the chunk records [chunks, PARTIAL_WIDTH]): one launch per (dtype, alignment)
-    group."""
-    device = dense[0].device
-    plan = _plan(dense, device, (float(range_hi), float(range_lo)))
-    part = torch.empty((plan["n_chunks"], layout.PARTIAL_WIDTH), dtype=torch.float64,
+    resident = _resident_programs(device)
+    limits = [CHUNK, max(BLOCK, CHUNK // 8), resident, CHUNK // 32, MERGE_RUN]
+    wl = compiled.C.work_list(tensors, True, _capturing(device), limits,
+                              [float(range_hi), float(range_lo)])
+    buf, n_items, n_runs, _, groups = wl
+    part = torch.empty((n_items + n_runs, layout.PARTIAL_WIDTH), dtype=torch.float64,
                        device=device)
+    b64, b32 = buf.view(torch.int64), buf.view(torch.int32)
+    end = len(b64)
+    thresholds = buf.view(torch.float64)[end - 2:]
     ranged = not (math.isinf(range_hi) and range_lo == 0.0)
-    for g in plan["groups"]:
-        dtype, acc = _TL[g["dtype"]]
-        if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            grid = (min(g["n_chunks"], sms * 4),)
-        else:
-            grid = (min(g["n_chunks"], 4),)
-        _chunk_stats_kernel[grid](g["ptrs"], g["numels"], g["chunk_tensor"], g["chunk_index"],
-                                  g["chunk_slot"], part, g["n_chunks"], plan["thresholds"],
-                                  CHUNK=CHUNK, BLOCK=BLOCK, DTYPE=dtype, ACC=acc,
-                                  FAST=g["dtype"] in _FAST, ALIGNED=g["aligned"],
-                                  RANGE=ranged, num_warps=NUM_WARPS,
-                                  maxnreg=MAX_REGISTERS)
-    return plan, part
+    for code, aligned, lo, hi in groups:
+        dtype, acc = _TL[code]
+        programs = min(hi - lo, resident if resident > 0 else 4)
+        _chunk_stats_kernel[(programs,)](b64, b32, lo, hi, part, thresholds, BLOCK=BLOCK,
+                                         DTYPE=dtype, ACC=acc, FAST=code in _FAST,
+                                         ALIGNED=aligned, RANGE=ranged, num_warps=NUM_WARPS,
+                                         maxnreg=MAX_REGISTERS)
+    return wl, part
 
 
 def chunk_paths(tensors: list[torch.Tensor], range_hi: float = math.inf,
                 range_lo: float = 0.0) -> list[int]:
     """Which path finished each chunk (0 fast, 1 shifted, 2 exact), in input order: for tests
     and tuning (one sync)."""
-    _, part = _chunk_records(_inputs(tensors), range_hi, range_lo)
-    return [int(p) for p in part[:, layout.PARTIAL["path"]].tolist()]
+    (_, n_items, _, _, _), part = _work_list(list(tensors), range_hi, range_lo)
+    return [int(p) for p in part[:n_items, layout.PARTIAL["path"]].tolist()]
 
 
 def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = math.inf,
@@ -590,12 +522,21 @@ def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = mat
 
 
 def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> torch.Tensor:
-    dense = _inputs(tensors)
-    device = dense[0].device
-    plan, part = _chunk_records(dense, range_hi, range_lo)
-    n = len(dense)
+    tensors = tensors if type(tensors) is list else list(tensors)
+    (buf, n_items, n_runs, _, _), part = _work_list(tensors, range_hi, range_lo)
+    n = len(tensors)
+    device = part.device
+    b64 = buf.view(torch.int64)
+    first = 4 * n_items  # (in int64 words, after the items)
     tensor_part = torch.empty((n, layout.PARTIAL_WIDTH), dtype=torch.float64, device=device)
-    _merge_chunks_kernel[(n,)](part, plan["chunk_first"], tensor_part, VBLOCK=VBLOCK)
+    if n_runs:  # the two-level merge: runs of chunks, then each tensor's runs
+        runs = first + n + 1
+        run_part = part[n_items:]
+        _merge_chunks_kernel[(n_runs,)](part, b64[runs:], run_part, VBLOCK=VBLOCK)
+        _merge_chunks_kernel[(n,)](run_part, b64[runs + n_runs + 1:], tensor_part,
+                                   VBLOCK=VBLOCK)
+    else:
+        _merge_chunks_kernel[(n,)](part, b64[first:], tensor_part, VBLOCK=VBLOCK)
     table = torch.empty((n + 1, layout.TABLE_WIDTH), dtype=torch.float64, device=device)
     _finalize_kernel[(n + 1,)](tensor_part, table, n, VBLOCK=VBLOCK, WIDTH=layout.TABLE_WIDTH)
     return table

@@ -1,10 +1,11 @@
 // Device code of the CUDA backend (launcher: tensor_stats.cu). It includes no torch header, so
 // that tests/cuda_emu/ can compile these very kernels for the host, one OS thread per CUDA
 // thread, and check them against the reference on a machine without a GPU.
-//   reference: fasthealth/ops/reference.py   record and merge: ../stats.h   work list: work_items.h
+//   reference: fasthealth/ops/reference.py   record and merge: ../stats.h   work plan: ../plan.h
 //
-// chunk_stats_cuda: a persistent grid walks the (tensor, chunk) work list; each block reduces
-// one chunk at a time to one Partial record. Float32, float16 and bfloat16 chunks take the fast
+// chunk_stats_cuda: a persistent grid walks the plan's (tensor, chunk) items, largest first;
+// each block reduces one item at a time to one Partial record, and loads the next item while
+// it reduces this one. Float32, float16 and bfloat16 chunks take the fast
 // path, the same method as the CPU kernel (csrc/cpu/stats_kernel.h):
 //   pass 1: 16-byte vector loads (4 in flight per thread); each vector's sum and sum of squares
 //     in float32 (a chain of at most 8 terms), added into float64 per thread; min/max and
@@ -32,7 +33,7 @@
 #endif
 
 #include "../stats.h"
-#include "work_items.h"
+#include "../plan.h"
 
 // Test hook: tests/cuda_emu/ counts the chunks each path finishes (0 fast, 1 shifted, 2 slow).
 #ifndef FH_COUNT_PATH
@@ -144,10 +145,10 @@ __device__ __forceinline__ void add_elems(Sums& a, const float* x, float c, floa
 // 16-byte boundary and after the last whole vector one at a time, the vectors between four
 // loads at a time.
 template <typename V, bool kShift, bool kRange>
-__device__ Sums thread_sums(const TensorMeta& m, int64_t begin, int64_t end, float c, float hi,
+__device__ Sums thread_sums(const void* ptr, int64_t begin, int64_t end, float c, float hi,
                             float lo) {
   Sums a = sums_empty();
-  const char* base = static_cast<const char*>(m.ptr);
+  const char* base = static_cast<const char*>(ptr);
   const uintptr_t addr = reinterpret_cast<uintptr_t>(base + begin * V::kSize);
   int64_t head = static_cast<int64_t>(((16 - (addr & 15)) & 15) / V::kSize);
   if (head > end - begin) head = end - begin;
@@ -174,7 +175,7 @@ __device__ Sums thread_sums(const TensorMeta& m, int64_t begin, int64_t end, flo
   const int64_t tail = vbegin + nvec * V::kPer;
   const int64_t rest = head + (end - tail);
   for (int64_t j = threadIdx.x; j < rest; j += kThreads) {
-    const float x = V::load1(m.ptr, j < head ? begin + j : tail + (j - head));
+    const float x = V::load1(ptr, j < head ? begin + j : tail + (j - head));
     add_elems<1, kShift, kRange>(a, &x, c, hi, lo);
   }
   return a;
@@ -316,11 +317,11 @@ __device__ Partial block_merge(Partial p, Partial* shared) {
   return r;
 }
 
-__device__ Partial slow_chunk(const TensorMeta& m, int64_t begin, int64_t end, double hi,
+__device__ Partial slow_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
                               double lo, Partial* shared) {
   ThreadAcc acc;
   for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
-    acc.add(load_one(m.ptr, m.dtype, j), hi, lo);
+    acc.add(load_one(ptr, dtype, j), hi, lo);
   }
   Partial p = block_merge<kThreads>(acc.to_partial(), shared);
   p.n = end - begin;  // NaNs counted here
@@ -331,24 +332,24 @@ __device__ Partial slow_chunk(const TensorMeta& m, int64_t begin, int64_t end, d
 // ---- one chunk -------------------------------------------------------------------------------
 
 template <typename V, bool kRange>
-__device__ Partial fast_chunk(const TensorMeta& m, int64_t begin, int64_t end, double hi,
+__device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
                               double lo, Partial* shared, Sums* smem) {
   const float hf = static_cast<float>(hi), lf = static_cast<float>(lo);
-  const Sums a = block_sums(thread_sums<V, false, kRange>(m, begin, end, 0.0f, hf, lf), smem);
+  const Sums a = block_sums(thread_sums<V, false, kRange>(ptr, begin, end, 0.0f, hf, lf), smem);
   const double n = static_cast<double>(end - begin);
   const double amax = fmax(-static_cast<double>(a.mn), static_cast<double>(a.mx));
   // (every thread holds the same totals, so every thread takes the same branch)
   if (!finite64(a.s) || !finite64(a.q) || (amax > 0.0 && amax < kFastMinAmax)) {
-    return slow_chunk(m, begin, end, hi, lo, shared);
+    return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
   }
   double mean = a.s / n;
   double m2 = a.q - a.s * mean;
   const bool shifted = !(a.q <= kMaxCancel * m2);
   if (shifted) {
     const float c = static_cast<float>(mean);
-    const Sums b = block_sums(thread_sums<V, true, false>(m, begin, end, c, hf, lf), smem);
+    const Sums b = block_sums(thread_sums<V, true, false>(ptr, begin, end, c, hf, lf), smem);
     if (!finite64(b.s) || !finite64(b.q)) {  // (x - c)^2 beyond float32: far apart extremes
-      return slow_chunk(m, begin, end, hi, lo, shared);
+      return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
     }
     mean = static_cast<double>(c) + b.s / n;
     m2 = b.q - b.s * (b.s / n);
@@ -369,39 +370,44 @@ __device__ Partial fast_chunk(const TensorMeta& m, int64_t begin, int64_t end, d
 
 // ---- the three kernels -----------------------------------------------------------------------
 
-// One record per chunk. kRange: range counts were asked for (range_hi < inf or range_lo > 0).
+// One record per item, at its slot. kRange: range counts were asked for (range_hi < inf or
+// range_lo > 0). The next item's record is loaded before this one is reduced: it arrives while
+// the block works, instead of stalling the block between items.
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads)
-chunk_stats_cuda(const TensorMeta* metas, const ChunkItem* chunks, int64_t n_chunks,
-                   Partial* parts, double hi, double lo) {
+chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo) {
   __shared__ Partial shared[kThreads];
   __shared__ Sums smem[kWarps];
-  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const ChunkItem item = chunks[c];
-    const TensorMeta m = metas[item.tensor];
-    const int64_t end = item.begin + kCudaChunk < m.numel ? item.begin + kCudaChunk : m.numel;
+  int64_t c = blockIdx.x;
+  if (c >= n_items) return;
+  ChunkItem next = items[c];
+  for (; c < n_items; c += gridDim.x) {
+    const ChunkItem item = next;
+    if (c + gridDim.x < n_items) next = items[c + gridDim.x];
+    const int64_t end = item.begin + item.count;
     Partial p;
-    if (end <= item.begin) {
+    if (item.count <= 0) {
       p = partial_empty();
-    } else if (m.dtype == kF32) {
-      p = fast_chunk<F32, kRange>(m, item.begin, end, hi, lo, shared, smem);
-    } else if (m.dtype == kBF16) {
-      p = fast_chunk<BF16, kRange>(m, item.begin, end, hi, lo, shared, smem);
-    } else if (m.dtype == kF16) {
-      p = fast_chunk<F16, kRange>(m, item.begin, end, hi, lo, shared, smem);
+    } else if (item.dtype == kF32) {
+      p = fast_chunk<F32, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem);
+    } else if (item.dtype == kBF16) {
+      p = fast_chunk<BF16, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem);
+    } else if (item.dtype == kF16) {
+      p = fast_chunk<F16, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem);
     } else {
-      p = slow_chunk(m, item.begin, end, hi, lo, shared);
+      p = slow_chunk(item.ptr, item.dtype, item.begin, end, hi, lo, shared);
     }
-    if (threadIdx.x == 0) parts[c] = p;
+    if (threadIdx.x == 0) parts[item.slot] = p;
   }
 }
 
-// One warp per tensor merges its chunks' records in a fixed order (most tensors have one
-// chunk: a block of 256 threads per tensor would mostly wait at barriers).
+// One warp per segment merges records [first[i], first[i+1]) in a fixed order: per tensor, or
+// per run and then per tensor for the two-level merge (plan.h). Most tensors have one chunk: a
+// block of 256 threads per tensor would mostly wait at barriers.
 constexpr int kMergeThreads = 32;
 
 __global__ void __launch_bounds__(kMergeThreads)
-merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* per_tensor) {
+merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* merged) {
   __shared__ Partial shared[kMergeThreads];
   const int64_t i = blockIdx.x;
   Partial acc = partial_empty();
@@ -409,7 +415,7 @@ merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* per_tenso
     acc = partial_merge(acc, parts[c]);
   }
   const Partial r = block_merge<kMergeThreads>(acc, shared);
-  if (threadIdx.x == 0) per_tensor[i] = r;
+  if (threadIdx.x == 0) merged[i] = r;
 }
 
 // Blocks of the finalize launch: one thread per tensor row, then one block for the total.

@@ -1,17 +1,21 @@
-// CUDA implementation of fasthealth::multi_tensor_stats: three launches whatever the number of
-// tensors, no host sync, on the current stream.
-//   reference: fasthealth/ops/reference.py   kernels: stats_kernels.cuh   work list: multi_tensor.cuh
+// CUDA implementation of fasthealth::multi_tensor_stats: three launches (four with the two-level
+// merge) whatever the number of tensors, no host sync, on the current stream.
+//   reference: fasthealth/ops/reference.py   kernels: stats_kernels.cuh
+//   plan: ../plan.h   work list, staging and their cache: ../work_list.h (shared with Triton)
 //
-// 1. chunk_stats_cuda: a persistent grid reduces each (tensor, chunk) item to one record
-//    (float32 fast path with float64 accumulation, exact fallbacks: see stats_kernels.cuh).
-// 2. merge_chunks_cuda: one warp per tensor merges its chunks' records in a fixed order.
+// 1. chunk_stats_cuda: a persistent grid reduces each (tensor, chunk) item of the plan to one
+//    record (float32 fast path with float64 accumulation, exact fallbacks: stats_kernels.cuh).
+// 2. merge_chunks_cuda: one warp per tensor merges its chunks' records in a fixed order (for a
+//    tensor of more than kMergeRun chunks: per run of chunks, then per tensor).
 // 3. finalize_cuda: one thread per tensor row, then one block merges all tensors into the
 //    total. Deterministic: no atomics, fixed reduction trees.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -19,7 +23,7 @@
 
 #include "../inputs.h"
 #include "../stats.h"
-#include "multi_tensor.cuh"
+#include "../work_list.h"
 #include "stats_kernels.cuh"
 
 namespace fasthealth {
@@ -46,55 +50,55 @@ int64_t resident_blocks(Kernel kernel, int device) {
 
 }  // namespace
 
-at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, double range_lo) {
+at::Tensor cuda_stats_table(int64_t n, const std::function<const at::Tensor&(int64_t)>& tensor,
+                            double range_hi, double range_lo) {
   check_range(range_hi, range_lo);
-  const int64_t n = static_cast<int64_t>(tensors.size());
   TORCH_CHECK(n > 0, "fasthealth: multi_tensor_stats needs at least one tensor");
-  const c10::Device device = tensors[0].device();
+  const c10::Device device = tensor(0).device();
   const c10::cuda::CUDAGuard guard(device);
-  std::vector<at::Tensor> dense(n);
-  std::vector<TensorMeta> metas(n);
-  for (int64_t i = 0; i < n; ++i) {
-    check_input(tensors[i], i, c10::DeviceType::CUDA);
-    TORCH_CHECK(tensors[i].device() == device, "fasthealth: input ", i, " is on ",
-                tensors[i].device(), ", input 0 on ", device);
-    int code = dtype_code(tensors[i], i);
-    const at::Tensor& t = tensors[i];
-    if (code == kF8E4M3 || code == kF8E5M2) {  // widened on the device, into a stable buffer
-      dense[i] = staged_copy(t, at::kFloat);
-      code = kF32;
-    } else if (t.is_contiguous() || t.is_non_overlapping_and_dense()) {
-      dense[i] = t;  // read as it lies (a transpose covers its memory exactly)
-    } else {
-      dense[i] = staged_copy(t, t.scalar_type());
-    }
-    metas[i] = {dense[i].data_ptr(), dense[i].numel(), code, 0};
-  }
-  const WorkList wl = work_list(metas, device);
-  const auto opts = at::TensorOptions().device(device);
-  at::Tensor parts = at::empty({wl.n_chunks * static_cast<int64_t>(sizeof(Partial))},
-                               opts.dtype(at::kByte));
-  at::Tensor per_tensor = at::empty({n * static_cast<int64_t>(sizeof(Partial))},
-                                    opts.dtype(at::kByte));
-  at::Tensor table = at::empty({n + 1, kTableWidth}, opts.dtype(at::kDouble));
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  auto* p = reinterpret_cast<Partial*>(parts.data_ptr<uint8_t>());
-  auto* t = reinterpret_cast<Partial*>(per_tensor.data_ptr<uint8_t>());
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+                         c10::cuda::CaptureStatus::None;
+  std::vector<at::Tensor> staged;  // held until the kernels are launched
+  const std::vector<TensorMeta> metas = kernel_inputs(n, tensor, c10::DeviceType::CUDA,
+                                                      Grouping::kOne, capturing, &staged);
   const bool ranged = range_hi < fh_inf() || range_lo > 0.0;
   using kernels::kThreads;
   auto* chunk_kernel = ranged ? &kernels::chunk_stats_cuda<true>
                               : &kernels::chunk_stats_cuda<false>;
   const int64_t resident = resident_blocks(chunk_kernel, device.index());
-  const int64_t grid = wl.n_chunks < resident ? wl.n_chunks : resident;
-  chunk_kernel<<<grid, kThreads, 0, stream>>>(wl.metas(), wl.chunks(), wl.n_chunks, p, range_hi,
-                                              range_lo);
+  const DeviceWorkList wl = work_list(metas, device, cuda_plan_limits(resident), {},
+                                        capturing);
+  const auto opts = at::TensorOptions().device(device).dtype(at::kByte);
+  const int64_t record = static_cast<int64_t>(sizeof(Partial));
+  at::Tensor parts = at::empty({(wl.n_items + wl.n_runs) * record}, opts);
+  at::Tensor per_tensor = at::empty({n * record}, opts);
+  at::Tensor table = at::empty({n + 1, kTableWidth}, opts.dtype(at::kDouble));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  auto* p = reinterpret_cast<Partial*>(parts.data_ptr<uint8_t>());
+  auto* t = reinterpret_cast<Partial*>(per_tensor.data_ptr<uint8_t>());
+  const int64_t grid = wl.n_items < resident ? wl.n_items : resident;
+  chunk_kernel<<<grid, kThreads, 0, stream>>>(wl.items(), wl.n_items, p, range_hi, range_lo);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  kernels::merge_chunks_cuda<<<n, kernels::kMergeThreads, 0, stream>>>(p, wl.first(), t);
+  if (wl.n_runs > 0) {  // the two-level merge: runs of chunks, then the runs of each tensor
+    Partial* r = p + wl.n_items;
+    kernels::merge_chunks_cuda<<<wl.n_runs, kernels::kMergeThreads, 0, stream>>>(p, wl.runs(),
+                                                                                  r);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    kernels::merge_chunks_cuda<<<n, kernels::kMergeThreads, 0, stream>>>(r, wl.run_first(), t);
+  } else {
+    kernels::merge_chunks_cuda<<<n, kernels::kMergeThreads, 0, stream>>>(p, wl.first(), t);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   kernels::finalize_cuda<<<kernels::finalize_blocks(n), kThreads, 0, stream>>>(
       t, n, table.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return table;
+}
+
+at::Tensor multi_tensor_stats_cuda(at::TensorList tensors, double range_hi, double range_lo) {
+  return cuda_stats_table(
+      static_cast<int64_t>(tensors.size()),
+      [&](int64_t i) -> const at::Tensor& { return tensors[i]; }, range_hi, range_lo);
 }
 
 TORCH_LIBRARY_IMPL(fasthealth, CUDA, m) {

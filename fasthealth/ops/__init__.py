@@ -46,7 +46,14 @@ def run(backend: str, tensors: Sequence[torch.Tensor], range_hi: float = math.in
         from fasthealth.triton_kernels import tensor_stats as triton_stats
 
         return triton_stats.multi_tensor_stats_triton(list(tensors), range_hi, range_lo)
-    return torch.ops.fasthealth.multi_tensor_stats(list(tensors), range_hi, range_lo)
+    tensors = tensors if type(tensors) is list else list(tensors)
+    if backend == "cuda" and not torch.compiler.is_compiling():
+        # eager calls skip the dispatcher too: its conversion of a long tensor list costs more
+        # than the launch's own host work (bench/bench_host.py); None: not plain CUDA tensors
+        table = compiled.C.cuda_table(tensors, range_hi, range_lo)
+        if table is not None:
+            return table
+    return torch.ops.fasthealth.multi_tensor_stats(tensors, range_hi, range_lo)
 
 
 def empty_table() -> torch.Tensor:

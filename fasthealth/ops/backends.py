@@ -38,7 +38,7 @@ def available_backends() -> list[str]:
     cuda_ok = torch.cuda.is_available()
     if compiled.has_cuda() and cuda_ok:
         out.append("cuda")
-    if _triton_importable() and (cuda_ok or triton_interpret()):
+    if _triton_importable() and compiled.has_cpu() and (cuda_ok or triton_interpret()):
         out.append("triton")
     if compiled.has_cpu():
         out.append("cpu")
@@ -65,6 +65,9 @@ def unsupported(backend: str, device: torch.device) -> str | None:
     if backend == "triton":
         if not _triton_importable():
             return "triton is not installed"
+        if not compiled.has_cpu():  # the work list and its cache are the CUDA backend's own
+            return (f"fasthealth._C, where it plans its work, is not available "
+                    f"({compiled.load_error})")
         if device.type == "cuda" or (device.type == "cpu" and triton_interpret()):
             return None
         return "the 'triton' backend runs on CUDA tensors (CPU tensors need TRITON_INTERPRET=1)"

@@ -2,10 +2,12 @@
 // way csrc/cuda/tensor_stats.cu launches them: tests/test_cuda_emu.py builds and drives it.
 //
 //   run_kernels IN OUT
-// IN:  int64 n; float64 range_hi, range_lo; then per tensor: int32 dtype code (stats.h),
-//      int64 numel, int64 misalignment in bytes, numel elements' raw bytes.
+// IN:  int64 n; float64 range_hi, range_lo; int64 resident blocks and merge run (the plan's
+//      limits, csrc/plan.h; resident 0: the largest chunk); then per tensor: int32 dtype code
+//      (stats.h), int64 numel, int64 misalignment in bytes, numel elements' raw bytes.
 // OUT: float64 table [(n + 1) x kTableWidth], then int64 chunks finished by each path
-//      (fast, shifted, slow).
+//      (fast, shifted, slow), then int64 chunk size, items, merge runs (0: one level), then
+//      per item in launch order int64 tensor, slot, begin, count.
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -47,6 +49,7 @@ int main(int argc, char** argv) {
   if (!in) return 2;
   const int64_t n = get<int64_t>(in);
   const double hi = get<double>(in), lo = get<double>(in);
+  const int64_t resident = get<int64_t>(in), merge_run = get<int64_t>(in);
   std::vector<std::vector<unsigned char>> storage(n);
   std::vector<TensorMeta> metas(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -62,27 +65,35 @@ int main(int argc, char** argv) {
   }
   std::fclose(in);
 
-  std::vector<ChunkItem> chunks;
-  std::vector<int64_t> first;
-  plan_chunks(metas, &chunks, &first);
-  const int64_t n_chunks = first[n];
-  std::vector<Partial> parts(n_chunks), per_tensor(n);
+  PlanLimits limits = cuda_plan_limits(resident);
+  limits.merge_run = merge_run;
+  const WorkPlan plan = plan_work(metas, limits);
+  const int64_t n_chunks = static_cast<int64_t>(plan.items.size());
+  const int64_t n_runs = plan.runs.empty() ? 0 : static_cast<int64_t>(plan.runs.size()) - 1;
+  std::vector<Partial> parts(n_chunks), run_parts(n_runs), per_tensor(n);
   std::vector<double> table((n + 1) * kTableWidth);
   const bool ranged = hi < fh_inf() || lo > 0.0;
   // a small persistent grid, so that blocks take several chunks each
   const unsigned grid = n_chunks < 3 ? static_cast<unsigned>(n_chunks) : 3u;
   emu::launch(grid, kernels::kThreads, [&] {
     if (ranged) {
-      kernels::chunk_stats_cuda<true>(metas.data(), chunks.data(), n_chunks, parts.data(), hi,
-                                        lo);
+      kernels::chunk_stats_cuda<true>(plan.items.data(), n_chunks, parts.data(), hi, lo);
     } else {
-      kernels::chunk_stats_cuda<false>(metas.data(), chunks.data(), n_chunks, parts.data(),
-                                         hi, lo);
+      kernels::chunk_stats_cuda<false>(plan.items.data(), n_chunks, parts.data(), hi, lo);
     }
   });
-  emu::launch(static_cast<unsigned>(n), kernels::kMergeThreads, [&] {
-    kernels::merge_chunks_cuda(parts.data(), first.data(), per_tensor.data());
-  });
+  if (n_runs > 0) {  // the two-level merge, as tensor_stats.cu launches it
+    emu::launch(static_cast<unsigned>(n_runs), kernels::kMergeThreads, [&] {
+      kernels::merge_chunks_cuda(parts.data(), plan.runs.data(), run_parts.data());
+    });
+    emu::launch(static_cast<unsigned>(n), kernels::kMergeThreads, [&] {
+      kernels::merge_chunks_cuda(run_parts.data(), plan.run_first.data(), per_tensor.data());
+    });
+  } else {
+    emu::launch(static_cast<unsigned>(n), kernels::kMergeThreads, [&] {
+      kernels::merge_chunks_cuda(parts.data(), plan.first.data(), per_tensor.data());
+    });
+  }
   emu::launch(static_cast<unsigned>(kernels::finalize_blocks(n)), kernels::kThreads, [&] {
     kernels::finalize_cuda(per_tensor.data(), n, table.data());
   });
@@ -93,6 +104,12 @@ int main(int argc, char** argv) {
   for (auto& c : path_count) {
     const int64_t v = c.load();
     std::fwrite(&v, sizeof(v), 1, out);
+  }
+  const int64_t info[3] = {plan.chunk, n_chunks, n_runs};
+  std::fwrite(info, sizeof(int64_t), 3, out);
+  for (const ChunkItem& it : plan.items) {
+    const int64_t row[4] = {it.tensor, it.slot, it.begin, it.count};
+    std::fwrite(row, sizeof(int64_t), 4, out);
   }
   std::fclose(out);
   return 0;
