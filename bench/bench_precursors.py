@@ -14,7 +14,8 @@ For each seed: the step where the loss is first damaged (``instability``: the me
 last 20 losses 10% above the best such median so far; at this size the instability shows as a
 climb and a plateau far above the healthy run, more than as one-step spikes), the first loss
 alarm of the Monitor (``loss_spike``, ``divergence``, ``oscillation``), and the first
-precursor notice of each kind; a seed counts when a precursor came before the damage. The same model at a sane learning rate (``--healthy-lr``) must raise no precursor.
+precursor notice of each kind; a seed counts when a precursor came before the damage. The
+same model at a sane learning rate (``--healthy-lr``) must raise no precursor.
 Writes bench/results/precursors.json and a plot of the loss with the precursors' signals
 (bench/results/precursors.png).
 """
