@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..checks import multi_tensor_stats
+from ..distributed import local_view
 from ..ops.layout import COL
 from .detectors import Detector, Found, _listed, _skipped, level_and_noise
 from .record import HostStep, not_measured
@@ -116,7 +117,7 @@ class PrecursorProbe:
         size = sum(p.numel() * p.element_size() for _, p in self.matrices)
         self.copy: list[torch.Tensor] | None = None
         if every and self.matrices and size <= max_bytes:
-            self.copy = [torch.empty_like(p.detach()) for _, p in self.matrices]
+            self.copy = [torch.empty_like(t) for t in self._now()]
         self.matrix_names = [n for n, _ in self.matrices]
         self._due = False
         self._ratio: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -132,12 +133,16 @@ class PrecursorProbe:
 
     # ---- the update-to-weight ratio ---------------------------------------------------------
 
+    def _now(self) -> list[torch.Tensor]:
+        """The matrices' data: a DTensor's local shard (FSDP2), where foreach ops run."""
+        return [local_view(p.detach())[0] for _, p in self.matrices]
+
     def before_step(self, t: int) -> None:
         self._ratio = None
         self._due = self.copy is not None and t % self.every == 0
         if self._due:
             assert self.copy is not None
-            torch._foreach_copy_(self.copy, [p.detach() for _, p in self.matrices])
+            torch._foreach_copy_(self.copy, self._now())
 
     def after_step(self) -> None:
         """||before - after|| and ||after|| of every matrix in one fused pass."""
@@ -145,7 +150,7 @@ class PrecursorProbe:
             self._ratio = None
             return
         assert self.copy is not None
-        now = [p.detach() for _, p in self.matrices]
+        now = self._now()
         torch._foreach_sub_(self.copy, now)
         norms = multi_tensor_stats(self.copy + now).raw[:-1, COL["norm"]].to(self.device)
         n = len(now)
