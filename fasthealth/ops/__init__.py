@@ -50,6 +50,7 @@ def run(backend: str, tensors: Sequence[torch.Tensor], range_hi: float = math.in
     if backend == "cuda" and not torch.compiler.is_compiling():
         # eager calls skip the dispatcher too: its conversion of a long tensor list costs more
         # than the launch's own host work (bench/bench_host.py); None: not plain CUDA tensors
+        assert compiled.C is not None  # the cuda backend exists only with _C loaded
         table = compiled.C.cuda_table(tensors, range_hi, range_lo)
         if table is not None:
             return table
