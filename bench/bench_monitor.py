@@ -29,6 +29,23 @@ import fasthealth as fh
 from fasthealth.demo import TinyGPT, gpt2_config
 
 
+def loop(model, opt, ids):
+    """(forward_backward() -> loss, plain(): the unmonitored step: clip, optimizer.step())."""
+    def forward_backward():
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    def plain():
+        forward_backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return forward_backward, plain
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,17 +68,7 @@ def main(argv=None):
     mon = fh.Monitor(model, opt, flush_every=5, max_grad_norm=1.0)
     ids = torch.randint(0, cfg["vocab"], (args.batch, args.seq + 1))
 
-    def forward_backward():
-        opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        return loss
-
-    def plain():
-        forward_backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+    forward_backward, plain = loop(model, opt, ids)
 
     def monitored():
         loss = forward_backward()
@@ -131,17 +138,7 @@ def act(args) -> int:
     mons = {k: fh.Monitor(model, opt, flush_every=5, max_grad_norm=1.0, **v)
             for k, v in ACT_VARIANTS.items()}
 
-    def forward_backward():
-        opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        return loss
-
-    def plain():
-        forward_backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+    forward_backward, plain = loop(model, opt, ids)
 
     runs = {"plain": plain, **{k: (lambda m=m: m.step(forward_backward()))
                                for k, m in mons.items()}}

@@ -60,25 +60,30 @@ def instability(losses: list[float], span: int = 20, rise: float = 1.1) -> int |
     return None
 
 
-def train(seed: int, steps: int, lr: float, warmup: int) -> dict:
+def run(seed: int, steps: int, lr: float, warmup: int, log_dir=None) -> tuple[fh.Monitor, list]:
+    """Trains the model under a Monitor (closed at the end); returns it and the losses."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = models.TransformerLM(data.CHAR_VOCAB, d=64, heads=4, layers=2, ctx=64)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warmup))
     win = data.Windows(g, data.char_ids(), 16, 64)
-    mon = fh.Monitor(model, opt, logits="head", attention=r"attn$")
     rec = []
-    for step in range(steps):
-        ids, targets = win(step)[:2]
-        logits = model(ids)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        mon.step(loss)
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        rec.append(float(loss.detach()))
-    mon.close()
+    with fh.Monitor(model, opt, logits="head", attention=r"attn$", log_dir=log_dir) as mon:
+        for step in range(steps):
+            ids, targets = win(step)[:2]
+            logits = model(ids)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss.backward()
+            mon.step(loss)
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            rec.append(float(loss.detach()))
+    return mon, rec
+
+
+def train(seed: int, steps: int, lr: float, warmup: int) -> dict:
+    mon, rec = run(seed, steps, lr, warmup)
     events = [(e.step, e.kind, e.severity) for e in mon.events]
     first_alarm = next((s for s, k, sev in events if k in LOSS_ALARMS and sev == "alarm"), None)
     first_pre: dict[str, int] = {}
@@ -96,23 +101,8 @@ def signals(seed: int, steps: int, lr: float, warmup: int) -> dict:
     """The same run's per-step precursor signals, read from its log (for the plot)."""
     import tempfile
 
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    model = models.TransformerLM(data.CHAR_VOCAB, d=64, heads=4, layers=2, ctx=64)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warmup))
-    win = data.Windows(g, data.char_ids(), 16, 64)
     with tempfile.TemporaryDirectory() as d:
-        with fh.Monitor(model, opt, logits="head", attention=r"attn$", log_dir=d) as mon:
-            for step in range(steps):
-                ids, targets = win(step)[:2]
-                logits = model(ids)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                       targets.reshape(-1))
-                loss.backward()
-                mon.step(loss)
-                opt.zero_grad(set_to_none=True)
-                sched.step()
+        run(seed, steps, lr, warmup, log_dir=d)
         rows = [json.loads(line) for line in open(Path(d) / "steps.jsonl")]
     keys = ("loss", "update_ratio_max", "logit_max", "log_z", "attention_logit_max")
     return {k: [r.get(k) for r in rows] for k in keys}
