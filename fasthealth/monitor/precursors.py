@@ -255,11 +255,14 @@ class UpdateRatioPrecursor(Detector):
     the median of the last ``window`` measured values, the noise from their step-to-step
     differences), after ``warmup`` measurements, while the loss is not falling fast.
 
-    Why the noise unit and not a ratio to the median: at a batch of 8 a healthy logistic
-    regression under SGD makes updates 100x its median ratio now and then, while an LR jump x25
-    under clipping moved the ratio only 16x, from a steady series. Why not while the loss falls
-    fast (its median over the last 10 steps 10% below the 10 before): a run leaving a plateau
-    makes its largest updates then, and they are what it needs."""
+    Why the noise unit and not a ratio to the median: small-batch SGD makes healthy updates
+    many times its median now and then, while an LR jump under clipping moves a steady series
+    by less; measured against its own step-to-step noise the jump stands out and the noisy
+    healthy series does not. Why per unit of gradient: with SGD the update follows the
+    gradient, which grows several-fold while a run leaves a plateau; an LR jump changes the
+    update for the same gradient. Why not while the loss falls fast (its median over the last
+    10 steps 10% below the 10 before): a run leaving a plateau makes its largest updates then,
+    and they are what it needs."""
 
     def __init__(self, names: list[str], zscore: float = 6.0, window: int = 30,
                  warmup: int = 8, floor: float = 1e-3) -> None:

@@ -13,9 +13,9 @@ two. A step is skipped when
 - its gradient norm alone scores above ``grad_factor * zscore`` (5 x 6 = 30 units).
 
 The gradient norm alone needs far more than the loss: it climbs several-fold while a healthy
-run leaves its initial plateau or warms up its learning rate, the loss falling fast (in the
-corpus's tuning families a CNN under SGD with Nesterov momentum scored 13 noise units five
-steps in a row, an MLP under OneCycle 14.7; the bad batches score in the hundreds).
+run leaves its initial plateau or warms up its learning rate, the loss falling fast, whereas a
+bad batch puts it hundreds of units out (the scores behind the factor: docs/performance.md,
+"Acting early").
 
 What it never does: multiply an update by 0 (0 x NaN is NaN; the step is gated, through the
 optimizer's ``found_inf`` or an early return: ``gate.py``), take a skipped value into its
