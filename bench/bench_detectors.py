@@ -12,7 +12,9 @@ Scores, per setting: for a healthy family, its alarms and notices per 10,000 hea
 (every alarm of a healthy run is false, and so is one of a faulty run before its onset); for a
 fault, whether an *alarm* of one of its expected kinds came at or after its onset within its
 allowed delay (``caught``; ``noticed`` counts notices too), the delay, and the events, alarms,
-notices and incidents from its onset to the end of the run (one incident per fault is the aim).
+notices and incidents from its onset to the end of the run (one incident per fault is the aim;
+``alarm_incidents_after`` counts the alarm ones: a notice incident long after the onset is the
+family's own background, as on its healthy runs).
 A Monitor without severities counts every event as an alarm; one without incidents reports
 none (None).
 
@@ -141,6 +143,8 @@ def verdict(r: dict, k: int) -> dict:
         "notices_after": sum(1 for e in after if e[2] != "alarm"),
         "incidents_after": None if incidents is None else sum(
             1 for i in incidents if i[1] is not None and i[1] >= onset),
+        "alarm_incidents_after": None if incidents is None else sum(
+            1 for i in incidents if i[1] is not None and i[1] >= onset and i[3] == "alarm"),
         "kinds": sorted({e[1] for e in after}),
     })
     return v
@@ -203,13 +207,15 @@ def fault_rows(runs: list[dict], pick) -> dict:
                                           "max_delay": r["max_delay"], "runs": []})
         row["runs"].append({"seed": r["seed"], "onset": r["onset"], **{
             k: v[k] for k in ("caught", "noticed", "delay", "events_after", "alarms_after",
-                              "notices_after", "incidents_after", "kinds")}})
+                              "notices_after", "incidents_after", "alarm_incidents_after",
+                              "kinds")}})
     for row in rows.values():
         rs = row["runs"]
         row["caught"] = sum(x["caught"] for x in rs)
         row["noticed"] = sum(x["noticed"] for x in rs)
         row["delays"] = [x["delay"] for x in rs]
-        for key in ("events_after", "alarms_after", "notices_after", "incidents_after"):
+        for key in ("events_after", "alarms_after", "notices_after", "incidents_after",
+                    "alarm_incidents_after"):
             xs = [x[key] for x in rs if x[key] is not None]
             row[f"mean_{key}"] = round(sum(xs) / len(xs), 1) if xs else None
             row[f"max_{key}"] = max(xs) if xs else None
@@ -311,7 +317,7 @@ def table(res: dict) -> str:
                  f"({t['families_with_alarms']}/{t['families']} families alarm at the defaults, "
                  f"{lt['families_with_alarms']} left out)")
     lines += ["", f"{'fault':<34}{'caught':>7} {'delays':>16} {'allowed':>7} {'alarms':>7} "
-                  f"{'notices':>7} {'incid.':>6} {'LOFO':>5}  kinds after onset"]
+                  f"{'notices':>7} {'incid.':>6} {'alarm':>5} {'LOFO':>5}  kinds after onset"]
     for name, row in d["faults"].items():
         lrow = lo["faults"][name]
         delays = ",".join(_fmt(x) for x in row["delays"])
@@ -319,10 +325,11 @@ def table(res: dict) -> str:
                      f"{row['max_delay']:>7} {_fmt(row['mean_alarms_after']):>7} "
                      f"{_fmt(row['mean_notices_after']):>7} "
                      f"{_fmt(row['mean_incidents_after']):>6} "
+                     f"{_fmt(row['mean_alarm_incidents_after']):>5} "
                      f"{lrow['caught']:>2}/{len(lrow['runs']):<2}  {', '.join(row['kinds'])}")
     lines.append(f"caught within the allowed delay: {t['fault_runs_caught']}/{t['fault_runs']} "
                  f"runs at the defaults, {lt['fault_runs_caught']}/{lt['fault_runs']} left out "
-                 "(alarms, notices, incidents: means per run from the onset on)")
+                 "(alarms, notices, incidents, alarm incidents: means per run from the onset on)")
     by_setting = Counter(json.dumps(c, sort_keys=True) for c in lo["chosen"].values())
     lines.append("settings chosen without the family: " + "; ".join(
         f"{'defaults' if c == '{}' else c} for {n}" for c, n in by_setting.most_common()))
@@ -347,7 +354,9 @@ def table(res: dict) -> str:
             for name, row in f[key]["faults"].items():
                 lines.append(f"  {name:<40}{row['caught']}/{len(row['runs'])} delays "
                              f"{row['delays']} (allowed {row['max_delay']}) events "
-                             f"{row['mean_events_after']} incidents {row['mean_incidents_after']}")
+                             f"{row['mean_events_after']} incidents "
+                             f"{row['mean_incidents_after']} (alarm "
+                             f"{row['mean_alarm_incidents_after']})")
     return "\n".join(lines)
 
 

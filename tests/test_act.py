@@ -317,3 +317,22 @@ def test_precursor_options_name_bad_input():
     mon = fh.Monitor(m, opt, precursors=False)
     assert mon.precursors is None
     mon.close()
+
+
+def test_device_scores_are_the_host_rules_scores():
+    """The device rule scores as ``detectors.spike_scores`` does: the same median, the noise
+    unit of the window or its last 32 values, the log-scale floor; on a flat plateau, on a run
+    that became noisier than its window, and on a non-positive series (linear only)."""
+    from fasthealth.monitor.detectors import spike_score
+
+    g = torch.Generator().manual_seed(3)
+    flat = (2.3 * (1 + 0.001 * torch.randn(100, generator=g))).tolist()
+    noisy = (2.3 * torch.exp(-0.03 * torch.arange(28) + 0.3 * torch.randn(28, generator=g)))
+    for series in (flat, flat + noisy.tolist(), (torch.randn(128, generator=g) - 0.5).tolist()):
+        r = SkipRule(torch.device("cpu"), warmup=20)
+        for v in series:
+            r.buf[:, r.pos[0]] = v
+            r.pos = (r.pos + 1) % r.window
+        for x in (series[-1] * 1.01, series[-1] * 1.5, max(series) + 1.0):
+            z = r.scores(torch.tensor([x, x], dtype=torch.float64))
+            assert z[0].item() == pytest.approx(spike_score(series, x), rel=1e-9, abs=1e-9)

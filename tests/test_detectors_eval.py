@@ -25,11 +25,8 @@ import corpus  # noqa: E402
 SLICE = dict(bench_detectors.QUICK, grid=[{}, {"spike_zscore": 11.0, "warmup_steps": 60}])
 
 # Seed 0 at the Monitor's defaults: what the rules still get wrong (bench/results/detectors.json,
-# after_23b, has every seed). Everything else must hold.
-KNOWN_FALSE_ALARMS = {
-    "digits_mlp_sgd_momentum_plateau": "loss_spike and a loss-confirmed exploding_grad while "
-                                       "leaving the plateau",
-}
+# after_23c, has every seed). Everything else must hold.
+KNOWN_FALSE_ALARMS: dict[str, str] = {}
 KNOWN_MISSES: dict[str, str] = {}
 
 
@@ -82,6 +79,7 @@ def test_verdict_counts_alarms_and_notices_apart():
     v = bench_detectors.verdict(run, 0)
     assert v["alarms"] == [(60, "loss_spike")] and v["notices"] == [(50, "grad_norm_spike")]
     assert v["false_incidents"] == 1 and v["incidents_after"] == 1
+    assert v["alarm_incidents_after"] == 1
     assert v["caught"] and v["delay"] == 4 and v["noticed"]
     assert (v["alarms_after"], v["notices_after"], v["events_after"]) == (2, 1, 3)
     run["max_delay"] = 3  # a notice in time is not a catch
@@ -144,6 +142,14 @@ def test_no_alarm_on_a_healthy_family(res, family):
 def test_fault_caught_within_its_delay(res, fault):
     row = res["defaults"]["faults"][fault]
     assert row["caught"] == len(row["runs"]), row["runs"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(corpus.TUNING_FAULTS))
+def test_one_alarm_incident_per_fault(res, fault):
+    """The fault's events from its onset on make one alarm incident: its aftermath joins it."""
+    row = res["defaults"]["faults"][fault]
+    assert [x["alarm_incidents_after"] for x in row["runs"]] == [1], row["runs"]
 
 
 @pytest.mark.slow

@@ -258,3 +258,86 @@ def test_a_cause_opens_its_own_incident():
     t2 = IncidentTracker()
     nan, _, _ = t2.add(5, [ev(5, "nonfinite_grad")])
     assert t2.add(10, [ev(10, "optimizer_state_nonfinite")]) == (nan, False, False)
+
+
+def test_a_fault_from_the_first_steps_is_one_incident_until_the_run_learns():
+    """An LR far too high from step 0 spikes at step 6, then at 200 and 300 while the loss sits
+    at chance level: one fault. Its incident opened before the loss had a level, so it stays
+    open until the loss falls 20% below its first value."""
+    t = IncidentTracker(quiet=50)
+    for _ in range(6):
+        t.observe(1.6, float("nan"))
+    inc, _, _ = t.add(6, [ev(6, "loss_spike")])
+    for s in range(7, 300):
+        t.observe(1.7, float("nan"))  # never learns
+        assert t.advance(s) is None
+    assert t.add(300, [ev(300, "loss_spike")])[0] is inc
+    for _ in range(10):
+        t.observe(1.0, float("nan"))  # 37% below its first loss: it learned
+    assert t.advance(351) is inc
+
+
+def test_a_new_kind_of_alarm_after_the_run_got_over_its_incident_is_a_new_fault():
+    """The demo's broken optimizer state (the loss never moved) and, 30 steps later, an
+    oscillation: two faults. Repeats of the first keep its incident open but explain nothing
+    new."""
+    t = IncidentTracker(quiet=50)
+    for _ in range(40):
+        t.observe(1.0, float("nan"))
+    first, _, _ = t.add(40, [ev(40, "optimizer_state_nonfinite")])
+    for s in range(41, 70):
+        t.observe(1.0, float("nan"))
+        if s % 10 == 0:
+            assert t.add(s, [ev(s, "optimizer_state_nonfinite")])[0] is first
+    other, opened, _ = t.add(70, [ev(70, "oscillation")])
+    assert opened and other is not first and not first.open
+    # within `settle` steps of the incident's last new finding, a new kind still joins it
+    t.observe(1.0, float("nan"))
+    assert t.add(75, [ev(75, "loss_spike")])[0] is other
+
+
+def test_a_loss_spike_back_to_the_level_before_is_the_run_coming_back():
+    t = IncidentTracker(quiet=50)
+    for _ in range(40):
+        t.observe(1.6, float("nan"))
+    inc, _, _ = t.add(40, [ev(40, "vanishing_grad")])
+    for _ in range(41, 55):
+        t.observe(0.0, float("nan"))  # a loss weighted 0: no gradient
+    # the loss returns to 1.6 from 0: a spike against the zeros, not a new fault
+    assert t.add(55, [ev(55, "loss_spike", value=1.6)])[0] is inc
+    for _ in range(56, 66):
+        t.observe(1.6, float("nan"))
+    assert t.add(66, [ev(66, "divergence")])[1]  # another kind, 10 steps on: a new incident
+
+
+def test_a_learning_rate_jump_keeps_explaining_until_its_harm_came_and_went():
+    t = IncidentTracker(quiet=50)
+    for _ in range(40):
+        t.observe(0.1, float("nan"))
+    inc, _, _ = t.add(40, [ev(40, "lr_jump")])
+    for _ in range(41, 60):
+        t.observe(0.1, float("nan"))  # the loss has not moved yet
+    assert t.add(60, [ev(60, "loss_spike", value=0.5)])[0] is inc
+    for _ in range(61, 80):
+        t.observe(0.5, float("nan"))  # harmed
+    assert t.add(80, [ev(80, "divergence")])[0] is inc
+    for _ in range(81, 100):
+        t.observe(0.1, float("nan"))  # and back
+    assert t.add(100, [ev(100, "oscillation")])[1]
+
+
+def test_broken_optimizer_state_is_explained_only_by_an_overflowing_gradient():
+    """A garbage batch's gradient spike (norm 3) cannot put Inf in Adam's second moment; a norm
+    whose square overflows float32 can."""
+    t = IncidentTracker(quiet=50)
+    for _ in range(40):
+        t.observe(1.0, float("nan"), 1.0)
+    spike, _, _ = t.add(40, [ev(40, "loss_spike"), ev(40, "grad_norm_spike", value=3.0)])
+    t.observe(2.0, float("nan"), 3.0)
+    assert t.add(45, [ev(45, "optimizer_state_nonfinite")])[1]  # its own incident
+    t = IncidentTracker(quiet=50)
+    for _ in range(40):
+        t.observe(1.0, float("nan"), 1.0)
+    spike, _, _ = t.add(40, [ev(40, "loss_spike"), ev(40, "grad_norm_spike", value=3.0)])
+    t.observe(1e30, float("nan"), 4e19)  # later steps of the same incident overflow
+    assert t.add(45, [ev(45, "optimizer_state_nonfinite")])[0] is spike

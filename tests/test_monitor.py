@@ -438,3 +438,54 @@ def test_monitor_argument_errors():
         fh.Monitor(m, flush_every=0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         fh.Monitor(m, max_grad_norm=-1)
+
+
+def test_a_small_bump_at_a_flat_plateau_is_no_spike():
+    """At a plateau whose losses differ by 0.1% a step, a batch 1.4% above the level scored 7
+    noise units; the log-scale floor (MIN_LOG_NOISE) needs a spike to stand 3% above it. A real
+    bad batch at the same plateau still is one."""
+    g = torch.Generator().manual_seed(0)
+    flat = [2.303 * (1 + 0.001 * e) for e in torch.randn(60, generator=g).tolist()]
+    rule = detectors.SpikeDetector()
+    assert not [f for t, v in enumerate(flat) for f in rule.observe(_host(t, loss=v))]
+    assert rule.observe(_host(60, loss=2.303 * 1.014)) == []
+    assert [k for k, _, _ in rule.observe(_host(61, loss=2.303 * 1.5))] == ["loss_spike"]
+
+
+def test_a_run_noisier_than_its_window_is_judged_by_its_present_noise():
+    """A classifier leaving its plateau: a window of 108 flat steps, then 20 of a fast, noisy
+    descent whose batches bounce 30%: the last 32 values' noise unit is the larger, and a batch
+    1.8x the recent level scores under 6 with it, 12 with the whole window's."""
+    g = torch.Generator().manual_seed(2)
+    flat = [2.3 * (1 + 0.002 * e) for e in torch.randn(108, generator=g).tolist()]
+    fall = [2.3 * math.exp(-0.03 * t + 0.3 * e)
+            for t, e in enumerate(torch.randn(20, generator=g).tolist())]
+    values = flat + fall
+    level, noise = detectors.level_and_noise(values)
+    whole = detectors._noise_unit(values)
+    assert noise > 3 * whole
+    lin, _ = detectors.spike_scores(values, 1.8 * level)
+    assert lin < 6 < 0.8 * level / whole
+
+
+def test_a_growing_norm_the_loss_does_not_confirm_stays_a_notice():
+    """The norm climbs 8% a step while the loss falls from the plateau it left: a notice. The
+    same climb with the loss rising above where it was when the climb began is an alarm; with
+    the learning rate warming up 4x over it, a notice again."""
+    def run(loss_of, lr_of):
+        rule = detectors.GradNormTrendDetector()
+        out = []
+        for t in range(160):
+            norm = math.exp(0.08 * max(0, t - 100)) * (1 + 0.05 * math.sin(t))
+            out += [(t, d.get("severity", "notice"))
+                    for _, _, d in rule.observe(_host(t, loss=loss_of(t), grad_norm=norm,
+                                                      lr=lr_of(t)))]
+        return out
+
+    falling = run(lambda t: 2.3 * math.exp(-0.01 * max(0, t - 100)), lambda t: 0.05)
+    assert falling and all(sev == "notice" for _, sev in falling), falling
+    rising = run(lambda t: 0.5 * math.exp(0.01 * max(0, t - 100)), lambda t: 0.05)
+    assert any(sev == "alarm" for _, sev in rising), rising
+    warm = run(lambda t: 0.5 * math.exp(0.01 * max(0, t - 100)),
+               lambda t: 1e-3 * min(4.0, 1 + 3 * max(0, t - 90) / 30))
+    assert warm and all(sev == "notice" for _, sev in warm), warm

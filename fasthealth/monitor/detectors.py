@@ -16,7 +16,8 @@ at a noisy loss floor (false alarms) and, over a window that still held a long d
 too wide to see a garbage batch; differences leave the trend out.
 
 - ``loss_spike``, ``grad_norm_spike``: a value more than ``zscore`` (6) noise units above the
-  recent median, the noise measured over the last ``window`` (128) finite, non-spike values,
+  recent median, the noise measured over the last ``window`` (128) finite, non-spike values
+  (or over the last 32, when they are noisier; at least ``MIN_LOG_NOISE`` on the log scale),
   after ``warmup`` (20) of them,
   on the linear and the log scale both (near a loss floor of 0.01 healthy batches reach 50x the
   median: far on the log scale, near on the linear one); or more than ``extreme`` (5) times
@@ -42,7 +43,9 @@ too wide to see a garbage batch; differences leave the trend out.
   (an exponential average of the log norm) for 3 steps (dead ReLUs, saturated sigmoids).
 - ``exploding_grad``: a tensor's gradient norm above 100x its own recent level; or the global
   gradient norm climbing steadily several-fold (the divergence rule on the log norm over 24
-  steps, t above 6, 3.5x): weights growing without bound.
+  steps, t above 6, 3.5x): weights growing without bound. A notice, and an alarm once the loss
+  stands 10% above both its best and its level when the climb began, unless the learning rate
+  climbed 2x with it (a warm-up, a warm restart).
 - ``nonfinite_loss``, ``nonfinite_grad``: at the step itself. Under a ``GradScaler`` an overflow
   step (finite loss, Inf but no NaN in the gradients, skipped by the scaler) is the scaler at
   work, not an event: ``loss_scale_collapse`` reports the scale below ``min_loss_scale``, or
@@ -69,6 +72,7 @@ Found = tuple[str, str, dict]
 
 NOISE_QUANTILE = 0.9
 NOISE_PER_SIGMA = 1.6449  # the 90th percentile of |N(0, 1)|
+MIN_LOG_NOISE = 0.005  # the smallest noise unit on the log scale (spike_scores)
 
 
 class Detector:
@@ -146,28 +150,38 @@ class NonFiniteGradDetector(Detector):
                   "inf_count": int(v["inf_count"]), "skipped": _skipped(s)})]
 
 
+def _noise_unit(values: list[float]) -> float:
+    diffs = [abs(b - a) for a, b in zip(values, values[1:])]
+    return _quantile(diffs, NOISE_QUANTILE) / (NOISE_PER_SIGMA * math.sqrt(2)) if diffs else 0.0
+
+
 def level_and_noise(values: list[float], recent: int = 32) -> tuple[float, float]:
     """(the median of the last ``recent`` values, the noise unit of the step-to-step
-    differences: their 90th percentile over 1.645 * sqrt(2)). Differences leave a steady trend
-    out of the noise, and the recent median follows it, so a loss still falling widens neither
-    (over a window that still held a long descent, deviations from one median were 10x the
-    minibatch noise: a loss 50x its level went unseen)."""
-    diffs = [abs(b - a) for a, b in zip(values, values[1:])]
-    noise = _quantile(diffs, NOISE_QUANTILE) / (NOISE_PER_SIGMA * math.sqrt(2)) if diffs else 0.0
+    differences: their 90th percentile over 1.645 * sqrt(2), over the whole window or over its
+    last ``recent`` values, whichever is larger). Differences leave a steady trend out of the
+    noise, and the recent median follows it, so a loss still falling widens neither (over a
+    window that still held a long descent, deviations from one median were 10x the minibatch
+    noise: a loss 50x its level went unseen). The recent noise counts when the run has become
+    noisier than its window: a classifier leaving its plateau at ln 10, whose window still held
+    the plateau's flat steps, spiked 2x at 9 window units and 3 recent ones."""
+    noise = max(_noise_unit(values), _noise_unit(values[-recent:]))
     return statistics.median(values[-recent:]), noise
 
 
 def spike_scores(values: list[float], x: float) -> tuple[float, float]:
     """How far ``x`` stands above the recent level of ``values``, in noise units, on the linear
     and on the log scale (the log one only when every value is positive, else equal to the
-    linear one)."""
-    def z(vs: list[float], v: float) -> float:
+    linear one). On the log scale the noise unit is at least ``MIN_LOG_NOISE``: at a plateau
+    whose losses differ by 0.1% a step, a batch 1.4% above the level scored 7 units; with the
+    floor a spike stands at least 3% above the level (6 units of 0.005)."""
+    def z(vs: list[float], v: float, floor: float = 0.0) -> float:
         level, noise = level_and_noise(vs)
+        noise = max(noise, floor)
         return (v - level) / noise if noise > 0 else (math.inf if v > level else 0.0)
 
     lin = z(values, x)
     if x > 0 and min(values) > 0:
-        return lin, z([math.log(v) for v in values], math.log(x))
+        return lin, z([math.log(v) for v in values], math.log(x), MIN_LOG_NOISE)
     return lin, lin
 
 
@@ -401,29 +415,52 @@ class GradNormTrendDetector(DivergenceDetector):
 
     A notice while the loss is fine (a growing norm with the loss still falling is how many
     healthy runs leave a plateau); an alarm when the loss confirms it: the median of the last
-    ``short`` losses stands ``confirm`` (10%) above the lowest such median, at the finding or
-    later in the same episode (then reported once more, as the alarm)."""
+    ``short`` losses stands ``confirm`` (10%) above both the lowest such median and the median
+    the loss had when the climb began (the ``short`` losses before the window's first step), at
+    the finding or later in the same episode (then reported once more, as the alarm). Against
+    the best alone, a run leaving its plateau confirmed its own healthy climb: its loss fell
+    from 2.3 to 0.7 while the norm grew 7x, and a noisy stretch of that descent stood 10% above
+    the best it had reached on the way down (docs/performance.md, "Verdicts"). Never an alarm
+    in an episode whose climb came with the learning rate's: at the finding, the rate stood
+    ``lr_rise`` (2x) above its lowest over the window and the ``short`` steps before it: a
+    warm-up or a warm restart raises the norm and the loss by design (a rate above its old peak
+    is ``lr_jump``'s to judge)."""
 
     def __init__(self, window: int = 24, t_min: float = 6.0, rise: float = 2.5,
-                 warmup: int = 20, short: int = 10, confirm: float = 0.1):
+                 warmup: int = 20, short: int = 10, confirm: float = 0.1,
+                 lr_rise: float = 2.0):
         super().__init__(window, t_min, rise, warmup, short)
-        self.confirm = confirm
+        self.confirm, self.lr_rise = confirm, lr_rise
         self.losses: deque[float] = deque(maxlen=short)
+        # the losses of the window's steps and of the ``short`` before it
+        self.window_losses: deque[float] = deque(maxlen=window + short)
         self.best_loss = math.inf
+        self.climb_start = math.inf  # the loss median when the episode's climb began
+        self.lrs: deque[float] = deque(maxlen=window + short)
+        self.lr_climb = False  # the learning rate rose lr_rise-fold with the episode's climb
         self.unconfirmed: Found | None = None  # the episode's notice, until the loss confirms
 
     def observe(self, s: HostStep) -> list[Found]:
         loss = s.values["loss"]
+        lr = s.info.get("lr")
+        if isinstance(lr, (int, float)) and lr > 0:
+            self.lrs.append(float(lr))
         if math.isfinite(loss):
             self.losses.append(loss)
+            self.window_losses.append(loss)
             if len(self.losses) == self.losses.maxlen:
                 self.best_loss = min(self.best_loss, statistics.median(self.losses))
         if not s.values["grads_finite"]:
             return []
+        was_active = self.active
         found = self.update(s.values["grad_norm"])
         if not self.active:
             self.unconfirmed = None
         if found:
+            if not was_active:
+                before = list(self.window_losses)[:self.losses.maxlen or 1]
+                self.climb_start = statistics.median(before) if before else math.inf
+                self.lr_climb = bool(self.lrs) and self.lrs[-1] > self.lr_rise * min(self.lrs)
             self.unconfirmed = None if self._confirmed() else found[0]
             return [self._as_alarm(f) if self.unconfirmed is None else f for f in found]
         if self.unconfirmed is not None and self._confirmed():
@@ -432,14 +469,20 @@ class GradNormTrendDetector(DivergenceDetector):
         return []
 
     def _confirmed(self) -> bool:
-        return (len(self.losses) == self.losses.maxlen and math.isfinite(self.best_loss)
-                and statistics.median(self.losses) > (1 + self.confirm) * self.best_loss)
+        if len(self.losses) < (self.losses.maxlen or 1) or not math.isfinite(self.best_loss):
+            return False
+        if self.lr_climb:
+            return False  # the schedule's doing: a warm-up, a warm restart (lr_jump judges it)
+        ref = max(self.best_loss, self.climb_start if math.isfinite(self.climb_start) else 0.0)
+        return statistics.median(self.losses) > (1 + self.confirm) * ref
 
     def _as_alarm(self, found: Found) -> Found:
         kind, message, details = found
         return (kind, message + ". The loss confirms it: its recent median stands "
-                f"{self.confirm:.0%} or more above its best",
-                {**details, "severity": "alarm", "loss_confirms": True})
+                f"{self.confirm:.0%} or more above its best and above where it was when the "
+                "climb began",
+                {**details, "severity": "alarm", "loss_confirms": True,
+                 "loss_at_climb_start": self.climb_start})
 
     def finding(self, trend: dict, window: int, norm: float) -> Found:
         return ("exploding_grad",

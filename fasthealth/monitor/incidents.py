@@ -6,15 +6,30 @@ spikes and a rising loss. The tracker sees each flushed step in order. An event 
 incident when there is one (the aftermath of a fault explains what follows it); otherwise it
 opens a new one. An alarm incident stays open while the run has not come back from it: the
 median of the last ``recent`` (10) finite losses more than ``recover`` (20%) above the median of
-the 32 before the incident opened, or a GradScaler's scale still 8x or more below where it was
-(a persistent fault, a data change or a collapsed scale, spikes again 100 steps later: that is
-still its aftermath). Otherwise an incident closes after ``quiet`` steps without an event;
-sooner when it cannot explain what comes later: after ``notice_quiet`` steps while it holds
-only notices (a notice that nothing confirms should not hold the door open for an unrelated
-alarm much later), and after ``skipped_quiet`` steps while every event in it was at a skipped
-step (the update never reached the weights, so there is no aftermath: a NaN ten steps later is
-a fault of its own, a NaN at every step is still one). A notice incident that an alarm joins
-becomes an alarm: a gradient spike that the loss then confirms.
+the 32 before the incident opened, or a GradScaler's scale still 8x or more below the highest of
+those 32 steps (a persistent fault, a data change or a collapsed scale, spikes again 100 steps
+later: that is still its aftermath). An incident that opens before the loss has a level (fewer
+than ``recent`` losses: a fault from the first steps, an LR far too high) stays open until the
+loss has fallen ``recover`` below its first value, the model at its initialization: a run that
+never learns is one fault, however often it spikes. Otherwise an incident closes after ``quiet``
+steps without an event; sooner when it cannot explain what comes later: after ``notice_quiet``
+steps while it holds only notices (a notice that nothing confirms should not hold the door open
+for an unrelated alarm much later), and after ``skipped_quiet`` steps while every event in it
+was at a skipped step (the update never reached the weights, so there is no aftermath: a NaN ten
+steps later is a fault of its own, a NaN at every step is still one). A notice incident that an
+alarm joins becomes an alarm: a gradient spike that the loss then confirms.
+
+When the run is not (or no longer) harmed by an alarm incident and ``settle`` (10) steps have
+passed since its last new finding, an alarm of a kind the incident does not hold is a new
+fault: it closes the incident and opens its own (a damaged model spikes and diverges while it
+recovers; an oscillation 30 steps after a broken optimizer state that never moved the loss is
+not its aftermath); a loss spike back to the level before the incident is the run coming back,
+not a new fault. Except for causes whose harm comes later (``DELAYED``: a learning rate
+ramping up shows in the loss 20 steps after the rate rule fired): such an incident keeps
+explaining until the loss has been harmed (stood ``recover`` above its level before) and is
+back. Repeats of
+the incident's own findings (a broken optimizer state seen at every scan) keep it open, but
+explain nothing new.
 
 Within an incident only the first event of each kind and severity is recorded; the same
 finding at its later steps counts on that event (``Event.repeats``, ``last_step``) and on the
@@ -23,9 +38,11 @@ one event of each kind, not hundreds.
 
 Some alarms are causes, never the aftermath of another fault: a learning rate far above its
 peak is a change of configuration, and is explained only by an open incident that already
-holds one. Broken optimizer state and a collapsing loss scale are explained only by an
-incident that already holds them, a non-finite value or an exploding gradient (whose square
-overflows Adam's second moment; overflow after overflow backs a scaler off). Such an alarm
+holds one. Broken optimizer state is explained only by an incident that already holds it, or a
+non-finite value, or a gradient so large that its square overflows float32 (Adam's second
+moment): norm 1.8e19 or more; a collapsing loss scale by one that holds it, a non-finite
+value, or any gradient spike (scaled for float16, a spike is what overflows: overflow after
+overflow backs a scaler off). Such an alarm
 closes the open incident and opens its own.
 """
 
@@ -35,17 +52,25 @@ import math
 import statistics
 from collections import deque
 
+import torch
+
 from .events import ALARM, NOTICE, Event, Incident
 
-# What overflows optimizer state or a loss scale: non-finite values, or gradients so large that
-# their squares do (Adam's second moment).
-OVERFLOW = frozenset({"nonfinite_loss", "nonfinite_grad", "grad_norm_spike", "exploding_grad"})
-# alarm kind -> the kinds of an open incident that can explain it (its own kind always can)
+NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad"})
+GRADIENT = frozenset({"grad_norm_spike", "exploding_grad"})
+# What overflows a float16-scaled gradient, and so a loss scale: non-finite values, gradient
+# spikes.
+OVERFLOW = NONFINITE | GRADIENT
+# alarm kind -> the kinds of an open incident that can explain it (its own kind always can);
+# gradient kinds explain broken optimizer state only above SQUARE_OVERFLOWS (``_explains``)
 CAUSES: dict[str, frozenset[str]] = {
     "lr_jump": frozenset(),
     "optimizer_state_nonfinite": OVERFLOW,
     "loss_scale_collapse": OVERFLOW,
 }
+# causes whose harm shows later: the loss climbs for 20 steps after a learning-rate rule fired
+DELAYED = frozenset({"lr_jump"})
+SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19
 
 SCALE_DROP = 8.0  # a loss scale this many times below its level before: not recovered (the
 # loss-scale rule's back-off of three halvings)
@@ -66,31 +91,53 @@ def dump_due(policy: str, events: list[Event], alarmed: bool) -> bool:
     return policy == "event" and bool(events)
 
 
+def _norm(e: Event) -> float:
+    """The gradient norm a gradient event reports (NaN when it names none)."""
+    v = e.details.get("value", e.details.get("grad_norm", math.nan))
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
 class IncidentTracker:
     """Assigns each event an incident; ``incidents`` lists them all, in order of opening.
-    ``observe`` is given every step's loss and loss scale (after its events are filed)."""
+    ``observe`` is given every step's loss, loss scale and gradient norm (after its events are
+    filed)."""
 
     def __init__(self, quiet: int = 50, notice_quiet: int = 10, skipped_quiet: int = 3,
-                 recover: float = 0.2, recent: int = 10, before: int = 32) -> None:
-        if min(quiet, notice_quiet, skipped_quiet) < 1:
+                 recover: float = 0.2, recent: int = 10, before: int = 32,
+                 settle: int = 10) -> None:
+        if min(quiet, notice_quiet, skipped_quiet, settle) < 1:
             raise ValueError("fasthealth: incident quiet periods must be at least 1 step")
         self.quiet, self.notice_quiet, self.skipped_quiet = quiet, notice_quiet, skipped_quiet
-        self.recover, self.recent = recover, recent
+        self.recover, self.recent, self.settle = recover, recent, settle
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
         self.closed_early: list[Incident] = []  # closed by a cause it cannot explain
         self.losses: deque[float] = deque(maxlen=before)  # the last finite losses
+        self.scales: deque[float] = deque(maxlen=before)  # the last finite loss scales
+        self.first_loss = math.nan  # the run's first finite loss
         self.scale = math.nan  # the last finite loss scale
-        self.baseline: tuple[float | None, float] = (None, math.nan)  # the open one's before
+        # the open incident's before: (loss level, or None before there is one; loss scale)
+        self.baseline: tuple[float | None, float] = (None, math.nan)
+        self.last_new = -1  # the step of the open incident's last new finding
+        self.harmed = False  # the open incident's run has been unrecovered at some step
+        self.peak_norm = 0.0  # the largest finite gradient norm since the open one opened
         # the first recorded event of each (kind, severity) in the open incident
         self.firsts: dict[tuple[str, str], Event] = {}
         self.skipped_only = False  # every event of the open incident was at a skipped step
 
-    def observe(self, loss: float, scale: float) -> None:
+    def observe(self, loss: float, scale: float, grad_norm: float = math.nan) -> None:
+        if math.isfinite(grad_norm) and self.current is not None:
+            self.peak_norm = max(self.peak_norm, grad_norm)
         if math.isfinite(loss):
             self.losses.append(loss)
+            if not math.isfinite(self.first_loss):
+                self.first_loss = loss
         if math.isfinite(scale):
             self.scale = scale
+            self.scales.append(scale)
+        cur = self.current
+        if cur is not None and cur.severity == ALARM and not self.harmed:
+            self.harmed = self._unrecovered()
 
     def take_closed(self) -> list[Incident]:
         """The incidents ``add`` closed early since the last call."""
@@ -102,8 +149,12 @@ class IncidentTracker:
         docstring); never for a notice incident or one of skipped steps only."""
         loss, scale = self.baseline
         recent = list(self.losses)[-self.recent:]
-        if loss is not None and loss > 0 and len(recent) == self.recent \
-                and statistics.median(recent) > (1 + self.recover) * loss:
+        now = statistics.median(recent) if len(recent) == self.recent else math.nan
+        first = self.first_loss
+        if loss is None:  # opened before the loss had a level: back once it has learned
+            if math.isfinite(first) and not now <= (1 - self.recover) * first:
+                return True  # (too few losses yet to judge, NaN, counts as not back)
+        elif loss > 0 and now > (1 + self.recover) * loss:
             return True
         return math.isfinite(scale) and math.isfinite(self.scale) \
             and self.scale * SCALE_DROP <= scale
@@ -139,11 +190,33 @@ class IncidentTracker:
         if cur is None:
             return False
         held = set(cur.kinds)
+        if "optimizer_state_nonfinite" in (e.kind for e in events):
+            huge = self.peak_norm >= SQUARE_OVERFLOWS or any(
+                _norm(x) >= SQUARE_OVERFLOWS for x in cur.events if x.kind in GRADIENT)
+            causes = dict(CAUSES, optimizer_state_nonfinite=NONFINITE | (GRADIENT if huge
+                                                                      else frozenset()))
+        else:
+            causes = CAUSES
         for e in events:
-            if e.severity == ALARM and e.kind in CAUSES and e.kind not in held \
-                    and not held & CAUSES[e.kind]:
+            if e.severity == ALARM and e.kind in causes and e.kind not in held \
+                    and not held & causes[e.kind]:
                 return False
+        new_alarm = any(e.severity == ALARM and e.kind not in held and not self._returns(e)
+                        for e in events)
+        step = events[0].step
+        waits = bool(held & DELAYED) and not self.harmed  # its harm is still to come
+        if new_alarm and cur.severity == ALARM and not waits \
+                and step - self.last_new >= self.settle and not self._unrecovered():
+            return False  # the run got over it: a new kind of alarm is a new fault
         return True
+
+    def _returns(self, e: Event) -> bool:
+        """Whether ``e`` is a loss spike back to (not above) the loss before the open incident:
+        the run coming back (after a stretch of zero losses, say), not a new fault."""
+        level = self.baseline[0]
+        value = e.details.get("value")
+        return e.kind == "loss_spike" and level is not None and isinstance(value, (int, float)) \
+            and value <= (1 + self.recover) * level
 
     def add(self, step: int, events: list[Event]) -> tuple[Incident | None, bool, bool]:
         """``file`` without the list of recorded events."""
@@ -167,7 +240,9 @@ class IncidentTracker:
                                     cause=first.kind, severity=NOTICE)
             self.incidents.append(self.current)
             level = statistics.median(self.losses) if len(self.losses) >= self.recent else None
-            self.baseline = (level, self.scale)
+            self.baseline = (level, max(self.scales) if self.scales else math.nan)
+            self.harmed = False
+            self.peak_norm = 0.0
             self.skipped_only = True
         cur = self.current
         assert cur is not None
@@ -183,6 +258,7 @@ class IncidentTracker:
                 seen.last_step = step
                 continue
             self.firsts[(e.kind, e.severity)] = e
+            self.last_new = step
             kept.append(e)
             cur.events.append(e)
             if e.kind not in cur.kinds:

@@ -87,7 +87,8 @@ class Journal:
         found = [Event(s.step, kind, msg, dict(d, **details), severity=d.get("severity", ""))
                  for rule in self.detectors for kind, msg, d in rule.observe(s)]
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
-        self.tracker.observe(s.values["loss"], s.values["loss_scale"])
+        self.tracker.observe(s.values["loss"], s.values["loss_scale"],
+                             s.values["grad_norm"])
         ended = ([closed] if closed else []) + self.tracker.take_closed()
         s.info["incidents"] = [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened else [])

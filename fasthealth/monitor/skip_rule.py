@@ -3,8 +3,9 @@ device from numbers the step already computed (docs/spec.md section 6, spike ski
 
 The rule scores the loss and the global gradient norm of each step the way ``SpikeDetector``
 does on the host (``detectors.py``): against the median of the last 32 accepted values, in
-*noise units* (the 90th percentile of the window's step-to-step differences over
-1.645 * sqrt(2)), on the linear and the log scale, a value's score being the smaller of the
+*noise units* (the 90th percentile of the step-to-step differences over 1.645 * sqrt(2), over
+the window or its last 32 values, whichever is larger; on the log scale at least
+``MIN_LOG_NOISE``), on the linear and the log scale, a value's score being the smaller of the
 two. A step is skipped when
 
 - its loss scores above ``zscore`` (a bad batch harms the loss of the step that sees it), or
@@ -22,8 +23,8 @@ optimizer's ``found_inf`` or an early return: ``gate.py``), take a skipped value
 window (a NaN or an outlier in the history would make every later step look normal, or skip),
 or skip more than ``max_run`` steps in a row: a level that stays is a change of regime (an LR
 jump that already hit the weights, a new data source), which skipping cannot undo and would
-stall the run; from then on its values enter the window and the alarms of the host rules say
-what happened.
+stall the run; the windows then restart from the new level (nothing is skipped until they hold
+``warmup`` values again) and the alarms of the host rules say what happened.
 
 All state lives in device tensors of fixed shapes (a (2, window) ring, its write positions, the
 run length): no host sync, nothing recompiled, the same decision on every rank given the same
@@ -37,19 +38,27 @@ import math
 
 import torch
 
-from .detectors import NOISE_PER_SIGMA, NOISE_QUANTILE, Detector, Found
+from .detectors import MIN_LOG_NOISE, NOISE_PER_SIGMA, NOISE_QUANTILE, Detector, Found
 from .record import HostStep
 
 SERIES = ("loss", "grad_norm")
 _TINY = 1e-300  # keeps log() finite on positive values; non-positive ones turn the log off
 
 
-def _noise_z(win: torch.Tensor, v: torch.Tensor, recent: int) -> torch.Tensor:
+def _noise_z(win: torch.Tensor, v: torch.Tensor, recent: int, floor: torch.Tensor
+             ) -> torch.Tensor:
     """Per row of ``win`` (oldest first, NaN where empty): how many noise units ``v`` stands
-    above the median of the last ``recent`` values."""
-    level = torch.nanmedian(win[:, -recent:], dim=1).values
+    above the median of the last ``recent`` values; the noise unit is the larger of the whole
+    window's and the last ``recent`` values', and at least the row's ``floor``."""
+    # the median as statistics.median takes it (the mean of the middle two of an even count;
+    # nanmedian would take the lower one)
+    level = torch.nanquantile(win[:, -recent:], 0.5, dim=1)
     diffs = (win[:, 1:] - win[:, :-1]).abs()
-    noise = torch.nanquantile(diffs, NOISE_QUANTILE, dim=1) / (NOISE_PER_SIGMA * math.sqrt(2))
+    q = torch.stack([torch.nanquantile(diffs, NOISE_QUANTILE, dim=1),
+                     torch.nanquantile(diffs[:, -(recent - 1):], NOISE_QUANTILE, dim=1)])
+    # a recent stretch without two values (NaN) leaves the whole window's noise
+    noise = torch.fmax(q[0], q[1]) / (NOISE_PER_SIGMA * math.sqrt(2))
+    noise = torch.fmax(noise, floor)
     z = (v - level) / noise
     flat = torch.where(v > level, math.inf, 0.0)  # a window without noise: any rise is out
     return torch.where(noise > 0, z, flat)
@@ -72,13 +81,18 @@ class SkipRule:
         self.thresholds = torch.tensor([zscore, grad_factor * zscore], dtype=torch.float64,
                                        device=device)
         self._ring = torch.arange(window, device=device)
+        # the noise floor of each row of ``scores``: none on the linear scale, MIN_LOG_NOISE on
+        # the log one
+        self._floor = torch.tensor([0.0, 0.0, MIN_LOG_NOISE, MIN_LOG_NOISE],
+                                   dtype=torch.float64, device=device)
 
     def scores(self, v: torch.Tensor) -> torch.Tensor:
         """(2,) scores of ``v`` = (loss, grad norm) against the windows, NaN where unarmed."""
         order = (self._ring[None, :] + self.pos[:, None]) % self.window
         win = self.buf.gather(1, order)  # oldest first; unfilled slots (NaN) come first
         both = torch.cat([win, win.clamp_min(_TINY).log()])  # rows: linear, then log scale
-        lin, log = _noise_z(both, torch.cat([v, v.clamp_min(_TINY).log()]), self.recent).chunk(2)
+        lin, log = _noise_z(both, torch.cat([v, v.clamp_min(_TINY).log()]), self.recent,
+                            self._floor).chunk(2)
         positive = ((win > 0) | win.isnan()).all(1) & (v > 0)
         z = torch.where(positive, torch.minimum(lin, log), lin)
         armed = (~win.isnan()).sum(1) >= self.warmup
@@ -97,6 +111,11 @@ class SkipRule:
         outlier = (alone | both) & ok
         skip = outlier & (self.run < self.max_run)
         self.run = torch.where(outlier, self.run + 1, torch.zeros_like(self.run))
+        # the step after max_run skips in a row, still out: a new regime; the windows restart
+        # from it (else, while the median catches up, a value that dips under the threshold
+        # resets the run and the next ones are skipped again)
+        restart = outlier & ~skip
+        self.buf.masked_fill_(restart, math.nan)
         take = ok & ~skip & v.isfinite()  # (2,): per series
         col = self.pos[:, None]
         old = self.buf.gather(1, col)[:, 0]
