@@ -2,7 +2,8 @@
 
 Every detector of the Monitor should fire at its planted step; the bad steps are skipped; the
 replay tells the bad batch (reproduces) from the simulated bit flip (does not); a report is
-written. Exit status 0 when every planted fault was caught where it was planted.
+written. Exit status 0 when every planted fault was caught where it was planted, each in an
+incident of its own.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
 def _check_schedule(model: TinyGPT, mon: Monitor, out) -> bool:
     """Prints, per planted fault, what the monitor reported (and replay's verdict)."""
     all_ok = True
+    incidents: list[int | None] = []  # the incident of each fault's first expected event
     for item in SCHEDULE:
         found = []
         for kind, lo, hi in item["expect"]:
@@ -203,8 +205,13 @@ def _check_schedule(model: TinyGPT, mon: Monitor, out) -> bool:
         ok = all(s is not None for _, s in found)
         all_ok &= ok
         got = ", ".join(f"{k} at {s}" if s is not None else f"{k} MISSING" for k, s in found)
+        first = next((e for e in mon.events if e.kind == found[0][0] and e.step == found[0][1]),
+                     None)
+        incident = None if first is None else first.incident
+        shown = "" if incident is None else f"; incident #{incident}"
         print(f"  [{'ok' if ok else 'MISSED'}] step {item['at']}: {item['fault']}\n"
-              f"         -> {got}", file=out)
+              f"         -> {got}{shown}", file=out)
+        incidents.append(incident)
         if "replay" in item:
             ev = next((e for e in mon.events if e.step == item["at"] and e.dump), None)
             if ev is None or not ev.dump:
@@ -213,7 +220,13 @@ def _check_schedule(model: TinyGPT, mon: Monitor, out) -> bool:
             r = replay(ev.dump, model, loss_fn)
             all_ok &= r.reproduced == (item["replay"] == "reproduces")
             print(f"         replay: {r.verdict}", file=out)
-    return all_ok
+    apart = None not in incidents and len(set(incidents)) == len(incidents)
+    dumps = {inc.dump for inc in mon.incidents if inc.dump}
+    size = sum(Path(d).stat().st_size for d in dumps if Path(d).exists())
+    print(f"\nincidents: {len(mon.incidents)} for {len(SCHEDULE)} planted faults, "
+          f"{'each fault in its own' if apart else 'SOME FAULTS SHARE ONE'}; "
+          f"{len(dumps)} dumps ({size / 2**20:.0f} MiB)", file=out)
+    return all_ok and apart
 
 
 def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout) -> bool:

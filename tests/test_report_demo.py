@@ -45,6 +45,9 @@ def test_demo_catches_every_planted_fault(tmp_path):
     text = out.getvalue()
     assert "MISSED" not in text and "does not reproduce on replay of step 120" in text
     assert "reproduces on replay of step 80" in text
+    assert "incidents: 8 for 8 planted faults, each fault in its own; 8 dumps" in text
+    dumps = [p for p in (tmp_path / "dumps").iterdir() if p.suffix == ".pt"]
+    assert len(dumps) == 8
     kinds = {json.loads(s)["kind"] for s in (tmp_path / "events.jsonl").read_text().splitlines()}
     # every detector fired (replicas need a process group: tests/test_distributed.py)
     assert set(report.EVENT_COLORS) - {"replica_divergence"} <= kinds
