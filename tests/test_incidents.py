@@ -277,13 +277,23 @@ def test_a_fault_from_the_first_steps_is_one_incident_until_the_run_learns():
     assert t.advance(351) is inc
 
 
+def steady(loss, steps=40, grad_norm=float("nan")):
+    """A tracker that has seen ``steps`` losses at ``loss`` (no loss scale)."""
+    t = IncidentTracker(quiet=50)
+    feed(t, loss, steps, grad_norm)
+    return t
+
+
+def feed(t, loss, steps, grad_norm=float("nan")):
+    for _ in range(steps):
+        t.observe(loss, float("nan"), grad_norm)
+
+
 def test_a_new_kind_of_alarm_after_the_run_got_over_its_incident_is_a_new_fault():
     """The demo's broken optimizer state (the loss never moved) and, 30 steps later, an
     oscillation: two faults. Repeats of the first keep its incident open but explain nothing
     new."""
-    t = IncidentTracker(quiet=50)
-    for _ in range(40):
-        t.observe(1.0, float("nan"))
+    t = steady(1.0)
     first, _, _ = t.add(40, [ev(40, "optimizer_state_nonfinite")])
     for s in range(41, 70):
         t.observe(1.0, float("nan"))
@@ -297,47 +307,34 @@ def test_a_new_kind_of_alarm_after_the_run_got_over_its_incident_is_a_new_fault(
 
 
 def test_a_loss_spike_back_to_the_level_before_is_the_run_coming_back():
-    t = IncidentTracker(quiet=50)
-    for _ in range(40):
-        t.observe(1.6, float("nan"))
+    t = steady(1.6)
     inc, _, _ = t.add(40, [ev(40, "vanishing_grad")])
-    for _ in range(41, 55):
-        t.observe(0.0, float("nan"))  # a loss weighted 0: no gradient
+    feed(t, 0.0, 14)  # a loss weighted 0: no gradient
     # the loss returns to 1.6 from 0: a spike against the zeros, not a new fault
     assert t.add(55, [ev(55, "loss_spike", value=1.6)])[0] is inc
-    for _ in range(56, 66):
-        t.observe(1.6, float("nan"))
+    feed(t, 1.6, 10)
     assert t.add(66, [ev(66, "divergence")])[1]  # another kind, 10 steps on: a new incident
 
 
 def test_a_learning_rate_jump_keeps_explaining_until_its_harm_came_and_went():
-    t = IncidentTracker(quiet=50)
-    for _ in range(40):
-        t.observe(0.1, float("nan"))
+    t = steady(0.1)
     inc, _, _ = t.add(40, [ev(40, "lr_jump")])
-    for _ in range(41, 60):
-        t.observe(0.1, float("nan"))  # the loss has not moved yet
+    feed(t, 0.1, 19)  # the loss has not moved yet
     assert t.add(60, [ev(60, "loss_spike", value=0.5)])[0] is inc
-    for _ in range(61, 80):
-        t.observe(0.5, float("nan"))  # harmed
+    feed(t, 0.5, 19)  # harmed
     assert t.add(80, [ev(80, "divergence")])[0] is inc
-    for _ in range(81, 100):
-        t.observe(0.1, float("nan"))  # and back
+    feed(t, 0.1, 19)  # and back
     assert t.add(100, [ev(100, "oscillation")])[1]
 
 
 def test_broken_optimizer_state_is_explained_only_by_an_overflowing_gradient():
     """A garbage batch's gradient spike (norm 3) cannot put Inf in Adam's second moment; a norm
     whose square overflows float32 can."""
-    t = IncidentTracker(quiet=50)
-    for _ in range(40):
-        t.observe(1.0, float("nan"), 1.0)
+    t = steady(1.0, grad_norm=1.0)
     spike, _, _ = t.add(40, [ev(40, "loss_spike"), ev(40, "grad_norm_spike", value=3.0)])
     t.observe(2.0, float("nan"), 3.0)
     assert t.add(45, [ev(45, "optimizer_state_nonfinite")])[1]  # its own incident
-    t = IncidentTracker(quiet=50)
-    for _ in range(40):
-        t.observe(1.0, float("nan"), 1.0)
+    t = steady(1.0, grad_norm=1.0)
     spike, _, _ = t.add(40, [ev(40, "loss_spike"), ev(40, "grad_norm_spike", value=3.0)])
     t.observe(1e30, float("nan"), 4e19)  # later steps of the same incident overflow
     assert t.add(45, [ev(45, "optimizer_state_nonfinite")])[0] is spike
