@@ -20,30 +20,28 @@ steps later is a fault of its own, a NaN at every step is still one). A notice i
 alarm joins becomes an alarm: a gradient spike that the loss then confirms.
 
 When the run is not (or no longer) harmed by an alarm incident and ``settle`` (10) steps have
-passed since its last new finding, an alarm of a kind the incident does not hold is a new
-fault: it closes the incident and opens its own (a damaged model spikes and diverges while it
-recovers; an oscillation 30 steps after a broken optimizer state that never moved the loss is
-not its aftermath); a loss spike back to the level before the incident is the run coming back,
-not a new fault. Except for causes whose harm comes later (``DELAYED``: a learning rate
-ramping up shows in the loss 20 steps after the rate rule fired): such an incident keeps
-explaining until the loss has been harmed (stood ``recover`` above its level before) and is
-back. Repeats of
-the incident's own findings (a broken optimizer state seen at every scan) keep it open, but
-explain nothing new.
+passed since its last new finding, an alarm of a kind the incident does not hold is a new fault:
+it closes the incident and opens its own (a damaged model spikes and diverges while it recovers;
+an oscillation 30 steps after a broken optimizer state that never moved the loss is not its
+aftermath); a loss spike back to the level before the incident is the run coming back, not a new
+fault. Except for causes whose harm comes later (``DELAYED``: a learning rate ramping up shows
+in the loss 20 steps after the rate rule fired): such an incident keeps explaining until the
+loss has been harmed (stood ``recover`` above its level before) and is back. Repeats of the
+incident's own findings (a broken optimizer state seen at every scan) keep it open, but explain
+nothing new.
 
-Within an incident only the first event of each kind and severity is recorded; the same
-finding at its later steps counts on that event (``Event.repeats``, ``last_step``) and on the
-incident (``counts``): a NaN in Adam's moments makes every later step non-finite, one fault,
-one event of each kind, not hundreds.
+Within an incident only the first event of each kind and severity is recorded; the same finding
+at its later steps counts on that event (``Event.repeats``, ``last_step``) and on the incident
+(``counts``): a NaN in Adam's moments makes every later step non-finite, one fault, one event of
+each kind, not hundreds.
 
-Some alarms are causes, never the aftermath of another fault: a learning rate far above its
-peak is a change of configuration, and is explained only by an open incident that already
-holds one. Broken optimizer state is explained only by an incident that already holds it, or a
-non-finite value, or a gradient so large that its square overflows float32 (Adam's second
-moment): norm 1.8e19 or more; a collapsing loss scale by one that holds it, a non-finite
-value, or any gradient spike (scaled for float16, a spike is what overflows: overflow after
-overflow backs a scaler off). Such an alarm
-closes the open incident and opens its own.
+Some alarms are causes, never the aftermath of another fault: a learning rate far above its peak
+is a change of configuration, and is explained only by an open incident that already holds one.
+Broken optimizer state is explained only by an incident that already holds it, or a non-finite
+value, or a gradient so large that its square overflows float32 (Adam's second moment): norm
+1.8e19 or more; a collapsing loss scale by one that holds it, a non-finite value, or any
+gradient spike (scaled for float16, a spike is what overflows: overflow after overflow backs a
+scaler off). Such an alarm closes the open incident and opens its own.
 """
 
 from __future__ import annotations
@@ -61,11 +59,11 @@ GRADIENT = frozenset({"grad_norm_spike", "exploding_grad"})
 # What overflows a float16-scaled gradient, and so a loss scale: non-finite values, gradient
 # spikes.
 OVERFLOW = NONFINITE | GRADIENT
-# alarm kind -> the kinds of an open incident that can explain it (its own kind always can);
-# gradient kinds explain broken optimizer state only above SQUARE_OVERFLOWS (``_explains``)
+# alarm kind -> the kinds of an open incident that can explain it (its own kind always can;
+# broken optimizer state also a gradient above SQUARE_OVERFLOWS: ``_overflowed``)
 CAUSES: dict[str, frozenset[str]] = {
     "lr_jump": frozenset(),
-    "optimizer_state_nonfinite": OVERFLOW,
+    "optimizer_state_nonfinite": NONFINITE,
     "loss_scale_collapse": OVERFLOW,
 }
 # causes whose harm shows later: the loss climbs for 20 steps after a learning-rate rule fired
@@ -190,17 +188,13 @@ class IncidentTracker:
         if cur is None:
             return False
         held = set(cur.kinds)
-        if "optimizer_state_nonfinite" in (e.kind for e in events):
-            huge = self.peak_norm >= SQUARE_OVERFLOWS or any(
-                _norm(x) >= SQUARE_OVERFLOWS for x in cur.events if x.kind in GRADIENT)
-            causes = dict(CAUSES, optimizer_state_nonfinite=NONFINITE | (GRADIENT if huge
-                                                                      else frozenset()))
-        else:
-            causes = CAUSES
         for e in events:
-            if e.severity == ALARM and e.kind in causes and e.kind not in held \
-                    and not held & causes[e.kind]:
-                return False
+            if e.severity != ALARM or e.kind not in CAUSES or e.kind in held \
+                    or held & CAUSES[e.kind]:
+                continue
+            if e.kind == "optimizer_state_nonfinite" and self._overflowed():
+                continue  # the incident's gradients could overflow Adam's second moment
+            return False
         new_alarm = any(e.severity == ALARM and e.kind not in held and not self._returns(e)
                         for e in events)
         step = events[0].step
@@ -209,6 +203,13 @@ class IncidentTracker:
                 and step - self.last_new >= self.settle and not self._unrecovered():
             return False  # the run got over it: a new kind of alarm is a new fault
         return True
+
+    def _overflowed(self) -> bool:
+        """Whether a gradient of the open incident was large enough for its square to overflow
+        float32 (its norm, or a gradient event's)."""
+        cur = self.current
+        return self.peak_norm >= SQUARE_OVERFLOWS or cur is not None and any(
+            _norm(e) >= SQUARE_OVERFLOWS for e in cur.events if e.kind in GRADIENT)
 
     def _returns(self, e: Event) -> bool:
         """Whether ``e`` is a loss spike back to (not above) the loss before the open incident:
