@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .detectors import MIN_LOG_NOISE, NOISE_PER_SIGMA, NOISE_QUANTILE, Detector, Found
 from .record import HostStep
@@ -45,19 +46,23 @@ SERIES = ("loss", "grad_norm")
 _TINY = 1e-300  # keeps log() finite on positive values; non-positive ones turn the log off
 
 
-def _noise_z(win: torch.Tensor, v: torch.Tensor, recent: int, floor: torch.Tensor
-             ) -> torch.Tensor:
+def _noise_z(win: torch.Tensor, v: torch.Tensor, recent: int, floor: torch.Tensor,
+             qs: torch.Tensor) -> torch.Tensor:
     """Per row of ``win`` (oldest first, NaN where empty): how many noise units ``v`` stands
     above the median of the last ``recent`` values; the noise unit is the larger of the whole
-    window's and the last ``recent`` values', and at least the row's ``floor``."""
+    window's and the last ``recent`` values', and at least the row's ``floor``. ``qs`` holds
+    (NOISE_QUANTILE, 0.5): the three statistics come from one sort."""
+    rows = win.shape[0]
+    diffs = (win[:, 1:] - win[:, :-1]).abs()
+    width = diffs.shape[1]
+    recent_diffs = F.pad(diffs[:, -(recent - 1):], (0, width - recent + 1), value=math.nan)
+    recent_values = F.pad(win[:, -recent:], (0, width - recent), value=math.nan)
+    q = torch.nanquantile(torch.cat([diffs, recent_diffs, recent_values]), qs, dim=1)
     # the median as statistics.median takes it (the mean of the middle two of an even count;
     # nanmedian would take the lower one)
-    level = torch.nanquantile(win[:, -recent:], 0.5, dim=1)
-    diffs = (win[:, 1:] - win[:, :-1]).abs()
-    q = torch.stack([torch.nanquantile(diffs, NOISE_QUANTILE, dim=1),
-                     torch.nanquantile(diffs[:, -(recent - 1):], NOISE_QUANTILE, dim=1)])
+    level = q[1, 2 * rows:]
     # a recent stretch without two values (NaN) leaves the whole window's noise
-    noise = torch.fmax(q[0], q[1]) / (NOISE_PER_SIGMA * math.sqrt(2))
+    noise = torch.fmax(q[0, :rows], q[0, rows:2 * rows]) / (NOISE_PER_SIGMA * math.sqrt(2))
     noise = torch.fmax(noise, floor)
     z = (v - level) / noise
     flat = torch.where(v > level, math.inf, 0.0)  # a window without noise: any rise is out
@@ -85,6 +90,7 @@ class SkipRule:
         # the log one
         self._floor = torch.tensor([0.0, 0.0, MIN_LOG_NOISE, MIN_LOG_NOISE],
                                    dtype=torch.float64, device=device)
+        self._qs = torch.tensor([NOISE_QUANTILE, 0.5], dtype=torch.float64, device=device)
 
     def scores(self, v: torch.Tensor) -> torch.Tensor:
         """(2,) scores of ``v`` = (loss, grad norm) against the windows, NaN where unarmed."""
@@ -92,7 +98,7 @@ class SkipRule:
         win = self.buf.gather(1, order)  # oldest first; unfilled slots (NaN) come first
         both = torch.cat([win, win.clamp_min(_TINY).log()])  # rows: linear, then log scale
         lin, log = _noise_z(both, torch.cat([v, v.clamp_min(_TINY).log()]), self.recent,
-                            self._floor).chunk(2)
+                            self._floor, self._qs).chunk(2)
         positive = ((win > 0) | win.isnan()).all(1) & (v > 0)
         z = torch.where(positive, torch.minimum(lin, log), lin)
         armed = (~win.isnan()).sum(1) >= self.warmup
