@@ -3,6 +3,8 @@
     python bench/bench_detectors.py --label before   # tuning families, 6 seeds: ~15 min
     python bench/bench_detectors.py --quick          # one seed, defaults only (make test's size)
     python bench/bench_detectors.py --final          # also the held-out families, once
+    python bench/bench_detectors.py --cache build/detector-runs   # while tuning host rules:
+                                       # replays earlier recordings instead of training again
 
 Every run is a real training loop under ``fh.Monitor`` at its defaults; its recorded steps are
 then replayed through fresh Monitors under each setting of ``GRID`` (Monitor constructor
@@ -77,20 +79,23 @@ def _job(args: tuple) -> dict:
     torch.set_num_threads(1)
     import corpus
 
-    kind, name, seed, options = args
-    r = corpus.run(kind, name, seed, options=options)
-    r["faithful"] = [e[:3] for e in r["events"]] == [e[:3] for e in r["replays"][0]["events"]]
+    kind, name, seed, options, cache = args
+    r = corpus.run(kind, name, seed, options=options, cache=cache)
+    # a cached run's training-time events are its replay's: nothing to compare
+    r["faithful"] = None if r["cached"] else (
+        [e[:3] for e in r["events"]] == [e[:3] for e in r["replays"][0]["events"]])
     return r
 
 
-def jobs_for(size: dict, final: bool, only: set[str] | None = None) -> list[tuple]:
+def jobs_for(size: dict, final: bool, only: set[str] | None = None,
+             cache: Path | None = None) -> list[tuple]:
     import corpus
 
     healthy = dict(corpus.HEALTHY, **(corpus.HELD_OUT_HEALTHY if final else {}))
     faults = dict(corpus.TUNING_FAULTS, **(corpus.HELD_OUT_FAULTS if final else {}))
     grid = usable(size["grid"])
-    jobs = [("healthy", n, s, grid) for n in healthy for s in size["seeds"]]
-    jobs += [("fault", n, s + FAULT_SEED, grid) for n in faults for s in size["seeds"]]
+    jobs = [("healthy", n, s, grid, cache) for n in healthy for s in size["seeds"]]
+    jobs += [("fault", n, s + FAULT_SEED, grid, cache) for n in faults for s in size["seeds"]]
     if only:
         jobs = [j for j in jobs if j[1] in only]
     # the longest first, so that two workers finish together
@@ -256,21 +261,24 @@ def _brief(v: dict) -> list:
 
 
 def evaluate(size: dict, workers: int = 2, progress: bool = True, final: bool = False,
-             only: set[str] | None = None) -> dict:
-    """Runs the corpus at ``size`` and scores it; with ``final`` the held-out part too."""
+             only: set[str] | None = None, cache: Path | None = None) -> dict:
+    """Runs the corpus at ``size`` and scores it; with ``final`` the held-out part too; with
+    ``cache`` (a folder), runs recorded there before with the same sources are replayed, not
+    trained again."""
     t0 = time.time()
     grid = usable(size["grid"])
     import corpus
 
-    runs = run_all(jobs_for(size, final, only), workers, progress)
+    runs = run_all(jobs_for(size, final, only, cache), workers, progress)
     held_names = set(corpus.HELD_OUT_HEALTHY) | set(corpus.HELD_OUT_FAULTS)
     tuning = [r for r in runs if r["name"] not in held_names]
     held = [r for r in runs if r["name"] in held_names]
     chosen, lofo = leave_one_family_out(tuning, grid)
     res = {
         "seeds": list(size["seeds"]), "grid": grid,
-        "faithful_replays": sum(r["faithful"] for r in runs), "runs": len(runs),
-        "unfaithful": [(r["name"], r["seed"]) for r in runs if not r["faithful"]],
+        "faithful_replays": sum(r["faithful"] is True for r in runs), "runs": len(runs),
+        "cached_runs": sum(r["cached"] for r in runs),
+        "unfaithful": [(r["name"], r["seed"]) for r in runs if r["faithful"] is False],
         "defaults": score(tuning, grid, lambda r: 0),
         "leave_one_family_out": {"chosen": {g: grid[k] for g, k in chosen.items()}, **lofo},
         "per_setting": [score(tuning, grid, lambda r, k=k: k)["totals"]
@@ -300,7 +308,9 @@ def _fmt(x) -> str:
 def table(res: dict) -> str:
     d, lo = res["defaults"], res["leave_one_family_out"]
     lines = [f"seeds {res['seeds']}; {len(res['grid'])} settings; replays faithful to training: "
-             f"{res['faithful_replays']}/{res['runs']}; {res['wall_seconds']} s wall",
+             f"{res['faithful_replays']}/{res['runs'] - res.get('cached_runs', 0)} "
+             f"({res.get('cached_runs', 0)} runs replayed from the cache); "
+             f"{res['wall_seconds']} s wall",
              "",
              f"{'healthy family':<42}{'steps':>7} {'alarms/10k':>10} {'notices/10k':>11} "
              f"{'LOFO alarms/10k':>15}  alarm kinds at the defaults"]
@@ -419,12 +429,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", help="a line kept with the results (what was measured)")
     ap.add_argument("--out", default=str(HERE / "results" / "detectors.json"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--cache", type=Path, help="a folder for the runs' recorded steps: a run "
+                    "recorded there with the same sources is replayed, not trained (while "
+                    "tuning the host rules; results for the record come from a run without it)")
     args = ap.parse_args(argv)
     size = dict(QUICK if args.quick else FULL)
     if args.seeds:
         size["seeds"] = range(args.seeds)
     only = set(args.only.split(",")) if args.only else None
-    res = evaluate(size, args.workers, final=args.final, only=only)
+    res = evaluate(size, args.workers, final=args.final, only=only, cache=args.cache)
     res["machine"] = provenance()
     if args.note:
         res["note"] = args.note

@@ -51,7 +51,7 @@ def test_corpus_is_broad_and_keeps_families_out():
     assert {f.group for f in corpus.TUNING_FAULTS.values()}.isdisjoint(corpus.HELD_OUT_HEALTHY)
     assert len(groups) >= 15
     jobs = bench_detectors.jobs_for(SLICE, final=False)
-    ran = {name for _, name, _, _ in jobs}
+    ran = {name for _, name, *_ in jobs}
     assert ran.isdisjoint(corpus.HELD_OUT_HEALTHY) and ran.isdisjoint(corpus.HELD_OUT_FAULTS)
     assert ran == set(corpus.HEALTHY) | set(corpus.TUNING_FAULTS)
 
@@ -105,7 +105,23 @@ def test_final_scores_the_held_out_part_apart(monkeypatch):
     assert final["held_out_defaults"]["faults"][flt]["delays"] == [0]
     assert set(res["defaults"]["families"]) == {"iris_mlp_sgd_constant"}
     assert final["chosen_on_all_tuning"] in res["grid"]
-    assert {f for _, f, _, _ in bench_detectors.jobs_for(SLICE, final=False)}.isdisjoint({fam, flt})
+    assert {f for _, f, *_ in bench_detectors.jobs_for(SLICE, final=False)}.isdisjoint({fam, flt})
+
+
+@pytest.mark.slow
+def test_cached_recordings_replay_to_the_same_verdicts(tmp_path, monkeypatch):
+    """--cache: the second evaluation replays the first one's recordings instead of training,
+    to the same verdicts; a change to a source that shapes training makes a new recording."""
+    size = dict(SLICE, seeds=range(1))
+    only = {"iris_mlp_sgd_constant", "nonfinite_input"}
+    first = bench_detectors.evaluate(size, workers=1, progress=False, only=only, cache=tmp_path)
+    second = bench_detectors.evaluate(size, workers=1, progress=False, only=only, cache=tmp_path)
+    assert (first["cached_runs"], second["cached_runs"]) == (0, 2)
+    assert first["faithful_replays"] == 2 and second["unfaithful"] == []
+    assert first["per_run"] == second["per_run"] and first["loss"] == second["loss"]
+    assert [p.name for p in tmp_path.iterdir()] == [corpus.recording_key()]
+    monkeypatch.setattr(corpus, "_JUDGES", set())  # now the host rules count as well
+    assert corpus.recording_key() != next(tmp_path.iterdir()).name
 
 
 # ---- the slice ------------------------------------------------------------------------------
