@@ -162,8 +162,9 @@ def level_and_noise(values: list[float], recent: int = 32) -> tuple[float, float
     noise, and the recent median follows it, so a loss still falling widens neither (over a
     window that still held a long descent, deviations from one median were 10x the minibatch
     noise: a loss 50x its level went unseen). The recent noise counts when the run has become
-    noisier than its window: a classifier leaving its plateau at ln 10, whose window still held
-    the plateau's flat steps, spiked 2x at 9 window units and 3 recent ones."""
+    noisier than its window: a classifier that leaves a flat plateau for a fast, noisy descent
+    would otherwise have that descent's ordinary swings judged against the plateau's noise
+    (docs/performance.md, "Detector accuracy")."""
     noise = max(_noise_unit(values), _noise_unit(values[-recent:]))
     return statistics.median(values[-recent:]), noise
 
@@ -172,8 +173,9 @@ def spike_scores(values: list[float], x: float) -> tuple[float, float]:
     """How far ``x`` stands above the recent level of ``values``, in noise units, on the linear
     and on the log scale (the log one only when every value is positive, else equal to the
     linear one). On the log scale the noise unit is at least ``MIN_LOG_NOISE``: at a plateau
-    whose losses differ by 0.1% a step, a batch 1.4% above the level scored 7 units; with the
-    floor a spike stands at least 3% above the level (6 units of 0.005)."""
+    whose losses barely differ step to step, a bump of a percent or two would otherwise score
+    as a spike, though no user would act on it; with the floor a spike stands at least 3% above
+    the level (6 units of 0.005)."""
     def z(vs: list[float], v: float, floor: float = 0.0) -> float:
         level, noise = level_and_noise(vs)
         noise = max(noise, floor)
@@ -418,9 +420,10 @@ class GradNormTrendDetector(DivergenceDetector):
     ``short`` losses stands ``confirm`` (10%) above both the lowest such median and the median
     the loss had when the climb began (the ``short`` losses before the window's first step), at
     the finding or later in the same episode (then reported once more, as the alarm). Against
-    the best alone, a run leaving its plateau confirmed its own healthy climb: its loss fell
-    from 2.3 to 0.7 while the norm grew 7x, and a noisy stretch of that descent stood 10% above
-    the best it had reached on the way down (docs/performance.md, "Verdicts"). Never an alarm
+    the best alone, a run leaving its plateau would confirm its own healthy climb: its loss
+    falls fast while the norm grows several-fold, and a noisy stretch of that descent stands
+    above the best it reached on the way down, yet far below where the climb began
+    (docs/performance.md, "Detector accuracy"). Never an alarm
     in an episode whose climb came with the learning rate's: at the finding, the rate stood
     ``lr_rise`` (2x) above its lowest over the window and the ``short`` steps before it: a
     warm-up or a warm restart raises the norm and the loss by design (a rate above its old peak

@@ -25,7 +25,7 @@ it closes the incident and opens its own (a damaged model spikes and diverges wh
 an oscillation 30 steps after a broken optimizer state that never moved the loss is not its
 aftermath); a loss spike back to the level before the incident is the run coming back, not a new
 fault. Except for causes whose harm comes later (``DELAYED``: a learning rate ramping up shows
-in the loss 20 steps after the rate rule fired): such an incident keeps explaining until the
+in the loss only some steps after the rate rule fired): such an incident keeps explaining until the
 loss has been harmed (stood ``recover`` above its level before) and is back. Repeats of the
 incident's own findings (a broken optimizer state seen at every scan) keep it open, but explain
 nothing new.
@@ -66,7 +66,7 @@ CAUSES: dict[str, frozenset[str]] = {
     "optimizer_state_nonfinite": NONFINITE,
     "loss_scale_collapse": OVERFLOW,
 }
-# causes whose harm shows later: the loss climbs for 20 steps after a learning-rate rule fired
+# causes whose harm shows later: a ramping learning rate fires its rule before the loss moves
 DELAYED = frozenset({"lr_jump"})
 SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19
 
