@@ -16,15 +16,9 @@ import torch
 from ..checks import multi_tensor_stats
 from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
+from .schema import DEVICE
 
-SCALARS = (
-    "loss", "grad_norm", "grad_finite_norm", "grad_amax", "nan_count", "inf_count",
-    "grads_finite", "loss_finite", "skipped", "loss_scale", "optimizer_nonfinite",
-    "replica_mismatch", "replica_mismatch_mask", "spike_skip", "skip_z_loss",
-    "skip_z_grad_norm",
-    # the precursors' (precursors.py)
-    "update_ratio_max", "update_ratio_arg", "logit_max", "log_z", "attention_logit_max",
-)
+SCALARS = DEVICE  # the columns of a row, declared in schema.py
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from .events import Event, jsonable
 from .record import SCALARS, HostStep
+from .schema import cast
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
@@ -35,15 +36,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
 def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bool) -> dict:
     """One line of steps.jsonl: the step's scalars (counts as ints, flags as bools), the
     learning rate, the kinds of its events and, when asked, every tensor's gradient norm."""
-    rec: dict[str, Any] = {"step": s.step, **{k: s.values[k] for k in SCALARS},
+    rec: dict[str, Any] = {"step": s.step, **{k: cast(k, s.values[k]) for k in SCALARS},
                            "lr": s.info.get("lr")}
-    for k in ("nan_count", "inf_count", "optimizer_nonfinite", "replica_mismatch",
-              "replica_mismatch_mask"):
-        rec[k] = int(rec[k]) if rec[k] == rec[k] else None
-    for k in ("grads_finite", "loss_finite", "skipped"):
-        rec[k] = bool(rec[k])
-    if rec["spike_skip"] == rec["spike_skip"]:  # NaN: on_spike is not "skip"
-        rec["spike_skip"] = bool(rec["spike_skip"])
     if events:
         rec["events"] = [e.kind for e in events]
     if per_tensor:
