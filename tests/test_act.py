@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fasthealth as fh
-from fasthealth.monitor.skip_rule import SkipRule
+from fasthealth.monitor.skip_rule import SkipConfig, SkipRule
 
 X = torch.randn(4096, 10, generator=torch.Generator().manual_seed(0))
 Y = X @ torch.randn(10, 1, generator=torch.Generator().manual_seed(1)) + 0.1 * torch.randn(
@@ -170,7 +170,7 @@ def test_a_new_level_is_not_skipped_forever():
 def test_skip_rule_ignores_nan_and_skipped_values():
     """The rule's window never takes a non-finite or a skipped value: after a NaN step and a
     skipped outlier, a normal value is normal and the next outlier is still one."""
-    r = SkipRule(torch.device("cpu"), warmup=20)
+    r = SkipRule(torch.device("cpu"), SkipConfig(warmup=20))
     ok, bad = torch.tensor(True), torch.tensor(False)
     g = torch.Generator().manual_seed(0)
     for _ in range(60):
@@ -320,16 +320,16 @@ def test_precursor_options_name_bad_input():
 
 
 def test_device_scores_are_the_host_rules_scores():
-    """The device rule scores as ``detectors.spike_scores`` does: the same median, the noise
+    """The device rule scores as ``robust.spike_scores`` does: the same median, the noise
     unit of the window or its last 32 values, the log-scale floor; on a flat plateau, on a run
     that became noisier than its window, and on a non-positive series (linear only)."""
-    from fasthealth.monitor.detectors import spike_score
+    from fasthealth.monitor.robust import spike_score
 
     g = torch.Generator().manual_seed(3)
     flat = (2.3 * (1 + 0.001 * torch.randn(100, generator=g))).tolist()
     noisy = (2.3 * torch.exp(-0.03 * torch.arange(28) + 0.3 * torch.randn(28, generator=g)))
     for series in (flat, flat + noisy.tolist(), (torch.randn(128, generator=g) - 0.5).tolist()):
-        r = SkipRule(torch.device("cpu"), warmup=20)
+        r = SkipRule(torch.device("cpu"), SkipConfig(warmup=20))
         for v in series:
             r.buf[:, r.pos[0]] = v
             r.pos = (r.pos + 1) % r.window

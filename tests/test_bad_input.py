@@ -199,10 +199,10 @@ BAD_ARGUMENTS = [
      "fasthealth: backend='cuda' cannot run on model's device (cpu): the 'cuda' backend runs on "
      "CUDA tensors only"),
     (dict(detectors="all"), TypeError,
-     "fasthealth: detectors must be a list of Detector (see fasthealth.monitor.detectors) or "
+     "fasthealth: detectors must be a list of Rule (see fasthealth.monitor.rules) or "
      "None, got 'all'"),
     (dict(detectors=[print]), TypeError,
-     "fasthealth: detectors[0] must be a Detector (an object with observe(step)), got"),
+     "fasthealth: detectors[0] must be a Rule (an object with observe(step)), got"),
 ]
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fasthealth as fh
-from fasthealth.monitor import detectors
+from fasthealth.monitor import robust, rules
+from fasthealth.monitor.rules.base import Context
 
 NAN = float("nan")
 
@@ -209,9 +210,10 @@ def test_lr_jump_rule_ignores_schedules_and_reports_a_jump_above_the_peak():
     warm = [peak * min(1.0, 1e-3 + t / 10) for t in range(10)]
     cos = [peak * 0.5 * (1 + math.cos(math.pi * (t % 100) / 100)) for t in range(300)]
     schedule = warm + cos  # SGDR: back to the peak every 100 steps
-    rule = detectors.LRJumpDetector()
+    rule = rules.LRJump()
     assert not [f for t, lr in enumerate(schedule) for f in rule.observe(_host(t, lr=lr))]
-    (kind, msg, d), = rule.observe(_host(len(schedule), lr=peak * 30))
+    (f,) = rule.observe(_host(len(schedule), lr=peak * 30))
+    kind, msg, d = f.kind, f.message, f.details
     assert kind == "lr_jump" and d["ratio"] == pytest.approx(30) and "Check first" in msg
     assert rule.observe(_host(len(schedule) + 1, lr=peak * 30)) == []  # now the peak
     assert rule.observe(_host(len(schedule) + 2, lr=None)) == []  # no optimizer: no rule
@@ -223,11 +225,11 @@ def test_grad_norm_climbing_steadily_is_exploding_grad():
     training, is not reported."""
     g = torch.Generator().manual_seed(0)
     noise = (0.3 * torch.randn(400, generator=g)).tolist()
-    rule = detectors.GradNormTrendDetector()
+    rule = rules.GradNormTrend()
     calm = [math.exp(e) for e in noise[:200]]
     early = [math.exp(e + math.log(2.5) * min(t, 60) / 60) for t, e in enumerate(noise[200:])]
     assert not [f for t, v in enumerate(calm + early) for f in rule.observe(_host(t, grad_norm=v))]
-    rule = detectors.GradNormTrendDetector()
+    rule = rules.GradNormTrend()
     climb = [math.exp(e + 0.08 * max(0, t - 100)) for t, e in enumerate(noise[:200])]
     fired = [t for t, v in enumerate(climb) for _ in rule.observe(_host(t, grad_norm=v))]
     assert len(fired) == 1 and 100 < fired[0] <= 125, fired
@@ -240,11 +242,11 @@ def test_loss_far_out_on_the_linear_scale_is_a_spike_at_a_noisy_floor():
     g = torch.Generator().manual_seed(1)
     descent = [1.6 * math.exp(-0.2 * t) for t in range(20)]  # from chance level, 5 classes
     floor = [0.03 * math.exp(0.8 * e) for e in torch.randn(300, generator=g).tolist()]
-    rule = detectors.SpikeDetector()
+    rule = rules.Spike()
     assert not [f for t, v in enumerate(descent + floor) for f in rule.observe(_host(t, loss=v))]
     found = rule.observe(_host(320, loss=0.03 * 400))
-    assert [k for k, _, _ in found] == ["loss_spike"], found
-    assert found[0][2]["zscore"] > 30
+    assert [f.kind for f in found] == ["loss_spike"], found
+    assert found[0].details["zscore"] > 30
 
 
 def test_oscillation_detector():
@@ -265,12 +267,12 @@ def test_oscillation_detector():
     calm = [1.0 * math.exp(0.05 * e) for e in noise[:100]]
     swings = [1.0 * math.exp(0.25 * (1 if i % 2 else -1) + 0.05 * e)
               for i, e in enumerate(noise[100:])]
-    d = detectors.OscillationDetector(warmup=0)
+    d = rules.Oscillation(rules.Oscillation.Config(warmup=0))
     fired = [k for k, v in enumerate(calm + swings) if d.update(v)]
     assert len(fired) == 1 and 100 <= fired[0] < 100 + 32, fired
-    d = detectors.OscillationDetector(warmup=0)
+    d = rules.Oscillation(rules.Oscillation.Config(warmup=0))
     assert not any(d.update(1.0 * math.exp(0.05 * e)) for e in noise)
-    d = detectors.OscillationDetector(warmup=0)
+    d = rules.Oscillation(rules.Oscillation.Config(warmup=0))
     assert not any(d.update(10.0 - 0.04 * i + (0.1 if i % 2 else 0)) for i in range(200))
 
 
@@ -330,16 +332,16 @@ def test_loss_scale_rule_below_minimum_and_overflow_steps_under_a_scaler():
                       grad_norm=1.0, optimizer_nonfinite=float("nan"))
         return HostStep(t, values, [1.0], [3.0 * (1 - grads_finite)], {"lr": None})
 
-    rule = detectors.LossScaleDetector(min_loss_scale=1.0)
+    rule = rules.LossScale(rules.LossScale.Config(min_loss_scale=1.0))
     assert rule.observe(step(0, 4.0)) == []
-    assert [k for k, _, _ in rule.observe(step(1, 0.5))] == ["loss_scale_collapse"]
-    grads = detectors.NonFiniteGradDetector(["w"], scaler=True)
+    assert [f.kind for f in rule.observe(step(1, 0.5))] == ["loss_scale_collapse"]
+    grads = rules.NonFiniteGrad(ctx=Context(names=["w"], scaler=True))
     assert grads.observe(step(2, 1024.0, skipped=1.0, grads_finite=0.0)) == []
     # a NaN is no overflow: reported under a scaler too
-    assert [k for k, _, _ in grads.observe(step(3, 512.0, skipped=1.0, grads_finite=0.0,
+    assert [f.kind for f in grads.observe(step(3, 512.0, skipped=1.0, grads_finite=0.0,
                                                 nan=1.0))] == ["nonfinite_grad"]
-    plain = detectors.NonFiniteGradDetector(["w"], scaler=False)
-    assert [k for k, _, _ in plain.observe(step(2, 1024.0, skipped=1.0, grads_finite=0.0))] \
+    plain = rules.NonFiniteGrad(ctx=Context(names=["w"], scaler=False))
+    assert [f.kind for f in plain.observe(step(2, 1024.0, skipped=1.0, grads_finite=0.0))] \
         == ["nonfinite_grad"]
 
 
@@ -446,10 +448,10 @@ def test_a_small_bump_at_a_flat_plateau_is_no_spike():
     bad batch at the same plateau still is one."""
     g = torch.Generator().manual_seed(0)
     flat = [2.303 * (1 + 0.001 * e) for e in torch.randn(60, generator=g).tolist()]
-    rule = detectors.SpikeDetector()
+    rule = rules.Spike()
     assert not [f for t, v in enumerate(flat) for f in rule.observe(_host(t, loss=v))]
     assert rule.observe(_host(60, loss=2.303 * 1.014)) == []
-    assert [k for k, _, _ in rule.observe(_host(61, loss=2.303 * 1.5))] == ["loss_spike"]
+    assert [f.kind for f in rule.observe(_host(61, loss=2.303 * 1.5))] == ["loss_spike"]
 
 
 def test_a_run_noisier_than_its_window_is_judged_by_its_present_noise():
@@ -461,10 +463,10 @@ def test_a_run_noisier_than_its_window_is_judged_by_its_present_noise():
     fall = [2.3 * math.exp(-0.03 * t + 0.3 * e)
             for t, e in enumerate(torch.randn(20, generator=g).tolist())]
     values = flat + fall
-    level, noise = detectors.level_and_noise(values)
-    whole = detectors._noise_unit(values)
+    level, noise = robust.level_and_noise(values)
+    whole = robust.noise_unit(values)
     assert noise > 3 * whole
-    lin, _ = detectors.spike_scores(values, 1.8 * level)
+    lin, _ = robust.spike_scores(values, 1.8 * level)
     assert lin < 6 < 0.8 * level / whole
 
 
@@ -473,12 +475,12 @@ def test_a_growing_norm_the_loss_does_not_confirm_stays_a_notice():
     same climb with the loss rising above where it was when the climb began is an alarm; with
     the learning rate warming up 4x over it, a notice again."""
     def run(loss_of, lr_of):
-        rule = detectors.GradNormTrendDetector()
+        rule = rules.GradNormTrend()
         out = []
         for t in range(160):
             norm = math.exp(0.08 * max(0, t - 100)) * (1 + 0.05 * math.sin(t))
-            out += [(t, d.get("severity", "notice"))
-                    for _, _, d in rule.observe(_host(t, loss=loss_of(t), grad_norm=norm,
+            out += [(t, f.severity or "notice")
+                    for f in rule.observe(_host(t, loss=loss_of(t), grad_norm=norm,
                                                       lr=lr_of(t)))]
         return out
 

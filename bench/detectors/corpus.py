@@ -48,17 +48,18 @@ def onset_of(spec, steps: int, seed: int) -> int:
 
 # what shapes a run's recorded steps: the corpus and every fasthealth source but the host rules
 # that only judge them (a change to those leaves a cached recording valid)
-_JUDGES = {"detectors.py", "incidents.py", "events.py"}
+_JUDGES = {"kinds.py", "incidents.py", "events.py"}
 
 
 def recording_key() -> str:
-    """A digest of the sources that a recorded run depends on (``_JUDGES`` left out)."""
+    """A digest of the sources a recorded run depends on (``_JUDGES`` and the rules left out)."""
     import fasthealth
 
     package = Path(fasthealth.__file__).resolve().parent
     files = sorted(Path(__file__).resolve().parent.glob("*.py")) + sorted(
         p for p in package.rglob("*.py")
-        if not (p.parent.name == "monitor" and p.name in _JUDGES))
+        if not (p.parent.name == "monitor" and p.name in _JUDGES
+                or p.parent.name == "rules" and p.parent.parent.name == "monitor"))
     h = hashlib.sha256()
     for p in files:
         h.update(p.name.encode() + b"\0" + p.read_bytes())

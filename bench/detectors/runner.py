@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fasthealth as fh
-from fasthealth.monitor.detectors import Detector
 from fasthealth.monitor.record import HostStep
+from fasthealth.monitor.rules import Rule
 
 # ---- what a run trains ----------------------------------------------------------------------
 
@@ -130,11 +130,12 @@ _DROP = ("batch", "sample_ids", "rng", "events", "found", "dump", "dump_due", "i
          "incidents")
 
 
-class Recorder(Detector):
+class Recorder(Rule):
     """Keeps a copy of every step's host record (the batch and RNG state left out) for
     ``replay``: raises no event."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.steps: list[HostStep] = []
 
     def observe(self, s: HostStep) -> list:

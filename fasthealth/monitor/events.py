@@ -18,16 +18,10 @@ from typing import Any
 import torch
 
 from ..stats import MultiTensorStats
+from .kinds import ALARM, NOTICE, severity_of
 
-FATAL_KINDS = ("nonfinite_loss", "nonfinite_grad")
-ALARM, NOTICE = "alarm", "notice"
-# Kinds that are notices; every other kind is an alarm. A rule may raise one of these kinds as an
-# alarm when the loss confirms it (details["severity"]).
-NOTICE_KINDS = frozenset({"grad_norm_spike", "exploding_grad"})
-
-
-def severity_of(kind: str) -> str:
-    return NOTICE if kind in NOTICE_KINDS or kind.startswith("precursor_") else ALARM
+__all__ = ["ALARM", "NOTICE", "Event", "Incident", "NonFiniteError", "Observation", "jsonable",
+           "severity_of"]
 
 
 def jsonable(v: Any) -> Any:
@@ -45,7 +39,7 @@ def jsonable(v: Any) -> Any:
 
 @dataclass
 class Event:
-    """One finding at one step: ``kind`` (see detectors.py), a readable ``message``, the numbers
+    """One finding at one step: ``kind`` (``kinds.KINDS``), a readable ``message``, the numbers
     behind it in ``details``, ``dump`` (the saved batch and state, for ``fh.replay``; the first
     alarm step of each incident has one), ``severity`` ("alarm" or "notice") and ``incident``,
     the id of the ``Incident`` it belongs to.

@@ -24,7 +24,7 @@ passed since its last new finding, an alarm of a kind the incident does not hold
 it closes the incident and opens its own (a damaged model spikes and diverges while it recovers;
 an oscillation 30 steps after a broken optimizer state that never moved the loss is not its
 aftermath); a loss spike back to the level before the incident is the run coming back, not a new
-fault. Except for causes whose harm comes later (``DELAYED``: a learning rate ramping up shows
+fault. Except for causes whose harm comes later (``Kind.delayed``: a learning rate ramping up shows
 in the loss only some steps after the rate rule fired): such an incident keeps explaining until the
 loss has been harmed (stood ``recover`` above its level before) and is back. Repeats of the
 incident's own findings (a broken optimizer state seen at every scan) keep it open, but explain
@@ -49,29 +49,51 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass, replace
 
 import torch
 
 from .events import ALARM, NOTICE, Event, Incident
+from .kinds import GRADIENT, KINDS
 
-NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad"})
-GRADIENT = frozenset({"grad_norm_spike", "exploding_grad"})
-# What overflows a float16-scaled gradient, and so a loss scale: non-finite values, gradient
-# spikes.
-OVERFLOW = NONFINITE | GRADIENT
-# alarm kind -> the kinds of an open incident that can explain it (its own kind always can;
-# broken optimizer state also a gradient above SQUARE_OVERFLOWS: ``_overflowed``)
-CAUSES: dict[str, frozenset[str]] = {
-    "lr_jump": frozenset(),
-    "optimizer_state_nonfinite": NONFINITE,
-    "loss_scale_collapse": OVERFLOW,
-}
-# causes whose harm shows later: a ramping learning rate fires its rule before the loss moves
-DELAYED = frozenset({"lr_jump"})
-SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19
+SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19: its square is inf
 
-SCALE_DROP = 8.0  # a loss scale this many times below its level before: not recovered (the
-# loss-scale rule's back-off of three halvings)
+
+@dataclass(frozen=True)
+class IncidentConfig:
+    quiet: int = 50
+    """Steps without an event after which an alarm incident the run has recovered from closes:
+    a damaged model's follow-on spikes come within tens of steps."""
+    notice_quiet: int = 10
+    """The same while an incident holds only notices: a notice that nothing confirms should not
+    hold the door open for an unrelated alarm much later."""
+    skipped_quiet: int = 3
+    """The same while every event was at a skipped step: the update never reached the weights,
+    so there is no aftermath (a NaN ten steps later is a fault of its own)."""
+    recover: float = 0.2
+    """The loss's recent median more than this share above its level before the incident: not
+    recovered, the incident stays open (and, before the loss had a level, it must fall this
+    share below its first value)."""
+    recent: int = 10
+    """Finite losses in the recent median."""
+    before: int = 32
+    """Finite losses (and loss scales) whose median (highest) is the level before an
+    incident."""
+    settle: int | None = 10
+    """Steps after an incident's last new finding after which, the run not harmed, an alarm of
+    a new kind is a new fault with its own incident; None: never (everything joins the open
+    incident)."""
+    scale_drop: float = 8.0
+    """A loss scale this many times below its level before: not recovered (the loss-scale
+    rule's three back-offs)."""
+    overflow_explains: bool = True
+    """Broken optimizer state is explained by a gradient whose square overflows float32 (Adam's
+    second moment), as well as by a non-finite value."""
+
+    def __post_init__(self) -> None:
+        if min(self.quiet, self.notice_quiet, self.skipped_quiet, self.settle or 1) < 1:
+            raise ValueError("fasthealth: incident quiet periods must be at least 1 step")
+
 
 # Which steps get a dump (the batch, stats, RNG and parameters, for fh.replay): the first alarm
 # step of each incident (the default: one dump per fault), every step with an alarm, every step
@@ -100,13 +122,12 @@ class IncidentTracker:
     ``observe`` is given every step's loss, loss scale and gradient norm (after its events are
     filed)."""
 
-    def __init__(self, quiet: int = 50, notice_quiet: int = 10, skipped_quiet: int = 3,
-                 recover: float = 0.2, recent: int = 10, before: int = 32,
-                 settle: int = 10) -> None:
-        if min(quiet, notice_quiet, skipped_quiet, settle) < 1:
-            raise ValueError("fasthealth: incident quiet periods must be at least 1 step")
-        self.quiet, self.notice_quiet, self.skipped_quiet = quiet, notice_quiet, skipped_quiet
-        self.recover, self.recent, self.settle = recover, recent, settle
+    def __init__(self, config: IncidentConfig | None = None, **fields: object) -> None:
+        c = self.config = replace(config or IncidentConfig(), **fields)  # type: ignore[arg-type]
+        self.quiet, self.notice_quiet, self.skipped_quiet = c.quiet, c.notice_quiet, \
+            c.skipped_quiet
+        self.recover, self.recent, self.settle = c.recover, c.recent, c.settle
+        before = c.before
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
         self.closed_early: list[Incident] = []  # closed by a cause it cannot explain
@@ -155,7 +176,7 @@ class IncidentTracker:
         elif loss > 0 and now > (1 + self.recover) * loss:
             return True
         return math.isfinite(scale) and math.isfinite(self.scale) \
-            and self.scale * SCALE_DROP <= scale
+            and self.scale * self.config.scale_drop <= scale
 
     def _expired(self, step: int) -> bool:
         cur = self.current
@@ -189,17 +210,20 @@ class IncidentTracker:
             return False
         held = set(cur.kinds)
         for e in events:
-            if e.severity != ALARM or e.kind not in CAUSES or e.kind in held \
-                    or held & CAUSES[e.kind]:
+            k = KINDS.get(e.kind)
+            by = k.explained_by if k is not None else None
+            if e.severity != ALARM or by is None or e.kind in held or held & by:
                 continue
-            if e.kind == "optimizer_state_nonfinite" and self._overflowed():
+            if e.kind == "optimizer_state_nonfinite" and self.config.overflow_explains \
+                    and self._overflowed():
                 continue  # the incident's gradients could overflow Adam's second moment
             return False
         new_alarm = any(e.severity == ALARM and e.kind not in held and not self._returns(e)
                         for e in events)
         step = events[0].step
-        waits = bool(held & DELAYED) and not self.harmed  # its harm is still to come
-        if new_alarm and cur.severity == ALARM and not waits \
+        delayed = any(KINDS[k].delayed for k in held if k in KINDS)
+        waits = delayed and not self.harmed  # its harm is still to come
+        if new_alarm and cur.severity == ALARM and not waits and self.settle is not None \
                 and step - self.last_new >= self.settle and not self._unrecovered():
             return False  # the run got over it: a new kind of alarm is a new fault
         return True

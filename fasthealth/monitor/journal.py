@@ -2,7 +2,7 @@
 
 The device side (``monitor.py``: record + gate) leaves one row per step in the device record;
 at a flush the rows come to the host in one copy and reach here in step order. For each step
-the rules of ``detectors.py`` run once, their events are filed under incidents
+the rules of ``rules/`` run once, their events are filed under incidents
 (``incidents.py``: an event that repeats one of its open incident's is counted on it, not
 recorded again; the step's line in steps.jsonl still names every kind seen), and the sinks
 (``sinks.py``) write the JSONL lines, TensorBoard and the dump of the step where an incident's
@@ -20,17 +20,18 @@ from pathlib import Path
 
 import torch
 
-from .detectors import Detector
-from .events import FATAL_KINDS, Event, Incident, NonFiniteError
+from .events import Event, Incident, NonFiniteError
 from .incidents import IncidentTracker, dump_due
+from .kinds import fatal_kinds
 from .record import HostStep
+from .rules import Rule, as_finding
 from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
 
 
 class Journal:
     """Events, incidents and logs of one Monitor; ``sinks`` only with a ``log_dir``."""
 
-    def __init__(self, names: list[str], detectors: list[Detector], *, log_dir: Path | None,
+    def __init__(self, names: list[str], detectors: list[Rule], *, log_dir: Path | None,
                  meta: dict, tensorboard: bool, dumps: str, per_tensor_every: int,
                  on_nonfinite: str) -> None:
         self.names, self.detectors = names, detectors
@@ -72,7 +73,7 @@ class Journal:
         if self.jsonl is not None:
             self.jsonl.drain()
         if self.on_nonfinite == "raise":
-            fatal = [e for e in new if e.kind in FATAL_KINDS]
+            fatal = [e for e in new if e.kind in fatal_kinds()]
             if fatal:
                 raise NonFiniteError(fatal)
         return new
@@ -84,8 +85,9 @@ class Journal:
         and whether it dumps."""
         closed = self.tracker.advance(s.step)
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
-        found = [Event(s.step, kind, msg, dict(d, **details), severity=d.get("severity", ""))
-                 for rule in self.detectors for kind, msg, d in rule.observe(s)]
+        found = [Event(s.step, f.kind, f.message, dict(f.details, **details),
+                       severity=f.severity or "")
+                 for rule in self.detectors for f in map(as_finding, rule.observe(s))]
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
                              s.values["grad_norm"])

@@ -33,25 +33,20 @@ from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
 from . import gate
-from .detectors import Detector, SpikeDetector, default_detectors
 from .events import Event, Incident, Observation
 from .journal import Journal
 from .options import check_options, loss_value
-from .precursors import PrecursorProbe, precursor_rules
+from .precursors import PrecursorProbe
 from .record import (
     DeviceRecord,
     loss_scale,
     optimizer_nonfinite,
     or_nan,
 )
+from .rules import Context, Rule
+from .rules import build as build_rules
 from .sinks import map_tensors
-from .skip_rule import SkipEvents, SkipRule
-
-
-def skip_aware(detectors: list[Detector], zscore: float, grad_factor: float) -> list[Detector]:
-    """``detectors`` with their spike rule wrapped so that every skipped step is an event."""
-    return [SkipEvents(d, zscore, grad_factor) if isinstance(d, SpikeDetector) else d
-            for d in detectors]
+from .skip_rule import SkipConfig, SkipRule
 
 
 def _check_backend(backend: str | None, device: torch.device) -> None:
@@ -119,7 +114,8 @@ class Monitor:
         vanishing_threshold: float = 1e-8,
         tensorboard: bool = False,
         backend: str | None = None,
-        detectors: list[Detector] | None = None,
+        detectors: list[Rule] | None = None,
+        rules: dict[str, dict[str, Any]] | None = None,
         dumps: str = "incident",
         precursors: bool = True,
         logits: Any = None,
@@ -145,18 +141,18 @@ class Monitor:
         self.record = DeviceRecord(self.names, flush_every, self.device)
         self.precursors = (PrecursorProbe(model, self.params, self.device, logits=logits,
                                           attention=attention) if precursors else None)
+        self.rule_context = Context(
+            names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,
+            optimizer=optimizer, scaler=scaler is not None, spike_zscore=spike_zscore,
+            spike_window=spike_window, warmup_steps=warmup_steps,
+            vanishing_threshold=vanishing_threshold, min_loss_scale=min_loss_scale,
+            probe=self.precursors, overrides=dict(rules or {}))
         if detectors is None:
-            detectors = default_detectors(
-                self.names, spike_zscore=spike_zscore, spike_window=spike_window,
-                warmup_steps=warmup_steps, vanishing_threshold=vanishing_threshold,
-                min_loss_scale=min_loss_scale if scaler is not None else None)
-            if precursors:
-                detectors += precursor_rules(self.precursors, optimizer, self.params)
-        self.skip_rule = (SkipRule(self.device, zscore=spike_zscore, window=spike_window,
-                                   warmup=warmup_steps) if on_spike == "skip" else None)
-        if self.skip_rule is not None:  # a skipped step is always an event that says so
-            detectors = skip_aware(detectors, spike_zscore, self.skip_rule.grad_factor)
-        self.detectors = list(detectors)
+            detectors = build_rules(self.rule_context, precursors=precursors)
+        self.skip_rule = (SkipRule(self.device, SkipConfig(spike_zscore, spike_window,
+                                                           warmup_steps))
+                          if on_spike == "skip" else None)
+        self.detectors: list[Rule] = list(detectors)
         self.gate = gate.Gate(optimizer, scaler, self.record, self.device,
                               guard=on_nonfinite in ("skip", "raise") or on_spike == "skip",
                               skip_rule=self.skip_rule, precursors=self.precursors)

@@ -14,8 +14,8 @@ import torch
 
 from ..ops.backends import BACKENDS
 from . import gate
-from .detectors import Detector
 from .incidents import DUMPS
+from .rules import Rule
 
 ON_NONFINITE = ("skip", "raise", "warn")
 # what a loss or grad-norm spike does: "warn" records it; "skip" also skips the step, decided
@@ -96,7 +96,7 @@ def _check_numbers(o: dict[str, Any]) -> None:
     _integer("flush_every", o["flush_every"], 1)
     _number("spike_zscore", o["spike_zscore"], 0, strict=True)
     _integer("spike_window", o["spike_window"], 3)  # a noise level needs 3 values
-    _integer("warmup_steps", o["warmup_steps"], 1)  # 0: VanishingDetector would take a median
+    _integer("warmup_steps", o["warmup_steps"], 1)  # 0: the vanishing rule would take a median
     # of no values
     _number("max_grad_norm", o["max_grad_norm"], 0, strict=True, optional=True, finite=False)
     _number("min_loss_scale", o["min_loss_scale"], 0, strict=False)
@@ -199,12 +199,12 @@ def _check_parts(activations: Any, scaler: Any, backend: Any, detectors: Any, lo
                          f"None, got {shown(backend)}")
     if detectors is None:
         return
-    if isinstance(detectors, (Detector, str)) or not isinstance(detectors, (list, tuple)):
-        raise TypeError("fasthealth: detectors must be a list of Detector (see "
-                        f"fasthealth.monitor.detectors) or None, got {shown(detectors)}")
+    if isinstance(detectors, (Rule, str)) or not isinstance(detectors, (list, tuple)):
+        raise TypeError("fasthealth: detectors must be a list of Rule (see "
+                        f"fasthealth.monitor.rules) or None, got {shown(detectors)}")
     for i, d in enumerate(detectors):
         if not callable(getattr(d, "observe", None)):
-            raise TypeError(f"fasthealth: detectors[{i}] must be a Detector (an object with "
+            raise TypeError(f"fasthealth: detectors[{i}] must be a Rule (an object with "
                             f"observe(step)), got {shown(d)}")
 
 

@@ -39,7 +39,7 @@ import torch
 from ..activations import ActivationMonitor
 from ..checks import check_grads, multi_tensor_stats
 from ..stats import MultiTensorStats
-from .events import FATAL_KINDS
+from .kinds import fatal_kinds
 from .sinks import map_tensors
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -151,7 +151,7 @@ class _Pass:
 def _reproduces(p: _Pass, events: list[dict], record: dict) -> bool:
     checks = []
     for e in events:
-        if e["kind"] in FATAL_KINDS:
+        if e["kind"] in fatal_kinds():
             checks.append(not math.isfinite(p.loss) or not p.grads.ok)
         elif e["kind"] in ("loss_spike", "grad_norm_spike"):
             value = p.loss if e["kind"] == "loss_spike" else float(p.grads.total.norm)
@@ -263,7 +263,7 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     events = d.get("events", [])
     reproduced = _reproduces(p, events, d.get("record", {}))
     source = None
-    if reproduced and any(e["kind"] in FATAL_KINDS for e in events):
+    if reproduced and any(e["kind"] in fatal_kinds() for e in events):
         source = ("batch" if _batch_nonfinite(batch) else
                   "backward" if p.where == "backward" else "forward")
     ids = d.get("sample_ids")

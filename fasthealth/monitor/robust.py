@@ -1,0 +1,139 @@
+"""Robust statistics of a series' recent history, one definition for the host rules and the
+device skip rule (docs/spec.md section 6, "Spike scoring").
+
+A value is judged against the *median* of the last ``RECENT`` values, in *noise units*: the
+``NOISE_QUANTILE`` quantile of the absolute step-to-step differences over the window (or over
+its last ``RECENT`` values, when those are noisier) divided by its value for Gaussian noise,
+so that for Gaussian noise the unit is the standard deviation. Minibatch noise is heavy-tailed,
+and a window may still hold a long descent: a mean and a standard deviation around it were far
+too wide to see a bad batch there and too narrow at a noisy loss floor; differences leave a
+steady trend out, and the recent median follows it.
+
+``spike_scores`` (host, Python lists) and ``spike_scores_t`` (device, tensors of fixed shape, no
+sync) are the same function; ``tests/test_act.py`` checks them equal on the same series.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+NOISE_QUANTILE = 0.9
+"""The differences' quantile that sets the unit: high enough to measure the body of the noise,
+below its heavy tail (a spike in the window widens a 0.9 quantile of 128 differences little)."""
+NOISE_PER_SIGMA = 1.6449 * math.sqrt(2)
+"""The 0.9 quantile of |a - b| for a, b ~ N(0, 1) (1.645 x sqrt 2): the unit is then sigma."""
+RECENT = 32
+"""Values in the recent level (the median) and the recent noise: a median of 32 follows a
+descent within a few steps and ignores up to 15 outliers."""
+MIN_LOG_NOISE = 0.005
+"""The smallest noise unit on the log scale: at a plateau whose losses differ by 0.1% a step a
+1.4% bump scored 7 units; with the floor a spike stands at least 3% above the level (6 units),
+less than any harmful spike of the corpus (bench/results/detectors.json, family plateau)."""
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs``, interpolated linearly (torch.quantile's default)."""
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def slope_t(ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``ys`` against 0..n-1, and its t-statistic."""
+    n = len(ys)
+    xm = (n - 1) / 2
+    ym = statistics.fmean(ys)
+    sxx = sum((i - xm) ** 2 for i in range(n))
+    slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sxx
+    resid = sum((y - ym - slope * (i - xm)) ** 2 for i, y in enumerate(ys))
+    se = math.sqrt(resid / max(n - 2, 1) / sxx)
+    return slope, (slope / se if se > 0 else (math.inf if slope > 0 else 0.0))
+
+
+def noise_unit(values: list[float]) -> float:
+    """The noise unit of the step-to-step differences of ``values`` (0 with fewer than 2)."""
+    diffs = [abs(b - a) for a, b in zip(values, values[1:])]
+    return quantile(diffs, NOISE_QUANTILE) / NOISE_PER_SIGMA if diffs else 0.0
+
+
+def level_and_noise(values: list[float], recent: int = RECENT) -> tuple[float, float]:
+    """(the median of the last ``recent`` values, the larger of the noise units of the whole
+    window and of its last ``recent`` values). The recent noise counts when the run has become
+    noisier than its window: a classifier leaving a flat plateau for a fast, noisy descent
+    would otherwise have that descent's ordinary swings judged against the plateau's noise."""
+    noise = max(noise_unit(values), noise_unit(values[-recent:]))
+    return statistics.median(values[-recent:]), noise
+
+
+def _z(values: list[float], x: float, floor: float = 0.0) -> float:
+    level, noise = level_and_noise(values)
+    noise = max(noise, floor)
+    return (x - level) / noise if noise > 0 else (math.inf if x > level else 0.0)
+
+
+def spike_scores(values: list[float], x: float) -> tuple[float, float]:
+    """How far ``x`` stands above the recent level of ``values``, in noise units, on the linear
+    and on the log scale (the log one only when every value is positive, else equal to the
+    linear one; its unit at least ``MIN_LOG_NOISE``)."""
+    lin = _z(values, x)
+    if x > 0 and min(values) > 0:
+        return lin, _z([math.log(v) for v in values], math.log(x), MIN_LOG_NOISE)
+    return lin, lin
+
+
+def spike_score(values: list[float], x: float) -> float:
+    """The smaller of ``spike_scores``: a spike must stand out on both scales."""
+    return min(spike_scores(values, x))
+
+
+_TINY = 1e-300  # keeps log() finite on positive values; non-positive ones turn the log off
+
+
+def _noise_z_t(win: torch.Tensor, v: torch.Tensor, floor: torch.Tensor,
+               qs: torch.Tensor) -> torch.Tensor:
+    """``_z`` per row of ``win`` (oldest first, NaN where empty), ``floor`` per row; ``qs``
+    holds (NOISE_QUANTILE, 0.5): the three statistics come from one sort."""
+    rows = win.shape[0]
+    diffs = (win[:, 1:] - win[:, :-1]).abs()
+    width = diffs.shape[1]
+    recent_diffs = F.pad(diffs[:, -(RECENT - 1):], (0, width - RECENT + 1), value=math.nan)
+    recent_values = F.pad(win[:, -RECENT:], (0, width - RECENT), value=math.nan)
+    q = torch.nanquantile(torch.cat([diffs, recent_diffs, recent_values]), qs, dim=1)
+    # the median as statistics.median takes it (the mean of the middle two of an even count;
+    # nanmedian would take the lower one)
+    level = q[1, 2 * rows:]
+    # a recent stretch without two values (NaN) leaves the whole window's noise
+    noise = torch.fmax(q[0, :rows], q[0, rows:2 * rows]) / NOISE_PER_SIGMA
+    noise = torch.fmax(noise, floor)
+    z = (v - level) / noise
+    flat = torch.where(v > level, math.inf, 0.0)  # a window without noise: any rise is out
+    return torch.where(noise > 0, z, flat)
+
+
+def score_constants(series: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``spike_scores_t`` needs beside the data, made once (a tensor made per step would
+    be a host-to-device copy per step, and none can be made inside a CUDA graph capture): the
+    noise floor of each row (none on the linear scale, MIN_LOG_NOISE on the log one) and the
+    quantiles (NOISE_QUANTILE, the median)."""
+    floor = torch.tensor([0.0] * series + [MIN_LOG_NOISE] * series, dtype=torch.float64,
+                         device=device)
+    return floor, torch.tensor([NOISE_QUANTILE, 0.5], dtype=torch.float64, device=device)
+
+
+def spike_scores_t(win: torch.Tensor, v: torch.Tensor,
+                   constants: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``spike_score`` for each row of ``win`` ((series, window) float64, oldest first, NaN
+    where empty) against the value of ``v`` (series,): the smaller of the linear and log
+    scores where the row and the value are positive, else the linear one. No host sync; the
+    window must hold at least ``RECENT`` slots; ``constants`` from ``score_constants``."""
+    floor, qs = constants
+    both = torch.cat([win, win.clamp_min(_TINY).log()])  # rows: linear, then log scale
+    lin, log = _noise_z_t(both, torch.cat([v, v.clamp_min(_TINY).log()]), floor, qs).chunk(2)
+    positive = ((win > 0) | win.isnan()).all(1) & (v > 0)
+    return torch.where(positive, torch.minimum(lin, log), lin)

@@ -1,0 +1,113 @@
+"""What every rule is: a ``Rule`` that observes each flushed step and returns ``Finding``s.
+
+A rule is one file of ``rules/``: a ``Rule`` subclass with a ``name``, the ``kinds`` it raises
+(each registered in ``kinds.py``, where its severity, colour and advice live) and a frozen
+``Config`` dataclass holding every threshold it uses, each field with a docstring that gives
+its reason. ``Context`` is what the Monitor knows when it builds its rules (the tensors'
+names, the optimizer, the options); ``Rule.build`` makes a rule from it, or None where the rule
+cannot apply (the loss-scale rule without a GradScaler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..record import HostStep
+
+
+@dataclass
+class Finding:
+    """One rule's finding at one step: its ``kind`` (``kinds.KINDS``), a ``message`` that says
+    what was seen and what to check first, the numbers behind it (``details``), and a
+    ``severity`` when it is not the kind's default (a notice kind the loss confirmed)."""
+
+    kind: str
+    message: str
+    details: dict = field(default_factory=dict)
+    severity: str | None = None
+
+
+@dataclass
+class Context:
+    """What the Monitor hands its rules: the watched tensors (``names``, their ``numels`` and
+    the ``params`` themselves), the ``optimizer`` (or None), whether a GradScaler is used, the
+    Monitor options that set rule thresholds, the precursor probe, and per-rule config
+    overrides (``rules={"spike": {"zscore": 8}}``)."""
+
+    names: list[str] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)
+    params: Sequence[tuple[str, Any]] = ()
+    optimizer: Any = None
+    scaler: bool = False
+    spike_zscore: float = 6.0
+    spike_window: int = 128
+    warmup_steps: int = 20
+    vanishing_threshold: float = 1e-8
+    min_loss_scale: float = 1.0
+    probe: Any = None  # precursors.PrecursorProbe, or None with precursors off
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class Rule:
+    """One event rule. ``observe`` sees every flushed step once, in step order, and keeps the
+    rule's state across flushes; it returns the step's findings (usually none)."""
+
+    name: ClassVar[str] = ""
+    kinds: ClassVar[tuple[str, ...]] = ()
+    precursor: ClassVar[bool] = False  # built only with the Monitor's precursors on
+
+    @dataclass(frozen=True)
+    class Config:
+        """No thresholds."""
+
+    def __init__(self, config: Any = None, ctx: Context | None = None) -> None:
+        self.config = config if config is not None else type(self).Config()
+        self.ctx = ctx if ctx is not None else Context()
+
+    @classmethod
+    def from_options(cls, ctx: Context) -> dict[str, Any]:
+        """The config fields that follow the Monitor's own options (``spike_zscore``,
+        ``warmup_steps``, ...)."""
+        return {}
+
+    @classmethod
+    def configure(cls, ctx: Context) -> Any:
+        """The rule's config under ``ctx``: the defaults, the Monitor's options, then the
+        user's overrides for this rule (a field it does not have is an error naming it)."""
+        cfg = cls.Config(**cls.from_options(ctx))
+        over = ctx.overrides.get(cls.name, {})
+        known = {f.name for f in dataclasses.fields(cfg)}
+        unknown = sorted(set(over) - known)
+        if unknown:
+            raise ValueError(f"fasthealth: rules={{{cls.name!r}: ...}}: the {cls.name} rule has "
+                             f"no setting {unknown[0]!r}; it has: {', '.join(sorted(known))}")
+        return dataclasses.replace(cfg, **over)
+
+    @classmethod
+    def build(cls, ctx: Context) -> Rule | None:
+        return cls(cls.configure(ctx), ctx)
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        raise NotImplementedError
+
+
+def listed(names: Any) -> str:
+    """The first five names, and "..." when there are more."""
+    names = list(names)
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+
+def skipped(s: HostStep) -> bool:
+    return s.values["skipped"] > 0
+
+
+def as_finding(x: Any) -> Finding:
+    """A rule's result as a ``Finding``; a ``(kind, message, details)`` tuple (a user's rule
+    written before ``Finding``) is taken too, its severity from ``details["severity"]``."""
+    if isinstance(x, Finding):
+        return x
+    kind, message, details = x
+    return Finding(kind, message, dict(details), details.get("severity"))

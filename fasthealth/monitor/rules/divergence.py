@@ -1,0 +1,43 @@
+"""``divergence``: the loss rising steadily (``trend.Rising`` on the log-loss)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Context, Finding
+from .trend import Rising
+
+
+@dataclass(frozen=True)
+class DivergenceConfig:
+    window: int = 40
+    """Losses the line is fitted through: long enough that minibatch noise averages out at a
+    batch of 8, short enough to fire within the corpus's allowed delays."""
+    t_min: float = 5.0
+    """The slope's t-statistic: healthy noisy stretches reach 3-4 over 40 steps."""
+    rise: float = 0.2
+    """The rise over the window and above the best level: a 20% climb is what a user would act
+    on; a warm restart's bump is smaller once the window spans it."""
+    short: int = 10
+    """Losses in the recent median compared with the best."""
+    warmup: int = 20
+    """Losses seen before the rule judges (``warmup_steps``)."""
+
+
+class Divergence(Rising):
+    name = "divergence"
+    kinds = ("divergence",)
+    Config = DivergenceConfig
+
+    @classmethod
+    def from_options(cls, ctx: Context) -> dict:
+        return {"warmup": ctx.warmup_steps}
+
+    def finding(self, trend: dict, window: int, value: float) -> Finding:
+        return Finding(
+            "divergence",
+            f"loss rising steadily: {trend['slope_per_step']:+.1%} a step over the last "
+            f"{window} steps (t = {trend['t']:.1f}), {trend['above_best']:.0%} above its best "
+            f"({trend['best']:.4g}). Check first: the learning rate (schedule, warm-up end), "
+            "then the data stream (a shift in what the batches hold), then the optimizer state",
+            {**trend, "loss": value})

@@ -1,0 +1,126 @@
+"""``exploding_grad`` (the global form): the gradient norm climbing steadily, several-fold.
+
+Weights growing without bound show in the gradient norm long before the loss moves. The rise
+test of ``divergence`` on the log of the norm, stricter. A notice while the loss is fine (a
+growing norm with the loss still falling is how many healthy runs leave a plateau); an alarm
+when the loss confirms it: the median of the last ``short`` losses stands ``confirm`` above
+both the lowest such median and the median the loss had when the climb began (the ``short``
+losses before the window's first step), at the finding or later in the same episode. Against
+the best alone, a run leaving its plateau would confirm its own healthy climb: its loss falls
+fast while the norm grows, and a noisy stretch of that descent stands above the best it reached
+on the way down, yet far below where the climb began. Never an alarm in an episode whose climb
+came with the learning rate's (``lr_rise`` above its lowest over the window and the ``short``
+steps before it): a warm-up or a warm restart raises the norm and the loss by design; a rate
+above its old peak is ``lr_jump``'s to judge.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from ..record import HostStep
+from .base import Context, Finding
+from .trend import Rising
+
+
+@dataclass(frozen=True)
+class GradTrendConfig:
+    window: int = 24
+    """Gradient norms the line is fitted through: weights growing 8% a step show within it."""
+    t_min: float = 6.0
+    """Stricter than the loss's 5: the norm's noise is smoother, its healthy climbs steadier."""
+    rise: float = 2.5
+    """3.5x over the window and above the lowest level: early in training healthy norms climb
+    2-3x (tests/test_monitor.py plants both)."""
+    short: int = 10
+    """Values in the recent medians (of the norm and of the loss)."""
+    warmup: int = 20
+    """Norms seen before the rule judges (``warmup_steps``)."""
+    confirm: float | None = 0.1
+    """The loss's recent median this far above its best and its level at the climb's start
+    makes the notice an alarm; None: never an alarm."""
+    lr_rise: float = 2.0
+    """The learning rate this many times its recent low at the finding: the schedule's climb,
+    never confirmed (a warm-up, a warm restart)."""
+
+
+class GradNormTrend(Rising):
+    name = "grad_trend"
+    kinds = ("exploding_grad",)
+    Config = GradTrendConfig
+
+    @classmethod
+    def from_options(cls, ctx: Context) -> dict:
+        return {"warmup": ctx.warmup_steps}
+
+    def __init__(self, config: GradTrendConfig | None = None, ctx: Context | None = None):
+        super().__init__(config, ctx)
+        c = self.config
+        self.losses: deque[float] = deque(maxlen=c.short)
+        # the losses of the window's steps and of the ``short`` before it
+        self.window_losses: deque[float] = deque(maxlen=c.window + c.short)
+        self.best_loss = math.inf
+        self.climb_start = math.inf  # the loss median when the episode's climb began
+        self.lrs: deque[float] = deque(maxlen=c.window + c.short)
+        self.lr_climb = False  # the learning rate rose lr_rise-fold with the episode's climb
+        self.unconfirmed: Finding | None = None  # the episode's notice, until confirmed
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        loss = s.values["loss"]
+        lr = s.info.get("lr")
+        if isinstance(lr, (int, float)) and lr > 0:
+            self.lrs.append(float(lr))
+        if math.isfinite(loss):
+            self.losses.append(loss)
+            self.window_losses.append(loss)
+            if len(self.losses) == self.losses.maxlen:
+                self.best_loss = min(self.best_loss, statistics.median(self.losses))
+        if not s.values["grads_finite"]:
+            return []
+        was_active = self.active
+        found = self.update(s.values["grad_norm"])
+        if not self.active:
+            self.unconfirmed = None
+        if found:
+            if not was_active:
+                before = list(self.window_losses)[:self.losses.maxlen or 1]
+                self.climb_start = statistics.median(before) if before else math.inf
+                self.lr_climb = bool(self.lrs) and self.lrs[-1] > self.config.lr_rise * min(
+                    self.lrs)
+            self.unconfirmed = None if self._confirmed() else found[0]
+            return [self._as_alarm(f) if self.unconfirmed is None else f for f in found]
+        if self.unconfirmed is not None and self._confirmed():
+            confirmed, self.unconfirmed = self._as_alarm(self.unconfirmed), None
+            return [confirmed]
+        return []
+
+    def _confirmed(self) -> bool:
+        confirm = self.config.confirm
+        if confirm is None or len(self.losses) < (self.losses.maxlen or 1) \
+                or not math.isfinite(self.best_loss):
+            return False
+        if self.lr_climb:
+            return False  # the schedule's doing: a warm-up, a warm restart (lr_jump judges it)
+        ref = max(self.best_loss, self.climb_start if math.isfinite(self.climb_start) else 0.0)
+        return statistics.median(self.losses) > (1 + confirm) * ref
+
+    def _as_alarm(self, found: Finding) -> Finding:
+        return Finding(
+            found.kind, found.message + ". The loss confirms it: its recent median stands "
+            f"{self.config.confirm:.0%} or more above its best and above where it was when the "
+            "climb began",
+            {**found.details, "loss_confirms": True, "loss_at_climb_start": self.climb_start},
+            severity="alarm")
+
+    def finding(self, trend: dict, window: int, value: float) -> Finding:
+        return Finding(
+            "exploding_grad",
+            f"global gradient norm climbing steadily: {trend['slope_per_step']:+.1%} a step, "
+            f"{trend['rise'] + 1:.2g}x over the last {window} steps (t = {trend['t']:.1f}), now "
+            f"{value:.3g} against a low of {trend['best']:.3g}. Check first: the weights "
+            "(check_params: a layer growing without bound, weight decay off or negative), then "
+            "the learning rate, then clipping (max_grad_norm)",
+            {**trend, "grad_norm": value})

@@ -1,0 +1,123 @@
+"""``precursor_logit_growth`` (the LM head's largest |logit| grown ``ratio`` times, or its log Z
+up by ``drift`` nats, against the run's early level: the output-logit divergence that precedes
+loss spikes in LMs trained without z-loss) and ``precursor_attention_logits`` (the largest
+attention logit grown ``ratio`` times and above ``attention_floor``: attention collapsing onto
+single keys, Dehghani et al., 2023). Measured by ``precursors.PrecursorProbe``.
+
+Each series is judged against its own level: the median of its values ``first`` to ``first +
+span`` (after the early transient); ``patience`` grown values in a row fire, once, re-armed
+when the series comes back below ``ratio`` times that level.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from ..record import HostStep
+from .base import Context, Finding, Rule, skipped
+
+
+@dataclass(frozen=True)
+class LogitConfig:
+    ratio: float = 4.0
+    """Times the early level: healthy logits sharpen 2-3x over a run as the model learns."""
+    logit_floor: float = 30.0
+    """The largest output logit must also pass it: below 30, softmax is far from saturated."""
+    drift: float = 10.0
+    """Nats log Z may drift above its early level: a z-loss keeps it near 0."""
+    attention_floor: float = 100.0
+    """The largest attention logit must also pass it: exp(100) saturates any softmax."""
+    first: int = 20
+    """Values skipped before the early level is taken (the first steps' transient)."""
+    span: int = 30
+    """Values the early level is the median of."""
+    patience: int = 3
+    """Grown values in a row before it fires: one sharp batch is not a trend."""
+
+
+class _Growth:
+    def __init__(self, ratio: float, floor: float, c: LogitConfig) -> None:
+        self.ratio, self.floor, self.c = ratio, floor, c
+        self.seen: list[float] = []
+        self.ref: float | None = None
+        self.high = 0
+        self.fired = False
+
+    def update(self, v: float) -> bool:
+        c = self.c
+        if not math.isfinite(v):
+            return False
+        if self.ref is None:
+            self.seen.append(v)
+            if len(self.seen) >= c.first + c.span:
+                self.ref = statistics.median(self.seen[c.first:])
+            return False
+        grown = v > self.ratio * self.ref and v > self.floor
+        self.high = self.high + 1 if grown else 0
+        if not grown and v < self.ratio * self.ref:
+            self.fired = False
+        if self.high >= c.patience and not self.fired:
+            self.fired = True
+            return True
+        return False
+
+
+class LogitGrowth(Rule):
+    name = "logit_growth"
+    kinds = ("precursor_logit_growth", "precursor_attention_logits")
+    precursor = True
+    Config = LogitConfig
+
+    @classmethod
+    def build(cls, ctx: Context) -> Rule | None:
+        probe = ctx.probe
+        return super().build(ctx) if probe is not None and (
+            probe.head is not None or probe.attention) else None
+
+    def __init__(self, config: LogitConfig | None = None, ctx: Context | None = None):
+        super().__init__(config, ctx)
+        c = self.config
+        self.logit = _Growth(c.ratio, c.logit_floor, c)
+        self.log_z = _Growth(1.0, 0.0, c)  # judged by drift below, the level taken the same way
+        self.attention = _Growth(c.ratio, c.attention_floor, c)
+        self.z_fired = False
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        if skipped(s):
+            return []
+        v = s.values
+        found = []
+        lmax, log_z = v.get("logit_max", math.nan), v.get("log_z", math.nan)
+        if self.logit.update(lmax) and self.logit.ref is not None:
+            found.append(self._logits(f"the largest output logit {lmax:.4g} is "
+                                      f"{lmax / self.logit.ref:.3g}x its early level "
+                                      f"{self.logit.ref:.4g}", lmax, self.logit.ref))
+        self.log_z.update(log_z)
+        ref = self.log_z.ref
+        if ref is not None and math.isfinite(log_z):
+            up = log_z - ref > self.config.drift
+            if up and not self.z_fired:
+                found.append(self._logits(f"log Z (the mean log-sum-exp of the output logits) "
+                                          f"{log_z:.4g} has drifted {log_z - ref:.3g} nats above "
+                                          f"its early level {ref:.4g}", log_z, ref))
+            self.z_fired = up
+        att = v.get("attention_logit_max", math.nan)
+        if self.attention.update(att) and self.attention.ref is not None:
+            found.append(Finding(
+                "precursor_attention_logits",
+                f"the largest attention logit {att:.4g} is {att / self.attention.ref:.3g}x its "
+                f"early level {self.attention.ref:.4g}: attention is collapsing onto single "
+                "keys. Check first: the learning rate, then qk-layernorm (normalising queries "
+                "and keys bounds these logits)",
+                {"value": att, "early_level": self.attention.ref}))
+        return found
+
+    @staticmethod
+    def _logits(seen: str, value: float, ref: float) -> Finding:
+        return Finding(
+            "precursor_logit_growth",
+            f"{seen}: the output logits are diverging. Check first: the learning rate, then a "
+            "z-loss (1e-4 * log Z^2 keeps log Z near 0) or a final layernorm before the head",
+            {"value": value, "early_level": ref})

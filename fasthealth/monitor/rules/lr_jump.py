@@ -1,0 +1,83 @@
+"""``lr_jump``: the learning rate far above the highest it has been, read off at the step,
+before the loss shows it (an LR jump that moves the loss 5% is otherwise seen late, or never).
+
+A schedule stepped at the wrong rate, a resumed run with another configuration, a hand edit.
+Warm-ups climb a few percent a step and restarts (SGDR, cycles) return to the old peak, never
+``ratio`` above it. A climb is judged as a whole too (``climb``): the rate more than ``ratio``
+times the highest it had been when it last stopped rising (a step at or below the one before,
+after ``warmup`` steps), reported once per climb: a schedule whose exponent changed sign grows
+10% a step and never jumps 3x at once. A warm-up from the first step has no such point, so it
+is judged step by step only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..record import HostStep
+from .base import Context, Finding, Rule
+
+
+@dataclass(frozen=True)
+class LRJumpConfig:
+    ratio: float = 3.0
+    """Times the highest rate so far: restarts return to the old peak (1x), no schedule of
+    torch's or transformers' exceeds it."""
+    warmup: int = 20
+    """Steps before the rule judges (``warmup_steps``): a warm-up from the first step climbs
+    1000x."""
+    climb: bool = True
+    """Judge a climb as a whole against the peak it started from (a 10%-a-step ramp), not only
+    single steps."""
+
+
+class LRJump(Rule):
+    name = "lr_jump"
+    kinds = ("lr_jump",)
+    Config = LRJumpConfig
+
+    @classmethod
+    def from_options(cls, ctx: Context) -> dict:
+        return {"warmup": ctx.warmup_steps}
+
+    def __init__(self, config: LRJumpConfig | None = None, ctx: Context | None = None):
+        super().__init__(config, ctx)
+        self.peak = 0.0
+        self.last: float | None = None
+        self.settled: float | None = None  # the peak when the rate last stopped rising
+        self.since = 0  # steps it has risen since
+        self.seen = 0
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        c = self.config
+        lr = s.info.get("lr")
+        if lr is None or not math.isfinite(lr):
+            return []
+        self.seen += 1
+        peak, self.peak = self.peak, max(self.peak, lr)
+        rose = self.last is not None and lr > self.last
+        self.last = lr
+        if self.seen > c.warmup and not rose:
+            self.settled, self.since = self.peak, 0
+        elif rose:
+            self.since += 1
+        if self.seen <= c.warmup:
+            return []
+        if peak > 0 and lr > c.ratio * peak:
+            ref, how = peak, f"the highest it had been ({peak:.4g})"
+        elif c.climb and self.settled is not None and self.settled > 0 \
+                and lr > c.ratio * self.settled:
+            ref = self.settled
+            how = (f"the highest it had been ({ref:.4g}) before it began climbing "
+                   f"{self.since} steps ago")
+        else:
+            return []
+        self.settled = None  # this climb is reported; the next starts where it stops
+        return [Finding(
+            "lr_jump",
+            f"learning rate {lr:.4g} is {lr / ref:.3g}x {how}. Check first: the scheduler "
+            "(stepped per batch instead of per epoch? a resumed scheduler state? a growth "
+            "factor above 1?), then the run's configuration; if the change is intended, watch "
+            "the loss and gradient norm over the next steps",
+            {"lr": lr, "previous_peak": ref, "ratio": lr / ref, "climb_steps": self.since})]

@@ -1,0 +1,36 @@
+"""``replica_divergence``: under a process group, ranks whose replicas (DDP's copies of the
+gradients) disagree (``fasthealth.distributed``): reported once until they agree again,
+naming the ranks."""
+
+from __future__ import annotations
+
+import math
+
+from ...stats import decode_ranks
+from ..record import HostStep
+from .base import Finding, Rule, listed
+
+
+class ReplicaDivergence(Rule):
+    name = "replica_divergence"
+    kinds = ("replica_divergence",)
+
+    def __init__(self, config=None, ctx=None) -> None:
+        super().__init__(config, ctx)
+        self.active = False
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        count = s.values.get("replica_mismatch", math.nan)
+        if not count > 0:
+            self.active = False
+            return []
+        if self.active:
+            return []
+        self.active = True
+        ranks = decode_ranks(s.values["replica_mismatch_mask"])
+        return [Finding(
+            "replica_divergence",
+            f"the gradients of {int(count)} rank(s) differ from their replicas': ranks "
+            f"{listed(map(str, ranks))}. Check first: those ranks' hardware (silent data "
+            "corruption: ECC errors, a failing GPU), then whether every rank runs the same code "
+            "and data order (a desynchronised rank)", {"ranks": ranks, "count": int(count)})]

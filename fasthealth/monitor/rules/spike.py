@@ -1,0 +1,233 @@
+"""``loss_spike`` and ``grad_norm_spike``: a value far above its recent level (docs/spec.md
+section 6, "Spike scoring"; the score is ``robust.spike_scores``).
+
+A value is a spike when its score exceeds ``zscore`` on the linear and the log scale both (near
+a loss floor of 0.01 healthy batches reach 50x the median: far on the log scale, near on the
+linear one); or when it exceeds ``extreme`` times that on the linear scale with half of it on
+the log one (at such a floor a mislabelled batch 400x the level is hundreds of linear units out
+but only ~5 log ones); or when the loss and the gradient norm of one step both exceed ``joint``
+of the threshold (a bad batch moves both); or ``shift_steps`` steps in a row above ``shift`` of
+it (a level shift). Before the windows are armed, a loss above ``early_loss`` or a gradient
+norm above ``early_grad_norm`` times their first values (a learning rate far too high from the
+start). ``max_run`` spikes in a row are a new level, taken in.
+
+Under ``on_spike="skip"`` a step the device rule skipped (``skip_rule.py``) is always an event
+that says so: the host rule usually sees the same spike (its finding then says ``skipped``);
+where it does not, the device's own scores make the finding.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from ..record import HostStep
+from ..robust import spike_scores
+from ..skip_rule import GRAD_FACTOR, SERIES
+from .base import Context, Finding, Rule
+
+ADVICE = {
+    "loss": "Check first: this step's batch (its dump: fh.replay) for corrupt, mislabelled or "
+            "out-of-distribution samples",
+    "grad_norm": "Check first: this step's batch, then the learning rate; clipping "
+                 "(max_grad_norm) bounds the damage",
+}
+LABEL = {"loss": "loss", "grad_norm": "global grad norm"}
+KIND = {"loss": "loss_spike", "grad_norm": "grad_norm_spike"}
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    zscore: float = 6.0
+    """Noise units above the recent median (``spike_zscore``). At 6 no healthy tuning family
+    alarms and every garbage batch of the held-out part is caught; 11, which leave-one-out
+    prefers on the tuning part, misses 5 of 6 held-out garbage-word batches
+    (bench/results/detectors.json, after_23c_final)."""
+    window: int = 128
+    """Finite, non-spike values the noise is measured over (``spike_window``): enough
+    differences for a stable 0.9 quantile."""
+    warmup: int = 20
+    """Values a window needs before it scores (``warmup_steps``)."""
+    joint: float = 0.85
+    """Share of the threshold that the loss and the gradient norm of one step must both pass:
+    a bad batch moves both, healthy noise rarely moves both (bench/results/detectors.json)."""
+    shift: float = 0.6
+    """Share of the threshold that ``shift_steps`` values in a row must pass to be a new level
+    (a data change that moves the loss less than a spike but stays)."""
+    shift_steps: int = 3
+    """Steps in a row above ``shift``: one or two high batches are noise."""
+    max_run: int = 5
+    """Spikes in a row that make a new level, taken into the window: a level that stays is a
+    change of regime, not a batch (the device rule stops skipping after as many)."""
+    early_loss: float = 4.0
+    """Before the window is armed: a loss this many times its first values is a learning rate
+    far too high from the start (healthy first steps stay within 2x at batch 8)."""
+    early_grad_norm: float = 100.0
+    """The same for the gradient norm, which healthy warm-ups move 10-30x."""
+    extreme: float = 5.0
+    """Times ``zscore`` on the linear scale (with half of it on the log one): a mislabelled batch
+    at a 0.01 loss floor is 400x the level, ~5 log units but hundreds of linear ones; healthy
+    batches never passed 11 linear units (bench/results/detectors.json). ``math.inf``: off."""
+
+
+class _Series:
+    """One watched series: its window of finite, non-spike values, its first values, and its
+    run of spikes."""
+
+    def __init__(self, key: str, window: int, early_ratio: float):
+        self.key, self.label, self.early_ratio = key, LABEL[key], early_ratio
+        self.values: deque[float] = deque(maxlen=window)
+        self.first: list[float] = []
+        self.run = 0
+        self.high = 0  # steps in a row above the shift threshold
+        self.shifted = False
+
+    def score(self, value: float, warmup: int) -> tuple[float, float] | None:
+        """The linear and log spike scores of ``value``; None while the window is not armed (or
+        no value)."""
+        if not math.isfinite(value):
+            return None
+        if len(self.first) < 5:
+            self.first.append(value)
+        if len(self.values) < max(warmup, 3):
+            return None
+        return spike_scores(list(self.values), value)
+
+    def early(self, value: float) -> float | None:
+        """value / the largest of its first values, when that exceeds ``early_ratio``. The
+        largest, not the median: at a batch of 8, healthy batches' losses spread several-fold,
+        and the first few values are all there is to measure that spread on."""
+        ref = max(self.first) if self.first else math.nan
+        if math.isfinite(value) and ref > 0 and value > self.early_ratio * ref:
+            return value / ref
+        return None
+
+    def settle(self, value: float, spike: bool, max_run: int) -> bool:
+        """Takes ``value`` into the window unless it is a spike; a run of ``max_run`` spikes is a
+        new level, taken in. Returns whether to report ``value`` as a spike."""
+        if not math.isfinite(value):
+            return False
+        if not spike:
+            self.run = 0
+            self.values.append(value)
+            return False
+        if self.run >= max_run:
+            self.values.append(value)
+            return False
+        self.run += 1
+        return True
+
+
+class Spike(Rule):
+    """See the module docstring."""
+
+    name = "spike"
+    kinds = ("loss_spike", "grad_norm_spike")
+    Config = SpikeConfig
+
+    @classmethod
+    def from_options(cls, ctx: Context) -> dict:
+        return {"zscore": ctx.spike_zscore, "window": ctx.spike_window,
+                "warmup": ctx.warmup_steps}
+
+    def __init__(self, config: SpikeConfig | None = None, ctx: Context | None = None):
+        super().__init__(config, ctx)
+        c = self.config
+        self.series = {"loss": _Series("loss", c.window, c.early_loss),
+                       "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm)}
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        return self._device_skips(s, self._host(s))
+
+    def _host(self, s: HostStep) -> list[Finding]:
+        c = self.config
+        values = {"loss": s.values["loss"],
+                  "grad_norm": s.values["grad_norm"] if s.values["grads_finite"] else math.nan}
+        scores = {k: self.series[k].score(v, c.warmup) for k, v in values.items()}
+        z = {k: None if x is None else min(x) for k, x in scores.items()}
+        both = all(x is not None and x > c.joint * c.zscore for x in z.values())
+        found = []
+        for key, ser in self.series.items():
+            v, zk, pair = values[key], z[key], scores[key]
+            if zk is None or pair is None:
+                ratio = ser.early(v) if math.isfinite(v) else None
+                if ratio is not None:
+                    found.append(self._early(ser, v, ratio))
+                elif math.isfinite(v) and len(ser.values) < max(c.warmup, 3):
+                    ser.values.append(v)
+                continue
+            lin, log = pair
+            extreme = lin > c.extreme * c.zscore and log > c.zscore / 2
+            if ser.settle(v, zk > c.zscore or both or extreme, c.max_run):
+                found.append(self._spike(ser, v, max(zk, lin) if extreme else zk, both))
+            elif self._shifted(ser, zk):
+                found.append(self._shift(ser, v, zk))
+        return found
+
+    def _device_skips(self, s: HostStep, found: list[Finding]) -> list[Finding]:
+        """``found`` with the device rule's skip said (spike_skip is NaN with on_spike off)."""
+        if not s.values.get("spike_skip", 0) > 0:
+            return found
+        for f in found:
+            if f.kind in KIND.values():
+                f.details = dict(f.details, skipped=True)
+        if any(f.kind in KIND.values() for f in found):
+            return found
+        limits = {"loss": self.config.zscore, "grad_norm": GRAD_FACTOR * self.config.zscore}
+        z = {k: s.values.get(f"skip_z_{k}", math.nan) for k in SERIES}
+        key = max(SERIES, key=lambda k: z[k] / limits[k] if z[k] == z[k] else -math.inf)
+        value = s.values[key]
+        return found + [Finding(
+            KIND[key], f"step skipped (on_spike='skip'): the {key.replace('_', ' ')} "
+            f"{value:.4g} stood {z[key]:.1f} noise units above its recent level (loss "
+            f"{z['loss']:.1f}, gradient norm {z['grad_norm']:.1f} units). Parameters and "
+            "optimizer state were left as they were. Check first: this step's batch (its dump: "
+            "fh.replay)",
+            {"value": value, "zscore": z[key], "zscores": z, "skipped": True, "rule": "device"})]
+
+    def _shifted(self, ser: _Series, z: float) -> bool:
+        """``shift_steps`` steps in a row above ``shift`` times the threshold: a new level,
+        reported once until the series comes back."""
+        c = self.config
+        ser.high = ser.high + 1 if z > c.shift * c.zscore else 0
+        if ser.high == 0:
+            ser.shifted = False
+        if ser.high >= c.shift_steps and not ser.shifted:
+            ser.shifted = True
+            return True
+        return False
+
+    def _shift(self, ser: _Series, value: float, z: float) -> Finding:
+        c = self.config
+        median = statistics.median(ser.values)
+        return Finding(
+            KIND[ser.key],
+            f"{ser.label} stepped up and stayed: {ser.high} steps in a row more than "
+            f"{c.shift * c.zscore:.1f} noise units above its recent median {median:.4g} (now "
+            f"{value:.4g}). Check first: a change of learning rate (schedule, a restart), then "
+            f"a change in the data. {ADVICE[ser.key]}",
+            {"value": value, "zscore": z, "window_median": median, "steps": ser.high,
+             "threshold": c.shift * c.zscore, "shift": True})
+
+    def _spike(self, ser: _Series, value: float, z: float, both: bool) -> Finding:
+        c = self.config
+        median = statistics.median(ser.values)
+        ratio = f" ({value / median:.3g}x)" if median > 0 else ""
+        joint = (" (the loss and the gradient norm jumped together)"
+                 if both and not z > c.zscore else "")
+        return Finding(
+            KIND[ser.key],
+            f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
+            f"{median:.4g}{ratio}{joint}. {ADVICE[ser.key]}",
+            {"value": value, "zscore": z, "window_median": median, "window": len(ser.values),
+             "threshold": c.zscore, "joint": both})
+
+    def _early(self, ser: _Series, value: float, ratio: float) -> Finding:
+        return Finding(
+            KIND[ser.key],
+            f"{ser.label} {value:.4g} is {ratio:.3g}x its first values early in training. "
+            "Check first: the learning rate and its warm-up (far too high from the start?), "
+            f"then the initialisation. {ADVICE[ser.key]}",
+            {"value": value, "ratio": ratio, "threshold": ser.early_ratio, "early": True})

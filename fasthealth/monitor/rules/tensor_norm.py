@@ -1,0 +1,94 @@
+"""Per tensor: a gradient norm that collapses below ``collapse`` of its own recent level for
+``patience`` steps (``vanishing_grad``: dead ReLUs, saturated sigmoids), or jumps above
+``explode`` times it (``exploding_grad``). The level is an exponential average (``alpha``) of
+the log norm, armed after ``warmup`` steps; collapsed and exploded steps stay out of it. When
+every tensor collapses at once the global rule (``vanishing.py``) speaks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..record import HostStep
+from .base import Context, Finding, Rule, listed
+
+
+@dataclass(frozen=True)
+class TensorNormConfig:
+    collapse: float = 1e-3
+    """Share of its own level below which a tensor's gradient has collapsed: healthy tensors'
+    norms move 10x at most between steps."""
+    explode: float = 100.0
+    """Times its own level above which a tensor's gradient has exploded."""
+    patience: int = 3
+    """Steps in a row for a collapse."""
+    warmup: int = 20
+    """Steps of a tensor before its level is trusted (``warmup_steps``)."""
+    alpha: float = 0.05
+    """Weight of a new log norm in the level: a memory of ~20 steps."""
+
+
+class TensorNorm(Rule):
+    name = "tensor_norm"
+    kinds = ("vanishing_grad", "exploding_grad")
+    Config = TensorNormConfig
+
+    @classmethod
+    def from_options(cls, ctx: Context) -> dict:
+        return {"warmup": ctx.warmup_steps}
+
+    def __init__(self, config: TensorNormConfig | None = None, ctx: Context | None = None):
+        super().__init__(config, ctx)
+        n = len(self.ctx.names)
+        self.lo, self.hi = math.log(self.config.collapse), math.log(self.config.explode)
+        self.level = torch.full((n,), math.nan, dtype=torch.float64)
+        self.seen = torch.zeros(n, dtype=torch.int64)
+        self.low = torch.zeros(n, dtype=torch.int64)
+        self.reported_low = torch.zeros(n, dtype=torch.bool)
+        self.reported_high = torch.zeros(n, dtype=torch.bool)
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        c = self.config
+        if not s.values["grads_finite"] or not s.per_norm:
+            return []
+        norm = torch.tensor(s.per_norm, dtype=torch.float64)
+        present = ~norm.isnan()
+        log = norm.clamp(min=0).log()  # 0 -> -inf: a collapse
+        armed = present & (self.seen >= c.warmup) & self.level.isfinite()
+        low = armed & (log < self.level + self.lo)
+        high = armed & (log > self.level + self.hi)
+        normal = present & ~low & ~high & log.isfinite()
+        first = normal & self.level.isnan()
+        self.level = torch.where(first, log, self.level)
+        self.level = torch.where(normal & ~first,
+                                 (1 - c.alpha) * self.level + c.alpha * log, self.level)
+        self.seen += normal.long()
+        self.low = torch.where(low, self.low + 1, torch.where(present, 0, self.low))
+        found = []
+        new_low = (self.low >= c.patience) & ~self.reported_low
+        if new_low.any() and not bool((low | ~present).all()):  # all at once: the global rule
+            found.append(self._event(
+                "vanishing_grad", new_low, norm,
+                f"collapsed to below {c.collapse:g} of their usual size for {c.patience} steps",
+                "dead units (a ReLU layer whose pre-activations went negative: its bias, the "
+                "learning rate), saturated activations (sigmoid/tanh inputs far from 0), then "
+                "parameters frozen by mistake"))
+        self.reported_low = (self.reported_low | new_low) & ~(normal & ~first)
+        new_high = high & ~self.reported_high
+        if new_high.any():
+            found.append(self._event(
+                "exploding_grad", new_high, norm, f"are over {c.explode:g}x their usual size",
+                "those tensors' weights (growing without bound? check_params), their learning "
+                "rate and weight decay, then clipping (max_grad_norm)"))
+        self.reported_high = (self.reported_high | new_high) & ~normal
+        return found
+
+    def _event(self, kind: str, mask: torch.Tensor, norm: torch.Tensor, seen: str,
+               check: str) -> Finding:
+        idx = mask.nonzero().flatten().tolist()
+        named = {self.ctx.names[i]: {"norm": float(norm[i]), "level": math.exp(self.level[i])}
+                 for i in idx}
+        return Finding(kind, f"the gradients of {len(named)} tensor(s) {seen}: {listed(named)}. "
+                       f"Check first: {check}", {"tensors": named})

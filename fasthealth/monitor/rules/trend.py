@@ -1,0 +1,80 @@
+"""The base of the rules judged over a window of recent finite log-losses (``divergence``,
+``oscillation``), and the rise test ``divergence`` and ``exploding_grad`` share."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from ..record import HostStep
+from ..robust import slope_t
+from .base import Finding, Rule
+
+
+class LossTrend(Rule):
+    """``judge`` runs once the window holds ``min_len`` log-losses and more than ``warmup``
+    finite losses have been seen; a loss <= 0 leaves no log scale to judge on."""
+
+    def __init__(self, config=None, ctx=None) -> None:
+        super().__init__(config, ctx)
+        self.history: deque[float] = deque(maxlen=self.config.window)
+        self.seen = 0
+        self.active = False
+
+    def observe(self, s: HostStep) -> list[Finding]:
+        return self.update(s.values["loss"])
+
+    def update(self, value: float) -> list[Finding]:
+        if not math.isfinite(value):
+            return []
+        self.seen += 1
+        self.history.append(math.log(value) if value > 0 else math.nan)
+        if self.seen <= self.config.warmup or len(self.history) < self.config.window:
+            return []
+        ys = list(self.history)
+        if any(y != y for y in ys):
+            return []
+        return self.judge(ys, value)
+
+    def judge(self, ys: list[float], value: float) -> list[Finding]:
+        raise NotImplementedError
+
+    def once(self, found: Finding) -> list[Finding]:
+        """``found``, the first time in an episode (until ``active`` is cleared)."""
+        if self.active:
+            return []
+        self.active = True
+        return [found]
+
+
+class Rising(LossTrend):
+    """A steady rise of the log of a series: a line through the window climbs with a
+    t-statistic above ``t_min`` and by more than ``rise``, and the median of the last ``short``
+    values stands ``rise`` above the lowest such median seen. The episode ends once that median
+    is back within half of ``rise``."""
+
+    def __init__(self, config=None, ctx=None) -> None:
+        super().__init__(config, ctx)
+        self.best = math.inf  # lowest median of `short` values seen
+
+    def rising(self, ys: list[float]) -> dict | None:
+        c = self.config
+        recent = statistics.median(ys[-c.short:])
+        self.best = min(self.best, recent)
+        slope, t = slope_t(ys)
+        total = math.expm1(slope * (len(ys) - 1))
+        above = math.expm1(recent - self.best)
+        if t > c.t_min and total > c.rise and above > c.rise:
+            return {"slope_per_step": math.expm1(slope), "t": t, "rise": total,
+                    "above_best": above, "best": math.exp(self.best)}
+        if above < c.rise / 2:
+            self.active = False
+        return None
+
+    def judge(self, ys: list[float], value: float) -> list[Finding]:
+        trend = self.rising(ys)
+        return [] if trend is None else self.once(self.finding(trend, len(ys), value))
+
+    def finding(self, trend: dict, window: int, value: float) -> Finding:
+        raise NotImplementedError
