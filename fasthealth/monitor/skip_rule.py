@@ -41,10 +41,7 @@ import torch
 from .robust import score_constants, spike_scores_t
 
 SERIES = ("loss", "grad_norm")
-GRAD_FACTOR = 5.0
-"""Times ``zscore`` the gradient norm alone must stand out: it climbs several-fold while a
-healthy run leaves its plateau or warms up, whereas a bad batch puts it hundreds of units out
-(bench/results/act.json)."""
+GRAD_FACTOR = 5.0  # SkipConfig.grad_factor's default, also read by the host spike rule
 
 
 @dataclass(frozen=True)
@@ -56,7 +53,9 @@ class SkipConfig:
     warmup: int = 20
     """Values a ring needs before it scores (``warmup_steps``; at least 3)."""
     grad_factor: float = GRAD_FACTOR
-    """See ``GRAD_FACTOR``."""
+    """Times ``zscore`` the gradient norm alone must stand out: it climbs several-fold while a
+    healthy run leaves its plateau or warms up, whereas a bad batch puts it hundreds of units
+    out (bench/results/act.json)."""
     joint: float = 0.85
     """The loss and the gradient norm both above this share of ``zscore``: as the host rule."""
     max_run: int = 5
