@@ -180,3 +180,33 @@ def test_functions_and_classes_stay_readable():
 def test_the_layers_name_every_module():
     for name in MODULES:
         layer(name)  # asserts
+
+
+def test_design_md_draws_these_layers():
+    """docs/design.md's layer diagram names each module in the layer LAYERS puts it in."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("## The layers", 1)[1].split("```", 2)[1]
+    rows: dict[int, str] = {}
+    current = None
+    for line in block.splitlines():
+        head = line.split(maxsplit=1)
+        if head and head[0].isdigit():
+            current = int(head[0])
+            rows[current] = line
+        elif current is not None and line.startswith(" " * 10) and "---" not in line:
+            rows[current] += " " + line
+        elif "---" in line:
+            current = None
+    assert sorted(rows) == list(range(1, len(LAYERS) + 1)), sorted(rows)
+    for i, names in enumerate(LAYERS, start=1):
+        for prefix in names:
+            short = prefix.rsplit(".", 1)[-1]
+            assert short in rows[i].split() or f"{short}/" in rows[i] or \
+                f"{short} (" in rows[i], f"docs/design.md: layer {i} does not name {short}"
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    package = ROOT / "fasthealth"
+    long = {name: n for name, path in MODULES.items() if path.is_relative_to(package)
+            and (n := len(path.read_text().splitlines())) > 500}
+    assert not long, long

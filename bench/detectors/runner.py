@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fasthealth as fh
+from fasthealth.monitor.incidents import IncidentTracker
 from fasthealth.monitor.record import HostStep
 from fasthealth.monitor.rules import Rule
 
@@ -183,7 +184,11 @@ def replay(setup: Setup, steps: list[HostStep], options: dict) -> dict:
     """The events and incidents a Monitor with ``options`` raises over the recorded ``steps``:
     its own flush, flush by flush as in training, fed the records instead of its device
     buffer."""
+    options = dict(options)
+    tracker = options.pop("incidents", None)  # IncidentConfig fields (bench/ablate_rules.py)
     mon = monitor_for(setup, options)
+    if tracker is not None:
+        mon.journal.tracker = IncidentTracker(**tracker)
     mon.record = feed = _Feed()
     n = mon.flush_every
     for i in range(0, len(steps), n):

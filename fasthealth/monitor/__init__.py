@@ -3,8 +3,10 @@
 - ``monitor.py``: ``Monitor``: ``step`` = record + gate, ``flush`` = detect + write;
 - ``record.py``: the device record, one row of named columns per step;
 - ``gate.py``: clipping and the step-or-skip, without a host sync where the optimizer allows;
-- ``detectors.py``: every event rule behind one interface;
-- ``events.py``: ``Event``, ``Observation``, ``NonFiniteError``;
+- ``rules/``: one file per event rule, and their registry; ``kinds.py``: every fact about
+  each kind of event; ``robust.py``: the statistics the rules judge with;
+- ``schema.py``: the step record's fields; ``incidents.py``: events grouped by fault;
+- ``events.py``: ``Event``, ``Incident``, ``Observation``, ``NonFiniteError``;
 - ``sinks.py``: the JSONL logs, TensorBoard, the dumps;
 - ``replay.py``: ``replay``, which re-runs the step behind an event from its dump.
 """
