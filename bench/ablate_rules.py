@@ -42,6 +42,7 @@ CLAUSES: dict[str, dict] = {
     "update_ratio.falling (loss-falling veto)": {"rules": {"update_ratio": {"falling": None}}},
     "incidents.overflow_explains (1.8e19 gate)": {"incidents": {"overflow_explains": False}},
     "incidents.settle (a new kind is a new fault)": {"incidents": {"settle": None}},
+    "incidents.returns (a spike back to the level)": {"incidents": {"returns": False}},
 }
 
 

@@ -86,6 +86,9 @@ class IncidentConfig:
     scale_drop: float = 8.0
     """A loss scale this many times below its level before: not recovered (the loss-scale
     rule's three back-offs)."""
+    returns: bool = True
+    """A loss spike back to (not above) the level before the incident is the run coming back
+    (after a stretch of zero losses, say), not a new fault."""
     overflow_explains: bool = True
     """Broken optimizer state is explained by a gradient whose square overflows float32 (Adam's
     second moment), as well as by a non-finite value."""
@@ -240,8 +243,8 @@ class IncidentTracker:
         the run coming back (after a stretch of zero losses, say), not a new fault."""
         level = self.baseline[0]
         value = e.details.get("value")
-        return e.kind == "loss_spike" and level is not None and isinstance(value, (int, float)) \
-            and value <= (1 + self.recover) * level
+        return self.config.returns and e.kind == "loss_spike" and level is not None \
+            and isinstance(value, (int, float)) and value <= (1 + self.recover) * level
 
     def add(self, step: int, events: list[Event]) -> tuple[Incident | None, bool, bool]:
         """``file`` without the list of recorded events."""

@@ -66,6 +66,9 @@ class SpikeConfig:
     far too high from the start (healthy first steps stay within 2x at batch 8)."""
     early_grad_norm: float = 100.0
     """The same for the gradient norm, which healthy warm-ups move 10-30x."""
+    first: int = 5
+    """First values the early ratios are taken against (their largest): all a run has before
+    its window is armed."""
     extreme: float = 5.0
     """Times ``zscore`` on the linear scale (with half of it on the log one): a mislabelled batch
     at a 0.01 loss floor is 400x the level, ~5 log units but hundreds of linear ones; healthy
@@ -76,8 +79,8 @@ class _Series:
     """One watched series: its window of finite, non-spike values, its first values, and its
     run of spikes."""
 
-    def __init__(self, key: str, window: int, early_ratio: float):
-        self.key, self.label, self.early_ratio = key, LABEL[key], early_ratio
+    def __init__(self, key: str, window: int, early_ratio: float, first: int):
+        self.key, self.label, self.early_ratio, self.n_first = key, LABEL[key], early_ratio, first
         self.values: deque[float] = deque(maxlen=window)
         self.first: list[float] = []
         self.run = 0
@@ -89,7 +92,7 @@ class _Series:
         no value)."""
         if not math.isfinite(value):
             return None
-        if len(self.first) < 5:
+        if len(self.first) < self.n_first:
             self.first.append(value)
         if len(self.values) < max(warmup, 3):
             return None
@@ -135,8 +138,8 @@ class Spike(Rule):
     def __init__(self, config: SpikeConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         c = self.config
-        self.series = {"loss": _Series("loss", c.window, c.early_loss),
-                       "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm)}
+        self.series = {"loss": _Series("loss", c.window, c.early_loss, c.first),
+                       "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm, c.first)}
 
     def observe(self, s: HostStep) -> list[Finding]:
         return self._device_skips(s, self._host(s))

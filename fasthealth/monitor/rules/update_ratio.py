@@ -34,7 +34,10 @@ class UpdateRatioConfig:
     """Ratios below it are never a precursor: healthy training holds the ratio near 1e-3."""
     falling: int | None = 10
     """Steps in each half of the "loss falling fast" test (the median of the last ``falling``
-    losses 10% below the ``falling`` before); None: no such test."""
+    losses ``falling_by`` below the ``falling`` before); None: no such test."""
+    falling_by: float = 0.1
+    """How far the recent median must stand below the one before to count as falling fast:
+    a run leaving its plateau falls tens of percent in 10 steps, a steady descent a few."""
 
 
 class UpdateRatio(Rule):
@@ -60,7 +63,7 @@ class UpdateRatio(Rule):
         n = self.config.falling
         xs = list(self.losses)
         return n is not None and len(xs) == 2 * n \
-            and statistics.median(xs[n:]) < 0.9 * statistics.median(xs[:n])
+            and statistics.median(xs[n:]) < (1 - self.config.falling_by) * statistics.median(xs[:n])
 
     def observe(self, s: HostStep) -> list[Finding]:
         c = self.config
