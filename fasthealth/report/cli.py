@@ -10,9 +10,8 @@ What ``fh.replay`` found for an incident's dump (``<dump>.replay.json``, written
 by the replay) is shown with the incident: reproduced or not, the source, the first module that
 made a non-finite value, the samples that alone reproduce it.
 
-A log dir written before incidents existed (no ``incidents.jsonl``) is reported too: its
-incidents are taken from the events' ``incident`` field where they have one, else each step
-with events is an incident of its own.
+A log dir without ``incidents.jsonl`` (written before incidents existed) is reported too; the
+summary says that its incidents were not recorded.
 
 Any file content is read without a traceback: a line that cannot be read (not JSON, binary, a
 partial last line left by a killed process) is skipped and a value of the wrong kind (a string
@@ -50,20 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         log = read_log(args.log_dir)
     except (OSError, LogError) as exc:
         return _nothing_read(args.log_dir, exc)
-    meta, steps, events, problems = log.meta, log.steps, log.events, log.problems
-    if problems.skipped or problems.marked:
-        print(problems.text(args.log_dir), file=sys.stderr)
+    if log.problems.skipped or log.problems.marked:
+        print(log.problems.text(args.log_dir), file=sys.stderr)
     try:  # an optional dependency: without it, the text summary only
         import matplotlib  # noqa: F401
     except ImportError:
-        print(summary(meta, steps, events, log.incidents, args.log_dir))
+        print(summary(log.meta, log.steps, log.events, log.incidents, args.log_dir))
         print("fasthealth report: the plots and report.html need matplotlib: "
               "pip install 'fasthealth[report]' (or: pip install matplotlib)", file=sys.stderr)
         return 1
     out = args.out if args.out is not None else args.log_dir
     try:
-        path, text = write_report(args.log_dir, meta, steps, events, out=out,
-                                  incidents=log.incidents)
+        path, text = write_report(args.log_dir, log, out=out)
     except OSError as exc:
         print(f"fasthealth report: cannot write the report to {out}: {exc}", file=sys.stderr)
         return 1

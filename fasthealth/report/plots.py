@@ -1,25 +1,19 @@
 """The report's figure: the loss with incidents shaded and events marked, events by kind, the
 global gradient norm, non-finite gradient values, the per-tensor heatmap, the learning rate
 and loss scale; each panel drawn only when the log has something for it. matplotlib is
-optional (the report extra): it is imported where the drawing happens."""
+optional (the report extra): it is imported where the drawing happens. Each kind is drawn in
+its colour from the kinds registry (``monitor/kinds.py``), in the registry's order; a kind it
+does not know (a user's rule, another version's log) gets a stable colour of its own."""
 
 from __future__ import annotations
 
 import math
 
-from ..monitor.events import ALARM, NOTICE
+from ..monitor import kinds
+from ..monitor.kinds import ALARM, NOTICE, SEVERITIES
 from .heatmap import _color_range, heatmap_data
-from .read import SEVERITIES, _num, _severe, incidents_of, is_step
+from .read import _num, is_step
 from .summary import replay_brief
-
-EVENT_COLORS = {
-    "nonfinite_loss": "#d62728", "nonfinite_grad": "#ff7f0e", "loss_spike": "#9467bd",
-    "grad_norm_spike": "#8c564b", "divergence": "#e377c2", "oscillation": "#17becf",
-    "vanishing_grad": "#7f7f7f", "optimizer_state_nonfinite": "#bcbd22",
-    "loss_scale_collapse": "#1f77b4", "exploding_grad": "#393b79",
-    "replica_divergence": "#e7ba52", "lr_jump": "#637939",
-}
-
 
 # Incidents drawn on the plots and listed in the summary: alarms in red, notices muted
 SPAN_COLORS = {ALARM: "#d62728", NOTICE: "#8c8c8c"}
@@ -130,9 +124,9 @@ def _loss_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[
         ok = math.isfinite(y) and (y > 0 or not use_log)
         on, edge = groups.setdefault((e["severity"], e["kind"]), ([], []))
         (on if ok else edge).append((e["step"], y if ok else 0.97))
-    kinds = _kind_order(events)
-    for sev, kind in sorted(groups, key=lambda g: (SEVERITIES.index(g[0]), kinds.index(g[1]))):
-        c = EVENT_COLORS.get(kind, "gray")
+    order = _kind_order(events)
+    for sev, kind in sorted(groups, key=lambda g: (SEVERITIES.index(g[0]), order.index(g[1]))):
+        c = kinds.colour_of(kind)
         style = (dict(s=30, color=c) if sev == ALARM else
                  dict(s=18, facecolors="none", edgecolors=c, linewidths=0.9))
         label: str | None = kind if sev == ALARM else f"{kind} (notice)"
@@ -148,8 +142,10 @@ def _loss_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[
 
 
 def _kind_order(events: list[dict]) -> list[str]:
-    kinds = [k for k in EVENT_COLORS if any(e["kind"] == k for e in events)]
-    return kinds + sorted({e["kind"] for e in events} - set(kinds))
+    """The kinds of ``events``: the registry's in its order, then any others by name."""
+    seen = {e["kind"] for e in events}
+    known = [k for k in kinds.KINDS if k in seen]
+    return known + sorted(seen - set(known))
 
 
 def _timeline_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int],
@@ -161,7 +157,7 @@ def _timeline_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: l
     _spans(ax, incidents, xs)
     for i, (sev, k) in enumerate(rows):
         st = [e["step"] for e in events if e["kind"] == k and e["severity"] == sev]
-        ax.scatter(st, [i] * len(st), color=EVENT_COLORS.get(k, "gray"), marker="|",
+        ax.scatter(st, [i] * len(st), color=kinds.colour_of(k), marker="|",
                    s=120 if sev == ALARM else 70, alpha=1.0 if sev == ALARM else 0.6)
     ax.set_yticks(range(len(rows)), [k if sev == ALARM else f"{k} (notice)" for sev, k in rows],
                   fontsize=7)
@@ -349,16 +345,15 @@ def _label_incidents(ax, incidents: list[dict], rows: int = 3) -> None:
 
 def figure(meta: dict, steps: list[dict], events: list[dict],
            incidents: list[dict] | None = None):
-    """The report's plots: the panels of PANELS that have something to show, one figure;
-    ``incidents`` (``incidents_of(events)`` when not given) shaded and labelled."""
+    """The report's plots of a log as ``read_log`` returns it: the panels of PANELS that have
+    something to show, one figure; ``incidents`` shaded and labelled (None: not recorded)."""
     import matplotlib  # optional: `fasthealth report` without it writes the text summary
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
-    events = _severe([e for e in events if is_step(e.get("step"))])  # the others: only listed
-    if incidents is None:
-        incidents = incidents_of(events)
+    events = [e for e in events if is_step(e["step"])]  # the others: only listed
+    incidents = incidents or []
     xs = [r["step"] for r in steps]
     panels = [(p, h) for p, h, show in PANELS if show(meta, steps, events)]
     height = sum(h for _, h in panels)

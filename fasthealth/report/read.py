@@ -2,27 +2,29 @@
 with it told by file and line (``Problems``) instead of a traceback.
 
 Reads ``meta.json``, ``steps.jsonl``, ``events.jsonl`` and ``incidents.jsonl``; a line that
-cannot be read (not JSON, binary, a partial last line left by a killed process) is skipped and
-a value of the wrong kind (a string where a number goes) is shown as missing. What ``fh.replay``
-wrote beside an incident's dump (``<dump>.replay.json``) is read with the incident.
+cannot be read (not JSON, binary, a partial last line left by a killed process, a record with
+no step) is skipped and a value of the wrong kind (a string where a number goes) is shown as
+missing. The step fields are checked by the types ``monitor/schema.py`` declares for them.
+What ``fh.replay`` wrote beside an incident's dump (``<dump>.replay.json``) is read with the
+incident. The incidents are incidents.jsonl's: a log without one has none.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..monitor.events import ALARM, NOTICE, severity_of
+from ..monitor import kinds, schema
+from ..monitor.kinds import ALARM, SEVERITIES
 from ..monitor.replay import result_path
 from ..monitor.sinks import json_kind, read_jsonl
 
-# The fields of a steps.jsonl record that the report reads, by what they must hold
-NUMBERS = ("loss", "grad_norm", "grad_finite_norm", "grad_amax", "nan_count", "inf_count", "lr",
-           "loss_scale", "optimizer_nonfinite")
-FLAGS = ("grads_finite", "loss_finite", "skipped")
+# The fields of a steps.jsonl record checked, by the type the schema gives them: numbers (a
+# count too: the plots take floats) and flags (null allowed: shown as missing)
+NUMBERS = schema.of_type(schema.FLOAT, schema.COUNT)
+FLAGS = schema.of_type(schema.FLAG, schema.MAYBE_FLAG)
 SHOWN = 8  # problems listed one by one; past that, a count
 LARGEST = 1e200  # beyond it a log-scale axis overflows (a float32 run's values stay below 1e45)
 
@@ -33,7 +35,6 @@ class LogError(ValueError):
 
 FILES = ("meta.json", "steps.jsonl", "events.jsonl", "incidents.jsonl")  # the order problems
 # are told in
-SEVERITIES = (ALARM, NOTICE)
 
 
 @dataclass
@@ -141,8 +142,11 @@ def _clean_event(where: tuple[str, int], rec: dict, problems: Problems) -> dict:
     """``rec`` with the fields the report shows as strings; an event whose step is not a step
     number is listed in the table but not plotted."""
     out = dict(rec)
-    if not is_step(out.get("step")):
-        problems.marked.append((*where, f"the event's 'step' is {_shown(out.get('step'))}, not "
+    if "step" not in out:
+        problems.marked.append((*where, "an event with no 'step': listed, not plotted"))
+        out["step"] = None
+    elif not is_step(out["step"]):
+        problems.marked.append((*where, f"the event's 'step' is {_shown(out['step'])}, not "
                                 "a step number: listed, not plotted"))
     for k in ("kind", "message"):
         if not isinstance(out.get(k), str):
@@ -153,12 +157,12 @@ def _clean_event(where: tuple[str, int], rec: dict, problems: Problems) -> dict:
         problems.marked.append((*where, f"the event's 'dump' is {_shown(out['dump'])}, not a "
                                 "path: shown as missing"))
         out["dump"] = None
-    if out.get("severity") not in SEVERITIES:  # a log from before severities: by its kind
+    if out.get("severity") not in SEVERITIES:  # none (a log from before severities): by kind
         if out.get("severity") is not None:
             problems.marked.append((*where, f"the event's 'severity' is "
                                     f"{_shown(out['severity'])}, not \"alarm\" or \"notice\": "
                                     "taken from its kind"))
-        out["severity"] = severity_of(out["kind"])
+        out["severity"] = kinds.severity_of(out["kind"])
     if out.get("incident") is not None and not (is_step(out["incident"])
                                                 and out["incident"] >= 0):
         problems.marked.append((*where, f"the event's 'incident' is {_shown(out['incident'])}, "
@@ -169,8 +173,8 @@ def _clean_event(where: tuple[str, int], rec: dict, problems: Problems) -> dict:
 
 def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> dict | None:
     """An incidents.jsonl record with every field the report reads checked (a value of the
-    wrong kind marked, and left to what the events say); None (skipped) for a record that is
-    not an incident's or has no id or start step."""
+    wrong kind marked, and None: ``_incidents`` leaves what an earlier record said); None
+    (skipped) for a record that is not an incident's or has no id or start step."""
     if rec.get("record", "incident") != "incident":
         problems.skipped.append((*where, f"a {_shown(rec['record'])} record, not an incident's"))
         return None
@@ -189,7 +193,7 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
         return rec.get(k, default)
 
     end = check("end", lambda v: is_step(v) and v >= rec["start"], "a step at or after its start")
-    out = {"id": rec["id"], "start": rec["start"], "end": rec["start"] if end is None else end,
+    out = {"id": rec["id"], "start": rec["start"], "end": end,
            "state": check("state", lambda v: v in ("opened", "closed"),
                           "\"opened\" or \"closed\"", "opened") or "opened",
            "kinds": check("kinds", lambda v: isinstance(v, list)
@@ -202,7 +206,7 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
                "steps by kind"),
            "dump": check("dump", lambda v: isinstance(v, str), "a path"),
            "message": check("message", lambda v: isinstance(v, str), "a string"),
-           "replay": _replay_of(rec), "logged": True}
+           "replay": _replay_of(rec)}
     return out
 
 
@@ -286,22 +290,22 @@ def _records(path: Path, problems: Problems) -> list[tuple[tuple[str, int], dict
 
 @dataclass
 class Log:
-    """What ``read_log`` found in a log_dir: every value checked, and ``problems``."""
+    """What ``read_log`` found in a log_dir: every value checked, and ``problems``.
+    ``incidents`` is None where the log has no readable incidents.jsonl (a log written before
+    incidents existed): not "none happened", but "none recorded"."""
 
     meta: dict
     steps: list[dict]
     events: list[dict]
-    incidents: list[dict]
+    incidents: list[dict] | None
     problems: Problems
 
 
 def read_log(log_dir: str | Path) -> Log:
     """meta.json, steps.jsonl, events.jsonl and incidents.jsonl of a Monitor's log_dir, every
-    value checked, and what was wrong (``Problems``). Without incidents.jsonl (a log from
-    before incidents) the incidents come from the events (``incidents_of``). Raises
-    FileNotFoundError (no such directory, no steps.jsonl), NotADirectoryError, or LogError
-    (steps.jsonl unreadable, empty, or without a single readable step): there is nothing to
-    report."""
+    value checked, and what was wrong (``Problems``). Raises FileNotFoundError (no such
+    directory, no steps.jsonl), NotADirectoryError, or LogError (steps.jsonl unreadable, empty,
+    or without a single readable step): there is nothing to report."""
     d = Path(log_dir)
     if not d.exists():
         raise FileNotFoundError(f"fasthealth report: {d} not found (no such directory)")
@@ -325,118 +329,55 @@ def read_log(log_dir: str | Path) -> Log:
     events_path = d / "events.jsonl"
     events = [] if not events_path.exists() else [
         _clean_event(w, rec, problems) for w, rec in _records(events_path, problems)]
-    records = None
+    incidents = None
     inc_path = d / "incidents.jsonl"
     if inc_path.exists():
         try:
             raw_inc = _records(inc_path, problems)
-        except LogError as exc:  # the events still say what the incidents were
+        except LogError as exc:
             problems.skipped.append((inc_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
-                                     "incidents taken from the events"))
+                                     "no incidents shown"))
         else:
-            records = [r for r in (_clean_incident(w, rec, problems) for w, rec in raw_inc)
-                       if r is not None]
-    incidents = incidents_of(events, records)
-    for inc in incidents:
-        if inc.get("dump") and not inc.get("replay"):
-            inc["replay"] = _replay_beside(inc["dump"], d, problems)
+            incidents = _incidents([r for r in (_clean_incident(w, rec, problems)
+                                                for w, rec in raw_inc) if r is not None], events)
+            for inc in incidents:
+                if inc.get("dump") and not inc.get("replay"):
+                    inc["replay"] = _replay_beside(inc["dump"], d, problems)
     return Log(meta, steps, events, incidents, problems)
 
 
-def read(log_dir: str | Path) -> tuple[dict, list[dict], list[dict], Problems]:
-    """meta.json, steps.jsonl and events.jsonl of a Monitor's log_dir and the problems found
-    (``read_log`` without the incidents)."""
-    log = read_log(log_dir)
-    return log.meta, log.steps, log.events, log.problems
-
-
-def load(log_dir: str | Path) -> tuple[dict, list[dict], list[dict]]:
-    """meta.json, steps.jsonl and events.jsonl of a Monitor's log_dir (see ``read``); what was
-    skipped or marked (a partial last line, a corrupt one, a value of the wrong kind, each
-    with its file and line number) is warned."""
-    meta, steps, events, problems = read(log_dir)
-    if problems.skipped or problems.marked:
-        warnings.warn(problems.text(log_dir), RuntimeWarning, stacklevel=2)
-    return meta, steps, events
-
-
-def _severe(events: list[dict]) -> list[dict]:
-    """``events`` each with a severity (by its kind where it has none: an older log, or
-    events not read by ``read``)."""
-    return [e if e.get("severity") in SEVERITIES else dict(e, severity=severity_of(str(
-        e.get("kind")))) for e in events]
-
-
-def _from_events(evs: list[dict], id_: int) -> dict:
-    """An incident put together from its events (which have step numbers)."""
-    kinds = list(dict.fromkeys(e["kind"] for e in evs))
-    alarms = [e for e in evs if e["severity"] == ALARM]
-    first = (alarms or evs)[0]
-    dump = next((e["dump"] for e in alarms + evs if e.get("dump")), None)
-    steps = [e["step"] for e in evs]
-    return {"id": id_, "start": min(steps), "end": max(steps), "state": "closed",
-            "kinds": kinds, "cause": first["kind"], "severity": ALARM if alarms else NOTICE,
-            "events": len(evs), "dump": dump, "message": first.get("message"),
-            "replay": next((r for r in map(_replay_of, evs) if r), None), "logged": False}
-
-
-def incidents_of(events: list[dict], records: list[dict] | None = None) -> list[dict]:
-    """The incidents of a log, in order of their start: from incidents.jsonl's ``records``
-    (checked by ``_clean_incident``), the latest state of each kept (a closed record overrides
-    the opened one), and, for events whose incident has no record (or without
-    incidents.jsonl), from the events: by their ``incident`` field where they have one, else
-    one incident per step with events. A field a record lacks is filled in from its events.
-
-    An incident is keyed by id and start: a reopened log_dir numbers its incidents from 0
-    again, and an incident's start never changes."""
-    events = _severe([e for e in events if is_step(e.get("step"))])
+def _incidents(records: list[dict], events: list[dict]) -> list[dict]:
+    """The incidents of incidents.jsonl's ``records`` (checked by ``_clean_incident``), in
+    order of their start. An incident is keyed by id and start: a reopened log_dir numbers its
+    incidents from 0 again, and an incident's start never changes. Each later record of an
+    incident updates what the earlier ones said (a field it has wrong leaves theirs); a closed
+    incident is not reopened. One whose log ends before it closed (a killed run) reaches to the
+    last of the events filed under it (by their ``incident`` id, from its start on)."""
     by_key: dict[tuple[int, int], dict] = {}
-    for r in records or []:
-        key = (r["id"], r["start"])
-        if key in by_key and by_key[key]["state"] == "closed" and r["state"] == "opened":
-            continue  # a closed incident is not reopened
-        by_key[key] = dict(r)
-    # each event to the logged incident of its id that started last at or before its step
+    for r in records:
+        old = by_key.setdefault((r["id"], r["start"]), {})
+        if old.get("state") == "closed" and r["state"] == "opened":
+            continue
+        old.update({k: v for k, v in r.items() if v is not None})
     starts: dict[int, list[int]] = {}
     for i, s in sorted(by_key):
         starts.setdefault(i, []).append(s)
-    members: dict[tuple[int, int], list[dict]] = {k: [] for k in by_key}
-    loose: dict[int, list[dict]] = {}  # events of ids with no record, by id
-    unfiled: list[dict] = []  # events with no incident id
+    filed: dict[tuple[int, int], list[int]] = {}
     for e in events:
         inc_id = e.get("incident")
-        if inc_id is None:
-            unfiled.append(e)
+        if inc_id is None or not is_step(e["step"]):
             continue
         before = [s for s in starts.get(inc_id, []) if s <= e["step"]]
-        if before:
-            members[(inc_id, before[-1])].append(e)
-        else:
-            loose.setdefault(inc_id, []).append(e)
-    out = []
+        if before:  # the incident of that id that started last at or before the event
+            filed.setdefault((inc_id, before[-1]), []).append(e["step"])
     for key, r in by_key.items():
-        evs = members[key]
-        if evs:  # what the record does not say (or an open one has not said yet)
-            made = _from_events(evs, r["id"])
-            if r["state"] == "opened":
-                r["end"] = max(r["end"], made["end"])
-            for k in ("kinds", "cause", "severity", "dump", "message", "replay"):
-                if r.get(k) is None:
-                    r[k] = made[k]
-            if r.get("events") is None or r["state"] == "opened":
-                r["events"] = max(r.get("events") or 0, len(evs))
         r["kinds"] = r.get("kinds") or []
         r["cause"] = r.get("cause") or (r["kinds"][0] if r["kinds"] else "?")
         r["severity"] = r.get("severity") or (
-            ALARM if any(severity_of(k) == ALARM for k in r["kinds"]) else NOTICE)
+            ALARM if any(kinds.severity_of(k) == ALARM for k in r["kinds"]) else kinds.NOTICE)
+        r["end"] = r.get("end", r["start"])
         r["events"] = r.get("events") or 0
-        out.append(r)
-    out += [_from_events(evs, i) for i, evs in loose.items()]
-    next_id = max([r["id"] for r in out] + [-1]) + 1
-    at: dict[int, list[dict]] = {}
-    for e in unfiled:
-        at.setdefault(e["step"], []).append(e)
-    for n, at_step in enumerate(sorted(at)):
-        out.append(_from_events(at[at_step], next_id + n))
-    return sorted(out, key=lambda r: (r["start"], r["id"]))
-
+        if r["state"] != "closed" and key in filed:
+            r["end"] = max(r["end"], *filed[key])
+            r["events"] = max(r["events"], len(filed[key]))
+    return sorted(by_key.values(), key=lambda r: (r["start"], r["id"]))

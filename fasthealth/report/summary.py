@@ -7,8 +7,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from ..monitor.events import ALARM
-from .read import SEVERITIES, _dump_candidates, _num, _severe, incidents_of, is_step
+from ..monitor.kinds import ALARM, SEVERITIES
+from .read import _dump_candidates, _num, is_step
 
 LISTED = 30  # incidents of each severity listed one by one in the summary; past that, a count
 
@@ -99,9 +99,13 @@ def _kinds_shown(kinds: list[str], width: int = 60) -> str:
     return ", ".join(out) + f", ... ({len(kinds)} kinds)"
 
 
-def incident_table(incidents: list[dict], log_dir: str | Path | None = None) -> list[str]:
+def incident_table(incidents: list[dict] | None, log_dir: str | Path | None = None
+                   ) -> list[str]:
     """The summary's lines on incidents: a count by severity, then a table of them (alarms,
-    then notices, each in order of their start, the first LISTED of each one by one)."""
+    then notices, each in order of their start, the first LISTED of each one by one).
+    ``incidents`` None: the log recorded none (``Log.incidents``)."""
+    if incidents is None:
+        return ["  incidents: not recorded (no readable incidents.jsonl in this log)"]
     alarms = [i for i in incidents if i["severity"] == ALARM]
     notices = [i for i in incidents if i["severity"] != ALARM]
     if not incidents:
@@ -130,13 +134,11 @@ def incident_table(incidents: list[dict], log_dir: str | Path | None = None) -> 
 
 def summary(meta: dict, steps: list[dict], events: list[dict],
             incidents: list[dict] | None = None, log_dir: str | Path | None = None) -> str:
-    """The text summary: the run, its incidents (``incidents_of(events)`` when not given),
-    its events, alarms then notices. ``log_dir``: where the dumps' paths are shown from."""
+    """The text summary of a log as ``read_log`` returns it: the run, its incidents (None: not
+    recorded), its events, alarms then notices. ``log_dir``: where the dumps' paths are shown
+    from."""
     if not steps:
         return "fasthealth report: no steps logged"
-    events = _severe(events)
-    if incidents is None:
-        incidents = incidents_of(events)
     losses = [_num(r.get("loss")) for r in steps]
     finite = [v for v in losses if math.isfinite(v)]
     lines = [f"fasthealth report: steps {steps[0]['step']}..{steps[-1]['step']} "
