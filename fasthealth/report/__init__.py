@@ -5,11 +5,11 @@ panels), ``html`` (report.html and report.png) and ``cli`` (the command, ``main`
 
 from .cli import main
 from .heatmap import Heatmap, heatmap_data
-from .html import write, write_report
+from .html import report_paths, write, write_report
 from .plots import LABELLED, MIN_DRAWN, SPAN_COLORS, figure, span_extents
 from .read import Log, LogError, Problems, read_log
 from .summary import replay_brief, summary
 
 __all__ = ["LABELLED", "MIN_DRAWN", "SPAN_COLORS", "Heatmap", "Log", "LogError", "Problems",
-           "figure", "heatmap_data", "main", "read_log", "replay_brief",
+           "figure", "heatmap_data", "main", "read_log", "replay_brief", "report_paths",
            "span_extents", "summary", "write", "write_report"]

@@ -13,6 +13,10 @@ made a non-finite value, the samples that alone reproduce it.
 A log dir without ``incidents.jsonl`` (written before incidents existed) is reported too; the
 summary says that its incidents were not recorded.
 
+A report.html or report.png in the way that ``fasthealth report`` did not write (it marks its
+own) is left as it is: the report is written to report-1.html and report-1.png (or the first
+such pair free), and stderr says so.
+
 Any file content is read without a traceback: a line that cannot be read (not JSON, binary, a
 partial last line left by a killed process) is skipped and a value of the wrong kind (a string
 where a number goes) is shown as missing, each named on stderr by its file and line number.
@@ -65,5 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fasthealth report: cannot write the report to {out}: {exc}", file=sys.stderr)
         return 1
     print(text)
+    if path.name != "report.html":
+        print(f"fasthealth report: {out} holds a report.html or report.png that fasthealth "
+              f"report did not write: left as it is; this report is {path.name} and "
+              f"{path.with_suffix('.png').name}", file=sys.stderr)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0

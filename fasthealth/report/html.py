@@ -1,5 +1,12 @@
 """``report.html``: the summary, the incident and event tables and the figure in one page, and
-``report.png`` (the figure) beside it."""
+``report.png`` (the figure) beside it.
+
+A report never replaces a file it did not write. Both files carry a mark (a comment at the top
+of the page, a ``tEXt`` chunk in the image); where ``report.html`` or ``report.png`` exists
+without it (the user's own page, a file of that name from elsewhere, or a report written before
+the mark existed), the report goes to ``report-1.html`` and ``report-1.png`` instead, or the
+first such pair that is free or ours, and the CLI says so.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +22,62 @@ from .plots import LABEL_COLORS, figure
 from .read import Log, read_log
 from .summary import _replay_line, _with_counts, summary
 
+HTML_MARK = "<!-- written by fasthealth report: a later report may replace this file -->"
+PNG_KEY, PNG_TEXT = "fasthealth", "report"  # the image's tEXt chunk: its keyword and text
+PNG_MARK = f"{PNG_KEY}\0{PNG_TEXT}".encode("latin-1")  # that chunk's data, as stored
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
 
 def write(log_dir: str | Path, out: str | Path | None = None) -> tuple[Path, str]:
     """Reads ``log_dir`` (``read_log``: problems warned) and writes report.html and report.png
-    into ``out`` (default: ``log_dir``); returns report.html's path and the text summary."""
+    into ``out`` (default: ``log_dir``; see ``report_paths``); returns the page's path and the
+    text summary."""
     log = read_log(log_dir)
     if log.problems.skipped or log.problems.marked:
         warnings.warn(log.problems.text(log_dir), RuntimeWarning, stacklevel=2)
     return write_report(log_dir, log, out=out)
+
+
+def _is_our_page(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return HTML_MARK.encode() in f.read(4096)
+
+
+def _is_our_png(path: Path) -> bool:
+    """Whether ``path`` is a PNG with fasthealth's tEXt chunk (read chunk by chunk)."""
+    data = path.read_bytes()
+    at = len(PNG_SIGNATURE)
+    if not data.startswith(PNG_SIGNATURE):
+        return False
+    while at + 8 <= len(data):
+        size, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        if kind == b"tEXt" and data[at + 8:at + 8 + size] == PNG_MARK:
+            return True
+        if kind == b"IEND":
+            break
+        at += 12 + size  # length, type, data, CRC
+    return False
+
+
+def _free_or_ours(path: Path, ours) -> bool:
+    if not path.exists():
+        return True
+    try:
+        return path.is_file() and ours(path)
+    except OSError:  # what cannot be read is not known to be ours: left alone
+        return False
+
+
+def report_paths(out: Path) -> tuple[Path, Path]:
+    """Where the page and the image go in ``out``: report.html and report.png where each is
+    absent or written by fasthealth, else the first report-N.html / report-N.png that are."""
+    n = 0
+    while True:
+        stem = "report" if n == 0 else f"report-{n}"
+        page, png = out / f"{stem}.html", out / f"{stem}.png"
+        if _free_or_ours(page, _is_our_page) and _free_or_ours(png, _is_our_png):
+            return page, png
+        n += 1
 
 
 NOTICE_ROW = " style='color:#777'"  # a notice's row in the event table: muted
@@ -61,21 +116,23 @@ def _event_rows(events: list[dict]) -> str:
 
 def write_report(log_dir: str | Path, log: Log, out: str | Path | None = None
                  ) -> tuple[Path, str]:
-    """``write`` for a log already read: report.html and report.png into ``out`` (default:
-    ``log_dir``); returns report.html's path and the text summary."""
+    """``write`` for a log already read: the page and the image into ``out`` (default:
+    ``log_dir``) under the names ``report_paths`` gives; returns the page's path and the text
+    summary."""
     text = summary(log.meta, log.steps, log.events, log.incidents, log_dir)
     out = Path(out) if out is not None else Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)
-    page_path, png_path = out / "report.html", out / "report.png"
+    page_path, png_path = report_paths(out)
     fig = figure(log.meta, log.steps, log.events, log.incidents)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=90, metadata={PNG_KEY: PNG_TEXT})
     import matplotlib.pyplot as plt  # optional, as in plots.py; figure() imported it already
 
     plt.close(fig)
     png_path.write_bytes(buf.getvalue())
     img = base64.b64encode(buf.getvalue()).decode()
-    page = f"""<!doctype html><html><head><meta charset="utf-8">
+    page = f"""<!doctype html>{HTML_MARK}
+<html><head><meta charset="utf-8">
 <title>fasthealth report: {html.escape(str(log_dir))}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}pre{{background:#f6f6f6;padding:1em}}
