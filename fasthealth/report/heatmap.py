@@ -1,5 +1,6 @@
 """The per-tensor heatmap's data: which steps were recorded, what each column stands for, and
-its colour scale. numpy is imported only here where it is needed (the report extra)."""
+its colour scale (drawn by ``plots.py``). numpy, an optional dependency (the report extra), is
+imported inside the functions that use it."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def _combined(h: Heatmap, max_columns: int) -> Heatmap:
                    [all(h.quiet[k] for k in c) for c in cols], h.cadence)
 
 
-def _color_range(h: Heatmap, incidents: list[dict]) -> tuple[float, float]:
+def color_range(h: Heatmap, incidents: list[dict]) -> tuple[float, float]:
     """The heatmap's colour scale: from the smallest norm to a decade above the run's usual
     largest (the 99th percentile of the quiet records outside incidents), so that a run that
     blew up by 20 decades still shows a one-step spike; larger norms saturate."""

@@ -20,7 +20,7 @@ from ..monitor import kinds
 from ..monitor.kinds import ALARM
 from .plots import LABEL_COLORS, figure
 from .read import Log, read_log
-from .summary import _replay_line, _with_counts, summary
+from .summary import replay_line, summary, with_counts
 
 HTML_MARK = "<!-- written by fasthealth report: a later report may replace this file -->"
 PNG_KEY, PNG_TEXT = "fasthealth", "report"  # the image's tEXt chunk: its keyword and text
@@ -90,12 +90,12 @@ def _incident_rows(incidents: list[dict] | None, log_dir: str | Path) -> str:
     rows = []
     for inc in incidents:
         sev = inc["severity"]
-        more = _replay_line(inc, log_dir) or ""
+        more = replay_line(inc, log_dir) or ""
         rows.append(
             f"<tr style='color:{LABEL_COLORS[sev]}'><td>#{e(str(inc['id']))}</td>"
             f"<td>{inc['start']}-{inc['end']}{' (open)' if inc['state'] != 'closed' else ''}"
             f"</td><td>{e(sev)}</td><td>{e(inc['cause'])}</td>"
-            f"<td>{e(', '.join(_with_counts(inc['kinds'], inc.get('counts'))))}"
+            f"<td>{e(', '.join(with_counts(inc['kinds'], inc.get('counts'))))}"
             f"</td><td>{inc['events']}</td><td>{e(more)}</td></tr>")
     return "\n".join(rows) or "<tr><td colspan=7>none</td></tr>"
 

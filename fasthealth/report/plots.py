@@ -11,8 +11,8 @@ import math
 
 from ..monitor import kinds
 from ..monitor.kinds import ALARM, NOTICE, SEVERITIES
-from .heatmap import _color_range, heatmap_data
-from .read import _num, is_step
+from .heatmap import color_range, heatmap_data
+from .read import as_float, is_step
 from .summary import replay_brief
 
 # Incidents drawn on the plots and listed in the summary: alarms in red, notices muted
@@ -109,7 +109,7 @@ def _loss_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[
                 incidents: list[dict]) -> None:
     """The loss curve, incidents shaded behind it, events marked on it (on the top edge where
     the loss is not finite): alarms filled, notices smaller and hollow."""
-    loss = [_num(r.get("loss")) for r in steps]
+    loss = [as_float(r.get("loss")) for r in steps]
     positive = [v for v in loss if math.isfinite(v) and v > 0]
     use_log = bool(positive) and max(positive) / min(positive) > 50
     ax.plot(xs, [v if (v > 0 or not use_log) else math.nan for v in loss], lw=1, color="black",
@@ -171,7 +171,7 @@ def _timeline_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: l
 
 def _grad_norm_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int],
                      incidents: list[dict]) -> None:
-    gn = [_num(r.get("grad_norm")) for r in steps]
+    gn = [as_float(r.get("grad_norm")) for r in steps]
     ax.plot(xs, [v if v > 0 else math.nan for v in gn], lw=1, color="#1f77b4",
             label="global grad norm")
     if meta.get("max_grad_norm"):
@@ -235,7 +235,7 @@ def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: li
     for j, col in enumerate(cols):
         if col is not None:
             arr[:, j], bad[:, j] = h.values[:, col], h.bad[:, col]
-    lo, hi = _color_range(h, incidents)
+    lo, hi = color_range(h, incidents)
     arr[np.isneginf(arr)] = lo - 1.0  # zero norms: below the scale, drawn black
     cmap = colormaps["viridis"].with_extremes(under="black")
     ax.set_facecolor(UNRECORDED)
@@ -266,14 +266,14 @@ def matplotlib_red():
 
 def _lr_scale_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int],
                     incidents: list[dict]) -> None:
-    lr = [_num(r.get("lr")) for r in steps]
+    lr = [as_float(r.get("lr")) for r in steps]
     lines = []
     if any(math.isfinite(v) for v in lr):
         lines += ax.plot(xs, lr, color="#2ca02c", label="learning rate")
         if any(v > 0 for v in lr if math.isfinite(v)):
             ax.set_yscale("log")
         ax.set_ylabel("learning rate (log)")
-    scale = [_num(r.get("loss_scale")) for r in steps]
+    scale = [as_float(r.get("loss_scale")) for r in steps]
     if any(math.isfinite(v) for v in scale):
         ax2 = ax.twinx() if lines else ax
         lines += ax2.plot(xs, scale, color="#1f77b4", label="loss scale" + (

@@ -87,7 +87,8 @@ def is_step(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= 2**53
 
 
-def _num(v) -> float:
+def as_float(v) -> float:
+    """A checked value as the summary and the plots compute with it: NaN where it is missing."""
     return float(v) if v is not None else math.nan
 
 
@@ -225,7 +226,7 @@ def _replay_of(rec: dict) -> dict | None:
     return found or None
 
 
-def _dump_candidates(dump: str, log_dir: str | Path | None) -> list[Path]:
+def dump_candidates(dump: str, log_dir: str | Path | None) -> list[Path]:
     """Where a dump may be: its path as logged, under the log_dir, or in the log_dir's dumps/
     (a log_dir that was moved)."""
     p = Path(dump)
@@ -238,7 +239,7 @@ def _dump_candidates(dump: str, log_dir: str | Path | None) -> list[Path]:
 def _replay_beside(dump: str, log_dir: str | Path, problems: Problems) -> dict | None:
     """What ``fh.replay`` wrote beside ``dump`` (``<dump>.replay.json``), read like the logs:
     None when there is none; an unreadable one is named in ``problems``."""
-    for cand in _dump_candidates(dump, log_dir):
+    for cand in dump_candidates(dump, log_dir):
         path = result_path(cand)
         try:
             if not path.is_file():

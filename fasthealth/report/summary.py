@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..monitor.kinds import ALARM, SEVERITIES
-from .read import _dump_candidates, _num, is_step
+from .read import as_float, dump_candidates, is_step
 
 LISTED = 30  # incidents of each severity listed one by one in the summary; past that, a count
 
@@ -23,7 +23,7 @@ def _dump_shown(dump: str, log_dir: str | Path | None) -> tuple[str, bool]:
     if log_dir is None:
         return dump, Path(dump).exists()
     d = Path(log_dir)
-    for cand in _dump_candidates(dump, log_dir):
+    for cand in dump_candidates(dump, log_dir):
         try:
             if cand.exists():
                 try:
@@ -35,7 +35,7 @@ def _dump_shown(dump: str, log_dir: str | Path | None) -> tuple[str, bool]:
     return dump, False
 
 
-def _replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
+def replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
     """What the summary says under an incident about its dump and what replay found."""
     if not inc.get("dump"):
         return None  # (a notice's, or dumps="none", or a log without dumps)
@@ -80,7 +80,7 @@ def replay_brief(r: dict | None) -> str | None:
     return "reproduces" if r.get("reproduced") else None
 
 
-def _with_counts(kinds: list[str], counts: dict | None) -> list[str]:
+def with_counts(kinds: list[str], counts: dict | None) -> list[str]:
     """Each kind, with the number of steps it was seen at when more than one (an incident
     records the first event of a kind and counts its repeats)."""
     counts = counts or {}
@@ -117,10 +117,10 @@ def incident_table(incidents: list[dict] | None, log_dir: str | Path | None = No
         for inc in group[:LISTED]:
             span = f"{inc['start']}-{inc['end']}" + (" open" if inc["state"] != "closed"
                                                     else "")
-            kinds = _kinds_shown(_with_counts(inc["kinds"], inc.get("counts")))
+            kinds = _kinds_shown(with_counts(inc["kinds"], inc.get("counts")))
             lines.append(f"    {'#' + str(inc['id']):<5} {span:<13} {inc['severity']:<9} "
                          f"{inc['events']:>6}  {inc['cause']:<26} {kinds}")
-            more = _replay_line(inc, log_dir)
+            more = replay_line(inc, log_dir)
             if more:
                 lines.append(f"          {more}")
         if len(group) > LISTED:
@@ -139,7 +139,7 @@ def summary(meta: dict, steps: list[dict], events: list[dict],
     from."""
     if not steps:
         return "fasthealth report: no steps logged"
-    losses = [_num(r.get("loss")) for r in steps]
+    losses = [as_float(r.get("loss")) for r in steps]
     finite = [v for v in losses if math.isfinite(v)]
     lines = [f"fasthealth report: steps {steps[0]['step']}..{steps[-1]['step']} "
              f"({len(steps)} logged)"]
@@ -151,7 +151,7 @@ def summary(meta: dict, steps: list[dict], events: list[dict],
     skipped = [r["step"] for r in steps if r.get("skipped")]
     lines.append(f"  non-finite steps: {len(bad)}" + (f" (first at {bad[0]})" if bad else "")
                  + f"; skipped steps: {len(skipped)}")
-    norms = [_num(r.get("grad_norm")) for r in steps if math.isfinite(_num(r.get("grad_norm")))]
+    norms = [v for v in (as_float(r.get("grad_norm")) for r in steps) if math.isfinite(v)]
     if norms:
         lines.append(f"  global grad norm: median {sorted(norms)[len(norms) // 2]:.4g}, "
                      f"max {max(norms):.4g}")
