@@ -203,9 +203,7 @@ def test_killed_process_leaves_a_readable_log(tmp_path, sig):
                 json.loads(lines[-1])
         steps = [r["step"] for r in whole]
         assert steps == list(range(len(steps)))  # in order, none twice
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _, rows, _ = report.load(log_dir)
+        rows = report.read_log(log_dir).steps
         assert [r["step"] for r in rows] == steps
         if sig == signal.SIGINT:  # KeyboardInterrupt: the exit flush writes every step done
             assert steps[-1] >= done[-1], (steps[-1], done[-1], err[-500:])

@@ -1,6 +1,6 @@
-"""`fasthealth report` on incidents: incidents.jsonl read (or derived from the events of an older
-log), the summary's incident table, alarms and notices counted apart, incidents drawn, and a
-heatmap of the recorded steps only."""
+"""`fasthealth report` on incidents: incidents.jsonl read (a log without one has none recorded,
+and says so), the summary's incident table, alarms and notices counted apart, incidents drawn,
+kinds coloured and ordered by the registry, and a heatmap of the recorded steps only."""
 
 import json
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fasthealth import report
+from fasthealth.monitor import kinds
 
 matplotlib.use("Agg")
 
@@ -190,29 +191,47 @@ def test_heatmap_combines_records_past_the_column_limit():
     assert np.nanmax(h.values[0]) == pytest.approx(6.0)  # a spike survives the combining
 
 
-def test_a_log_without_incidents_jsonl_still_reports(tmp_path):
-    """A log from before incidents.jsonl: events with an incident id are grouped by it; events
-    of a log from before incidents (no id) are each step's own incident."""
+def test_a_log_without_incidents_jsonl_has_none_recorded_and_says_so(tmp_path):
+    """A log from before incidents.jsonl: no incidents are made up from its events; the summary
+    says in one line that none were recorded, and the events are still counted (severities by
+    kind where the log has none)."""
     steps, events = _two_incidents(tmp_path)
     (tmp_path / "incidents.jsonl").unlink()
+    _write(tmp_path, steps, [{k: v for k, v in e.items() if k not in ("severity", "incident")}
+                             for e in events])
     log = report.read_log(tmp_path)
-    assert [(i["id"], i["start"], i["end"], i["severity"], i["events"], i["cause"])
-            for i in log.incidents] == [(0, 20, 24, "alarm", 3, "loss_spike"),
-                                        (1, 70, 71, "notice", 2, "grad_norm_spike")]
-    _, text = report.write(tmp_path)
-    assert "incidents: 2 (1 alarm, 1 notice)" in text and "dump dumps/step_00000020.pt" in text
-
-    old = tmp_path / "old"
-    _write(old, steps, [{k: v for k, v in e.items() if k not in ("severity", "incident")}
-                        for e in events], meta={"names": NAMES})
-    log = report.read_log(old)
-    assert [(i["start"], i["end"], i["severity"]) for i in log.incidents] == [
-        (20, 20, "alarm"), (24, 24, "alarm"), (70, 70, "notice"), (71, 71, "notice")]
+    assert log.incidents is None and not log.problems.skipped and not log.problems.marked
     assert [e["severity"] for e in log.events] == ["alarm", "notice", "alarm", "notice",
                                                    "notice"]  # by kind
-    _, text = report.write(old)
-    assert "incidents: 4 (2 alarms, 2 notices)" in text
+    path, text = report.write(tmp_path)
+    lines = [s for s in text.splitlines() if "incident" in s]
+    assert lines == ["  incidents: not recorded (no readable incidents.jsonl in this log)"]
     assert "events: 5 (2 alarms, 3 notices)" in text
+    assert "not recorded" in path.read_text()
+    fig = report.figure(log.meta, log.steps, log.events, log.incidents)
+    assert not fig.axes[0].texts  # no incident labelled, none shaded
+    assert not any(c.get_label().endswith(" incidents") for c in fig.axes[0].collections)
+    matplotlib.pyplot.close(fig)
+
+
+def test_an_empty_incidents_jsonl_is_no_incident(tmp_path):
+    steps, events = _two_incidents(tmp_path)
+    (tmp_path / "incidents.jsonl").write_text("")
+    log = report.read_log(tmp_path)
+    assert log.incidents == []
+    text = report.summary(log.meta, log.steps, log.events, log.incidents, tmp_path)
+    assert "  incidents: none" in text.splitlines()
+
+
+def test_events_of_an_incident_with_no_record_make_no_incident(tmp_path):
+    """Incidents come from incidents.jsonl alone: an event filed under an id that has no record
+    (a record lost with a bad line) is listed with its id, not made into an incident."""
+    _two_incidents(tmp_path)
+    lines = (tmp_path / "incidents.jsonl").read_text().splitlines()
+    (tmp_path / "incidents.jsonl").write_text(lines[0] + "\n" + lines[2] + "\n")  # #0 only
+    log = report.read_log(tmp_path)
+    assert [i["id"] for i in log.incidents] == [0]
+    assert [e["incident"] for e in log.events] == [0, 0, 0, 1, 1]
 
 
 def test_bad_incident_lines_are_named_and_the_rest_reported(tmp_path, capsys):
@@ -231,7 +250,7 @@ def test_bad_incident_lines_are_named_and_the_rest_reported(tmp_path, capsys):
     assert "incidents.jsonl line 7: the incident's 'cause' is 7, not a kind" in out.err
     assert "incidents.jsonl line 7: the incident's 'severity' is \"bad\"" in out.err
     assert "incidents.jsonl line 8: a partial last line" in out.err
-    # what the bad record lacked comes from its events
+    # what the bad record has wrong, the incident's earlier records said
     first = _table_line(out.out, "#0")
     assert first.split()[:5] == ["#0", "20-24", "alarm", "3", "loss_spike"], first
 
@@ -340,3 +359,55 @@ def test_an_incident_shows_how_many_steps_each_kind_was_seen_at(tmp_path):
     assert "loss_spike x7, grad_norm_spike" in _table_line(text, "#0")
     assert " x" not in _table_line(text, "#1")
     assert any("'counts'" in why for _, _, why in log.problems.marked)
+
+
+def test_an_event_without_a_step_is_named_and_listed_not_plotted(tmp_path, capsys):
+    """An events.jsonl line with no "step" (a tool's own line, a truncated record): named on
+    stderr with its line, listed in the event table, left out of the plots and the summary's
+    "first at step"; the report is written."""
+    _two_incidents(tmp_path)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "loss_spike", "severity": "alarm", "incident": 0,
+                            "message": "no step here"}) + "\n")
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "events.jsonl line 6: an event with no 'step': listed, not plotted" in out.err
+    assert "loss_spike                    3  (first at step 20)" in out.out
+    page = (tmp_path / "report.html").read_text()
+    assert "<tr><td>?</td>" in page and "no step here" in page
+
+
+def test_step_fields_are_checked_by_their_schema_type(tmp_path):
+    """The reader checks every field monitor/schema.py declares, by its type: a precursor's
+    float, a count, a flag that may be null."""
+    steps, events = _two_incidents(tmp_path)
+    steps[3].update(update_ratio_max="big", replica_mismatch=[1], spike_skip=None)
+    steps[4].update(spike_skip="yes", skip_z_loss=2.5)
+    _write(tmp_path, steps, events, meta={"names": NAMES})
+    (tmp_path / "incidents.jsonl").unlink()
+    log = report.read_log(tmp_path)
+    marked = [why for _, _, why in log.problems.marked]
+    assert marked == ["'replica_mismatch' is [1], not a number: shown as missing",
+                      "'update_ratio_max' is \"big\", not a number: shown as missing",
+                      "'spike_skip' is \"yes\", not true or false: shown as missing"]
+    assert log.steps[3]["update_ratio_max"] is None and log.steps[4]["spike_skip"] is None
+    assert log.steps[4]["skip_z_loss"] == 2.5
+
+
+def test_kinds_are_drawn_in_the_registry_order_and_colour_an_unknown_one_too(tmp_path):
+    steps = [_step(t) for t in range(60)]
+    events = [_event(10, "oscillation", "alarm", None), _event(20, "lr_jump", "alarm", None),
+              _event(30, "my_own_rule", "alarm", None), _event(40, "stall", "alarm", None),
+              _event(50, "precursor_adam_eps", "notice", None)]
+    fig = report.figure({"names": NAMES}, steps, events, [])
+    timeline = next(ax for ax in fig.axes if ax.get_title() == "events by kind")
+    rows = [t.get_text() for t in timeline.get_yticklabels()]
+    # the notices below the alarms; each group in the registry's order, unknown kinds last
+    assert rows == ["precursor_adam_eps (notice)", "my_own_rule", "stall", "oscillation",
+                    "lr_jump"]
+    colours = {c.get_offsets()[0][0]: matplotlib.colors.to_hex(c.get_edgecolor()[0])
+               for c in timeline.collections if len(c.get_offsets()) == 1}
+    for e in events:
+        assert colours[e["step"]] == kinds.colour_of(e["kind"]), e["kind"]
+    assert kinds.colour_of("my_own_rule") != "gray"
+    matplotlib.pyplot.close(fig)

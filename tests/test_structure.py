@@ -22,6 +22,8 @@ LAYERS = [
      "fasthealth.demo"],  # tools: nothing in the package imports them (the CLI on demand)
 ]
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 300
+# The report's parts, each importing only those before it (fasthealth/report/__init__.py)
+REPORT_PARTS = ["read", "summary", "heatmap", "plots", "html", "cli"]
 
 
 def modules() -> dict[str, Path]:
@@ -210,3 +212,15 @@ def test_no_module_is_longer_than_a_reader_can_hold():
     long = {name: n for name, path in MODULES.items() if path.is_relative_to(package)
             and (n := len(path.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_the_report_is_in_parts_that_import_in_order():
+    """One idea per file under fasthealth/report/: the parts import only those before them
+    (the reader at the bottom, the command on top)."""
+    parts = [f"fasthealth.report.{p}" for p in REPORT_PARTS]
+    in_package = sorted(n for n in MODULES if n.startswith("fasthealth.report."))
+    assert in_package == sorted(parts), "a new part of the report: add it to REPORT_PARTS"
+    for i, name in enumerate(parts):
+        for target, node, _ in imports(name):
+            if target.startswith("fasthealth.report"):
+                assert target in parts[:i], f"{name}:{node.lineno} imports {target}"
