@@ -33,7 +33,7 @@ def adam_eps(optimizer: Any, params: Any) -> list[float | None]:
     return [eps.get(id(p)) for _, p in params]
 
 
-class AdamEps(Rule):
+class AdamEps(Rule[AdamEpsConfig]):
     name = "adam_eps"
     kinds = ("precursor_adam_eps",)
     precursor = True

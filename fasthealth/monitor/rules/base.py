@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from ..record import HostStep
 
@@ -51,20 +51,26 @@ class Context:
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-class Rule:
+@dataclass(frozen=True)
+class NoConfig:
+    """No thresholds."""
+
+
+C = TypeVar("C")
+
+
+class Rule(Generic[C]):
     """One event rule. ``observe`` sees every flushed step once, in step order, and keeps the
-    rule's state across flushes; it returns the step's findings (usually none)."""
+    rule's state across flushes; it returns the step's findings (usually none). ``C`` is its
+    config class (``Config``)."""
 
     name: ClassVar[str] = ""
     kinds: ClassVar[tuple[str, ...]] = ()
     precursor: ClassVar[bool] = False  # built only with the Monitor's precursors on
+    Config: ClassVar[type[Any]] = NoConfig
 
-    @dataclass(frozen=True)
-    class Config:
-        """No thresholds."""
-
-    def __init__(self, config: Any = None, ctx: Context | None = None) -> None:
-        self.config = config if config is not None else type(self).Config()
+    def __init__(self, config: C | None = None, ctx: Context | None = None) -> None:
+        self.config: C = config if config is not None else type(self).Config()
         self.ctx = ctx if ctx is not None else Context()
 
     @classmethod
@@ -87,7 +93,7 @@ class Rule:
         return dataclasses.replace(cfg, **over)
 
     @classmethod
-    def build(cls, ctx: Context) -> Rule | None:
+    def build(cls, ctx: Context) -> Rule[Any] | None:
         return cls(cls.configure(ctx), ctx)
 
     def observe(self, s: HostStep) -> list[Finding]:

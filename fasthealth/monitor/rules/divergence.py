@@ -24,7 +24,7 @@ class DivergenceConfig:
     """Losses seen before the rule judges (``warmup_steps``)."""
 
 
-class Divergence(Rising):
+class Divergence(Rising[DivergenceConfig]):
     name = "divergence"
     kinds = ("divergence",)
     Config = DivergenceConfig

@@ -47,7 +47,7 @@ class GradTrendConfig:
     never confirmed (a warm-up, a warm restart)."""
 
 
-class GradNormTrend(Rising):
+class GradNormTrend(Rising[GradTrendConfig]):
     name = "grad_trend"
     kinds = ("exploding_grad",)
     Config = GradTrendConfig

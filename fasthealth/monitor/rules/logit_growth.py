@@ -64,7 +64,7 @@ class _Growth:
         return False
 
 
-class LogitGrowth(Rule):
+class LogitGrowth(Rule[LogitConfig]):
     name = "logit_growth"
     kinds = ("precursor_logit_growth", "precursor_attention_logits")
     precursor = True

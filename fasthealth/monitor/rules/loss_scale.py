@@ -23,7 +23,7 @@ class LossScaleConfig:
     """Steps the drop must happen within: a scaler grows back every 2000 steps by default."""
 
 
-class LossScale(Rule):
+class LossScale(Rule[LossScaleConfig]):
     name = "loss_scale"
     kinds = ("loss_scale_collapse",)
     Config = LossScaleConfig

@@ -32,7 +32,7 @@ class LRJumpConfig:
     single steps."""
 
 
-class LRJump(Rule):
+class LRJump(Rule[LRJumpConfig]):
     name = "lr_jump"
     kinds = ("lr_jump",)
     Config = LRJumpConfig

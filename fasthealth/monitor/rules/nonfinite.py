@@ -8,10 +8,10 @@ always reported.
 from __future__ import annotations
 
 from ..record import HostStep
-from .base import Finding, Rule, listed, skipped
+from .base import Finding, NoConfig, Rule, listed, skipped
 
 
-class NonFiniteLoss(Rule):
+class NonFiniteLoss(Rule[NoConfig]):
     name = "nonfinite_loss"
     kinds = ("nonfinite_loss",)
 
@@ -27,7 +27,7 @@ class NonFiniteLoss(Rule):
                         {"loss": v["loss"], "skipped": skipped(s)})]
 
 
-class NonFiniteGrad(Rule):
+class NonFiniteGrad(Rule[NoConfig]):
     """Names the tensors whose gradients hold NaN/Inf (the first five in the message)."""
 
     name = "nonfinite_grad"

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from ..record import HostStep
-from .base import Finding, Rule, listed
+from .base import Finding, NoConfig, Rule, listed
 
 
-class OptimizerState(Rule):
+class OptimizerState(Rule[NoConfig]):
     name = "optimizer_state"
     kinds = ("optimizer_state_nonfinite",)
 

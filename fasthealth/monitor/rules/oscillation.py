@@ -34,7 +34,7 @@ class OscillationConfig:
     """Losses seen before the rule judges (``warmup_steps``)."""
 
 
-class Oscillation(LossTrend):
+class Oscillation(LossTrend[OscillationConfig]):
     name = "oscillation"
     kinds = ("oscillation",)
     Config = OscillationConfig

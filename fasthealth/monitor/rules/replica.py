@@ -8,10 +8,10 @@ import math
 
 from ...stats import decode_ranks
 from ..record import HostStep
-from .base import Finding, Rule, listed
+from .base import Finding, NoConfig, Rule, listed
 
 
-class ReplicaDivergence(Rule):
+class ReplicaDivergence(Rule[NoConfig]):
     name = "replica_divergence"
     kinds = ("replica_divergence",)
 

@@ -123,7 +123,7 @@ class _Series:
         return True
 
 
-class Spike(Rule):
+class Spike(Rule[SpikeConfig]):
     """See the module docstring."""
 
     name = "spike"

@@ -39,7 +39,7 @@ class StallConfig:
     """The loss having fallen by this share is learning, whatever the gradients."""
 
 
-class Stall(Rule):
+class Stall(Rule[StallConfig]):
     name = "stall"
     kinds = ("stall",)
     Config = StallConfig

@@ -30,7 +30,7 @@ class TensorNormConfig:
     """Weight of a new log norm in the level: a memory of ~20 steps."""
 
 
-class TensorNorm(Rule):
+class TensorNorm(Rule[TensorNormConfig]):
     name = "tensor_norm"
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig

@@ -6,17 +6,40 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Any, Protocol, TypeVar
 
 from ..record import HostStep
 from ..robust import slope_t
 from .base import Finding, Rule
 
 
-class LossTrend(Rule):
+class TrendConfig(Protocol):
+    """What a trend rule's config holds (each rule's own dataclass gives the reasons)."""
+
+    @property
+    def window(self) -> int: ...
+    @property
+    def warmup(self) -> int: ...
+
+
+class RiseConfig(TrendConfig, Protocol):
+    @property
+    def short(self) -> int: ...
+    @property
+    def t_min(self) -> float: ...
+    @property
+    def rise(self) -> float: ...
+
+
+C = TypeVar("C", bound=TrendConfig)
+T = TypeVar("T", bound=RiseConfig)
+
+
+class LossTrend(Rule[C]):
     """``judge`` runs once the window holds ``min_len`` log-losses and more than ``warmup``
     finite losses have been seen; a loss <= 0 leaves no log scale to judge on."""
 
-    def __init__(self, config=None, ctx=None) -> None:
+    def __init__(self, config: C | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)
         self.history: deque[float] = deque(maxlen=self.config.window)
         self.seen = 0
@@ -48,13 +71,13 @@ class LossTrend(Rule):
         return [found]
 
 
-class Rising(LossTrend):
+class Rising(LossTrend[T]):
     """A steady rise of the log of a series: a line through the window climbs with a
     t-statistic above ``t_min`` and by more than ``rise``, and the median of the last ``short``
     values stands ``rise`` above the lowest such median seen. The episode ends once that median
     is back within half of ``rise``."""
 
-    def __init__(self, config=None, ctx=None) -> None:
+    def __init__(self, config: T | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)
         self.best = math.inf  # lowest median of `short` values seen
 

@@ -40,7 +40,7 @@ class UpdateRatioConfig:
     a run leaving its plateau falls tens of percent in 10 steps, a steady descent a few."""
 
 
-class UpdateRatio(Rule):
+class UpdateRatio(Rule[UpdateRatioConfig]):
     name = "update_ratio"
     kinds = ("precursor_update_ratio",)
     precursor = True

@@ -29,7 +29,7 @@ class VanishingConfig:
     """Norms before the relative test (``warmup_steps``)."""
 
 
-class Vanishing(Rule):
+class Vanishing(Rule[VanishingConfig]):
     name = "vanishing"
     kinds = ("vanishing_grad",)
     Config = VanishingConfig
