@@ -4,7 +4,7 @@ own docstring (what it does, its default and why).
     fh.Monitor(model, optimizer, log=fh.LogOptions(log_dir="runs/a", dumps="alarm"),
                act=fh.ActOptions(max_grad_norm=1.0), detect=fh.DetectOptions(spike_zscore=8.0))
 
-The groups follow one step through the Monitor, and each answers one question a user asks:
+Five groups, each the answer to one question a user asks of the Monitor:
 
 - ``MeasureOptions`` (``measure=``): what is measured, where: the kernels, the ranks the totals
   span, the modules whose activations are measured as well;
@@ -17,11 +17,11 @@ The groups follow one step through the Monitor, and each answers one question a 
   dumps and the parameter snapshots behind them.
 
 So someone who wants to know how often the Monitor writes reads one group and none of the spike
-score. Two options could sit in two groups and sit in one: the spike score's ``spike_zscore``,
-``spike_window`` and ``warmup_steps`` are in ``DetectOptions`` though ``on_spike="skip"`` uses them
-too (they say what a spike is; ``on_spike`` says what to do with one), and ``flush_every`` is in
-``LogOptions`` though the rules also run at each flush (it is when the numbers leave the
-device, for the logs and the rules alike).
+score. An option that serves two concerns sits with the one that defines it: the spike score's
+``spike_zscore``, ``spike_window`` and ``warmup_steps`` are in ``DetectOptions`` though
+``on_spike="skip"`` uses them too (they say what a spike is; ``on_spike`` says what to do with
+one), and ``flush_every`` is in ``LogOptions`` though the rules also run at each flush (it is
+when the numbers leave the device, for the logs and the rules alike).
 
 Every option is still a flat keyword of ``Monitor``, as before (``Monitor(model, opt,
 flush_every=20)``), and ``gather`` maps it into its group (``FLAT``); ``precursors=`` takes
@@ -226,8 +226,8 @@ def _unknown(name: str) -> TypeError:
 def gather(flat: dict[str, Any], **groups: Any) -> Options:
     """The options from ``flat`` (a Monitor's flat keywords) and ``groups`` (its group
     keywords, each a group or None): a flat option given takes its place in its group.
-    An unknown keyword, or a group keyword given something else than its group, is a
-    TypeError; an option given both flat and in its group a ValueError; each names it."""
+    An unknown keyword, or a group keyword given anything but its group, is a TypeError; an
+    option given both flat and in its group a ValueError; each names it."""
     flat = dict(flat)
     if isinstance(flat.get("precursors"), PrecursorOptions):  # the one keyword of both kinds
         groups["precursors"] = flat.pop("precursors")
