@@ -12,7 +12,20 @@ from .checks import (
     tensor_stats,
 )
 from .integrations.watch import watch
-from .monitor import Event, Incident, Monitor, NonFiniteError, Observation, ReplayResult, replay
+from .monitor import (
+    ActOptions,
+    DetectOptions,
+    Event,
+    Incident,
+    LogOptions,
+    MeasureOptions,
+    Monitor,
+    NonFiniteError,
+    Observation,
+    PrecursorOptions,
+    ReplayResult,
+    replay,
+)
 from .ops import available_backends
 from .ops.layout import FIELDS
 from .optim import OptimizerHealth, check_optimizer
@@ -22,14 +35,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FIELDS",
+    "ActOptions",
     "ActivationMonitor",
+    "DetectOptions",
     "Event",
     "Incident",
+    "LogOptions",
+    "MeasureOptions",
     "Monitor",
     "MultiTensorStats",
     "NonFiniteError",
     "Observation",
     "OptimizerHealth",
+    "PrecursorOptions",
     "RangeStats",
     "ReplayResult",
     "TensorStats",

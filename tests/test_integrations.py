@@ -185,6 +185,19 @@ def test_transformers_on_spike_skip(tmp_path, optim):
     assert not [e for e in mon.events if e.step > 60 and e.severity == "alarm"]
 
 
+def test_transformers_takes_the_option_groups(tmp_path):
+    """The groups pass through the callback, beside flat keywords; the user's clipping and
+    log_dir, given in their groups, win over the Trainer's max_grad_norm=1.0 and the default
+    <output_dir>/fasthealth."""
+    mon, _ = hf_train(tmp_path, tiny_gpt2(), steps=12,
+                      monitor={"log": fh.LogOptions(log_dir=tmp_path / "mine", flush_every=5),
+                               "act": fh.ActOptions(max_grad_norm=0.5)})
+    assert mon.flush_every == 5 and mon.max_grad_norm == 0.5
+    assert mon.options.detect.warmup_steps == 10  # hf_train's flat keyword
+    assert [r["step"] for r in read_jsonl(tmp_path / "mine" / "steps.jsonl")] == list(range(12))
+    assert not (tmp_path / "fasthealth").exists()
+
+
 lightning = pytest.importorskip("lightning")
 
 
@@ -219,6 +232,24 @@ def test_lightning_on_spike_skip(tmp_path, fused):
     assert [r["step"] for r in steps if r["spike_skip"]] == [150]
     for a, b in zip(seen[150], seen[151]):
         assert torch.equal(a, b)
+
+
+def test_lightning_takes_the_option_groups(tmp_path):
+    """The groups pass through the callback; the user's clipping, in its group, wins over
+    gradient_clip_val, which is still taken over and given back."""
+    from fasthealth.integrations.lightning import HealthCallback
+
+    cb = HealthCallback(log=fh.LogOptions(flush_every=5), act=fh.ActOptions(max_grad_norm=0.5))
+    trainer = lightning.pytorch.Trainer(
+        max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+        default_root_dir=str(tmp_path), callbacks=[cb])
+    loader = torch.utils.data.DataLoader(DictData(n=96), batch_size=8, shuffle=False)
+    trainer.fit(regression_module(lightning.pytorch, True), loader)
+    assert cb.monitor.flush_every == 5 and cb.monitor.max_grad_norm == 0.5
+    assert trainer.gradient_clip_val == 1.0
+    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(12))
 
 
 def regression_module(pl, fused):

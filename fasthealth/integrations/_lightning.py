@@ -7,8 +7,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from ..monitor import Monitor
+from ..monitor.option_groups import with_default
 from .capture import Capture
-from .log import log_incident
+from .log import log_dir_option, log_incident
 
 
 class HealthCallbackMixin:
@@ -24,7 +25,8 @@ class HealthCallbackMixin:
       through ``found_inf``, others lose that step's gradients (one host sync).
 
     ``log_dir`` defaults to ``<default_root_dir>/fasthealth`` (False: no logs); the other
-    keywords are ``fh.Monitor``'s. ``.monitor`` is the Monitor once fitting has begun.
+    keywords are ``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``).
+    ``.monitor`` is the Monitor once fitting has begun.
     """
 
     def __init__(self, log_dir: str | os.PathLike | Literal[False] | None = None, *,
@@ -43,13 +45,11 @@ class HealthCallbackMixin:
         options = dict(self.options)
         clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
         if clip and (algorithm is None or str(algorithm).lower().endswith("norm")):
-            options.setdefault("max_grad_norm", float(clip))
+            options = with_default(options, "max_grad_norm", float(clip))
             self._clip, trainer.gradient_clip_val = clip, None
-        log_dir = self.log_dir
-        if log_dir is None:
-            log_dir = os.path.join(trainer.default_root_dir, "fasthealth")
+        options = log_dir_option(options, self.log_dir, trainer.default_root_dir)
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.monitor = Monitor(pl_module, optimizer, log_dir=log_dir or None,
+        self.monitor = Monitor(pl_module, optimizer,
                                scaler=getattr(trainer.precision_plugin, "scaler", None),
                                **options)
         self.monitor.on_alarm(log_incident)

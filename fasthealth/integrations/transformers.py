@@ -16,7 +16,8 @@
   gradients (one host sync); ``steps.jsonl`` marks it skipped and the event says so.
 
 ``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs); the other keywords are
-``fh.Monitor``'s. ``.monitor`` is the Monitor once training has begun.
+``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``). ``.monitor`` is the
+Monitor once training has begun.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any, Literal
 from transformers import TrainerCallback
 
 from ..monitor import Monitor
+from ..monitor.option_groups import with_default
 from .capture import BackwardEnd, ForwardCapture
-from .log import log_incident
+from .log import log_dir_option, log_incident
 
 
 def _sync_step() -> Callable[[], bool]:
@@ -53,13 +55,11 @@ class HealthCallback(TrainerCallback):
         self._end_of_run(args)  # a train() that raised never reached on_train_end
         options = dict(self.options)
         if args.max_grad_norm and args.max_grad_norm > 0:
-            options.setdefault("max_grad_norm", float(args.max_grad_norm))
+            options = with_default(options, "max_grad_norm", float(args.max_grad_norm))
             self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
-        log_dir = self.log_dir
-        if log_dir is None:
-            log_dir = os.path.join(args.output_dir, "fasthealth")
-        monitor = Monitor(model, optimizer, log_dir=log_dir or None,
-                          scaler=getattr(optimizer, "scaler", None), **options)
+        options = log_dir_option(options, self.log_dir, args.output_dir)
+        monitor = Monitor(model, optimizer, scaler=getattr(optimizer, "scaler", None),
+                          **options)
         monitor.on_alarm(log_incident)
         self.monitor = monitor
         self._open = True

@@ -1,6 +1,8 @@
 """The training-loop monitor (docs/spec.md section 6), in parts:
 
 - ``monitor.py``: ``Monitor``: ``step`` = record + gate, ``flush`` = detect + write;
+- ``option_groups.py``: its options, grouped by concern (``LogOptions``, ``ActOptions``, ...);
+  ``options.py`` checks them;
 - ``record.py``: the device record, one row of named columns per step;
 - ``gate.py``: clipping and the step-or-skip, without a host sync where the optimizer allows;
 - ``rules/``: one file per event rule, and their registry; ``kinds.py``: every fact about
@@ -13,7 +15,9 @@
 
 from .events import Event, Incident, NonFiniteError, Observation
 from .monitor import Monitor
+from .option_groups import ActOptions, DetectOptions, LogOptions, MeasureOptions, PrecursorOptions
 from .replay import ReplayResult, replay
 
-__all__ = ["Event", "Incident", "Monitor", "NonFiniteError", "Observation", "ReplayResult",
+__all__ = ["ActOptions", "DetectOptions", "Event", "Incident", "LogOptions", "MeasureOptions",
+           "Monitor", "NonFiniteError", "Observation", "PrecursorOptions", "ReplayResult",
            "replay"]

@@ -10,7 +10,7 @@ without a sync, looks at the numbers once per flush.
    device buffer.
 
 ``Monitor.flush()`` is *detect + file + write* (``journal.py``): every ``flush_every`` steps the
-buffer comes to the host in one copy, every rule of ``detectors.py`` looks at each step, its
+buffer comes to the host in one copy, every rule of ``rules/`` looks at each step, its
 events are filed under incidents, and the sinks write the JSONL logs, TensorBoard and a dump
 per incident.
 """
@@ -35,6 +35,15 @@ from ..stats import MultiTensorStats
 from . import gate
 from .events import Event, Incident, Observation
 from .journal import Journal
+from .option_groups import (
+    FLAT,
+    ActOptions,
+    DetectOptions,
+    LogOptions,
+    MeasureOptions,
+    PrecursorOptions,
+    gather,
+)
 from .options import check_options, loss_value
 from .precursors import PrecursorProbe
 from .record import (
@@ -66,23 +75,23 @@ def _rng_state() -> dict[str, Any]:
 class Monitor:
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
-    Args beyond docs/spec.md: ``scaler`` (a ``torch.amp.GradScaler``: mon.step then unscales,
-    steps and updates through it, and watches its scale), ``min_loss_scale`` (1.0: a scale
-    below it, or NaN, is ``loss_scale_collapse``), ``per_tensor_every`` (50: per-tensor norms
-    in the JSONL log),
-    ``optimizer_check_every`` (10: how often optimizer state is scanned for NaN/Inf; 0 never),
-    ``snapshot_max_bytes`` (256 MiB: the pre-step parameters of every pending step are kept for
-    replay when they fit this budget, flush_every copies in all), ``vanishing_threshold`` (1e-8),
-    ``tensorboard`` (also write scalars to TensorBoard under log_dir), ``backend``,
-    ``replica_group`` (with ``process_group``: which ranks hold copies; see
-    ``fasthealth.distributed``),
-    ``detectors`` (the event rules, ``monitor.detectors.Detector`` instances, in reporting
-    order; default ``default_detectors(...)`` with the options above), ``dumps`` (which steps
-    are saved for ``fh.replay``: "incident", the first alarm step of each incident; "alarm",
-    every step with an alarm; "event", every step with an event; "none"), ``precursors``
-    (True: the precursor notices of ``precursors.py``), ``logits`` (the LM head whose logits
-    the logit precursor reads: None finds it, a module name, or False), ``attention`` (a regex
-    over module names: the self-attention modules whose attention logits are watched; None).
+    Its options come in five groups (``option_groups.py``, every field documented there):
+
+    - ``measure=fh.MeasureOptions(backend, process_group, replica_group, activations)``: what
+      is measured, where;
+    - ``detect=fh.DetectOptions(spike_zscore, spike_window, warmup_steps, vanishing_threshold,
+      min_loss_scale, optimizer_check_every, rules, detectors)``: what counts as an event;
+    - ``precursors=fh.PrecursorOptions(enabled, logits, attention)``, or True / False: the
+      notices that come before a spike;
+    - ``act=fh.ActOptions(on_nonfinite, on_spike, max_grad_norm, scaler)``: what is done to
+      the step;
+    - ``log=fh.LogOptions(log_dir, flush_every, per_tensor_every, tensorboard, dumps,
+      snapshot_max_bytes)``: what reaches the host and the disk, when.
+
+    Each option is also a flat keyword (``Monitor(model, opt, flush_every=20)``); those of
+    docs/spec.md's signature are spelled out in this one too. An option given both flat and in
+    its group is a ValueError, an unknown keyword a TypeError; ``mon.options`` holds the groups
+    as resolved.
 
     Every argument is checked here, before anything is made or written (types, ranges and
     combinations: ``tensorboard=True`` needs ``log_dir`` and an importable tensorboard,
@@ -105,31 +114,27 @@ class Monitor:
         max_grad_norm: float | None = None,
         activations: Any = None,
         process_group: Any = None,
-        replica_group: Any = None,
-        scaler: Any = None,
-        min_loss_scale: float = 1.0,
-        per_tensor_every: int = 50,
-        optimizer_check_every: int = 10,
-        snapshot_max_bytes: int = 256 * 2**20,
-        vanishing_threshold: float = 1e-8,
-        tensorboard: bool = False,
-        backend: str | None = None,
-        detectors: list[Rule] | None = None,
-        rules: dict[str, dict[str, Any]] | None = None,
-        dumps: str = "incident",
-        precursors: bool = True,
-        logits: Any = None,
-        attention: str | None = None,
+        measure: MeasureOptions | None = None,
+        detect: DetectOptions | None = None,
+        precursors: bool | PrecursorOptions = True,
+        act: ActOptions | None = None,
+        log: LogOptions | None = None,
+        **options: Any,
     ) -> None:
-        opts = {k: v for k, v in locals().items() if k not in ("self", "model", "optimizer")}
-        optimizer = check_options(model, optimizer, opts)  # before anything is made
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.flush_every, self.on_nonfinite, self.on_spike = flush_every, on_nonfinite, on_spike
-        self.max_grad_norm, self.min_loss_scale = max_grad_norm, min_loss_scale
-        self.per_tensor_every = per_tensor_every
-        self.optimizer_check_every = optimizer_check_every
-        self.backend, self.process_group = backend, process_group
-        self.replica_group = replica_group
+        flat = {k: v for k, v in locals().items() if k in FLAT}
+        self.options = gather({**flat, **options}, measure=measure, detect=detect, act=act,
+                              log=log)
+        optimizer = check_options(model, optimizer, self.options.flat())  # before anything
+        me, de, pr, ac, lg = (self.options.measure, self.options.detect,
+                              self.options.precursors, self.options.act, self.options.log)
+        self.model, self.optimizer, self.scaler = model, optimizer, ac.scaler
+        self.flush_every, self.on_nonfinite, self.on_spike = (lg.flush_every, ac.on_nonfinite,
+                                                              ac.on_spike)
+        self.max_grad_norm, self.min_loss_scale = ac.max_grad_norm, de.min_loss_scale
+        self.per_tensor_every = lg.per_tensor_every
+        self.optimizer_check_every = de.optimizer_check_every
+        self.backend, self.process_group = me.backend, me.process_group
+        self.replica_group = me.replica_group
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("fasthealth: model has no trainable parameters to monitor (none "
@@ -137,24 +142,24 @@ class Monitor:
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
         self.device = self.params[0][1].device
-        _check_backend(backend, self.device)
-        self.record = DeviceRecord(self.names, flush_every, self.device)
-        self.precursors = (PrecursorProbe(model, self.params, self.device, logits=logits,
-                                          attention=attention) if precursors else None)
+        _check_backend(me.backend, self.device)
+        self.record = DeviceRecord(self.names, lg.flush_every, self.device)
+        self.precursors = (PrecursorProbe(model, self.params, self.device, logits=pr.logits,
+                                          attention=pr.attention) if pr.enabled else None)
         self.rule_context = Context(
             names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,
-            optimizer=optimizer, scaler=scaler is not None, spike_zscore=spike_zscore,
-            spike_window=spike_window, warmup_steps=warmup_steps,
-            vanishing_threshold=vanishing_threshold, min_loss_scale=min_loss_scale,
-            probe=self.precursors, overrides=dict(rules or {}))
-        if detectors is None:
-            detectors = build_rules(self.rule_context, precursors=precursors)
-        self.skip_rule = (SkipRule(self.device, SkipConfig(spike_zscore, spike_window,
-                                                           warmup_steps))
-                          if on_spike == "skip" else None)
-        self.detectors: list[Rule] = list(detectors)
-        self.gate = gate.Gate(optimizer, scaler, self.record, self.device,
-                              guard=on_nonfinite in ("skip", "raise") or on_spike == "skip",
+            optimizer=optimizer, scaler=ac.scaler is not None, spike_zscore=de.spike_zscore,
+            spike_window=de.spike_window, warmup_steps=de.warmup_steps,
+            vanishing_threshold=de.vanishing_threshold, min_loss_scale=de.min_loss_scale,
+            probe=self.precursors, overrides=dict(de.rules or {}))
+        self.detectors: list[Rule] = list(
+            build_rules(self.rule_context, precursors=pr.enabled) if de.detectors is None
+            else de.detectors)
+        self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
+                                                           de.warmup_steps))
+                          if ac.on_spike == "skip" else None)
+        self.gate = gate.Gate(optimizer, ac.scaler, self.record, self.device,
+                              guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip",
                               skip_rule=self.skip_rule, precursors=self.precursors)
         self.steps_seen = 0
         self._next_step = 0
@@ -163,13 +168,14 @@ class Monitor:
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         # made before the sinks: a bad module regex writes nothing
         self.activations: ActivationMonitor | None = None
-        if activations is not None and activations is not False:
+        if me.activations is not None and me.activations is not False:
             self.activations = ActivationMonitor(
-                model, modules=None if activations is True else activations)
-        self.log_dir = Path(log_dir) if log_dir is not None else None
+                model, modules=None if me.activations is True else me.activations)
+        self.log_dir = Path(lg.log_dir) if lg.log_dir is not None else None
         self._snapshots: list[list[torch.Tensor]] | None = None
-        self._open_journal(tensorboard, dumps, snapshot_max_bytes, spike_zscore=spike_zscore,
-                           spike_window=spike_window, warmup_steps=warmup_steps)
+        self._open_journal(lg.tensorboard, lg.dumps, lg.snapshot_max_bytes,
+                           spike_zscore=de.spike_zscore, spike_window=de.spike_window,
+                           warmup_steps=de.warmup_steps)
 
     def _open_journal(self, tensorboard: bool, dumps: str, snapshot_max_bytes: int,
                       **options: Any) -> None:

@@ -1,6 +1,7 @@
 """The Monitor's arguments, checked before anything is made or written (types, ranges and
 combinations), and the loss each step is given; each error names the argument and its value
-(docs/spec.md section 6)."""
+(docs/spec.md section 6). The arguments come by their flat keywords, whether they were given
+flat or in a group (``option_groups.py``)."""
 
 from __future__ import annotations
 
@@ -222,8 +223,8 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
     _check_parts(o["activations"], o["scaler"], o["backend"], o["detectors"], o["logits"],
                  o["attention"])
     if not isinstance(o["precursors"], bool):
-        raise TypeError(f"fasthealth: precursors must be True or False, got "
-                        f"{shown(o['precursors'])}")
+        raise TypeError(f"fasthealth: precursors must be True, False or a "
+                        f"fh.PrecursorOptions, got {shown(o['precursors'])}")
     return inner
 
 
