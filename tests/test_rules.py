@@ -94,7 +94,21 @@ def test_a_new_rule_is_one_file_and_one_registry_entry(new_rule, tmp_path):
     assert mine and mine[0].step == 40 and mine[0].severity == "alarm"
     assert mine[0].incident is not None
     assert "loss_above" in mon.incidents[mine[0].incident].kinds
-    assert kinds.colour_of("loss_above") == "#123456"
+    # the report draws it in the registry's colour, on the timeline row named for it
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from fasthealth import report
+
+    log = report.read_log(tmp_path / "log")
+    fig = report.figure(log.meta, log.steps, log.events, log.incidents)
+    timeline = next(ax for ax in fig.axes if ax.get_title() == "events by kind")
+    labels = [t.get_text() for t in timeline.get_yticklabels()]
+    row = labels.index("loss_above")
+    drawn = {to_hex(c) for coll in timeline.collections
+             if len(coll.get_offsets()) and coll.get_offsets()[0][1] == row
+             for c in coll.get_facecolors()}
+    assert drawn == {"#123456"}, drawn
     assert "| `loss_above` | alarm | the loss above a fixed ceiling | the ceiling |" \
         in kinds.table()
     # its threshold follows Monitor(rules=...) like a built-in's
