@@ -29,17 +29,16 @@ sys.path.insert(0, str(HERE))
 import bench_detectors as bd  # noqa: E402  (after the paths above)
 
 INF = math.inf
-# clause -> the Monitor options that switch it off ("incidents": IncidentConfig fields)
+# clause -> the Monitor options that switch it off ("incidents": IncidentConfig fields). The
+# clauses this harness found unneeded are deleted from the rules, and so from here: the spike
+# rule's linear-scale third path, its joint loss-and-norm path and its level-shift path, and
+# the update-ratio precursor's loss-falling veto (bench/results/rules_ablation.json).
 CLAUSES: dict[str, dict] = {
-    "spike.extreme (linear-scale third path)": {"rules": {"spike": {"extreme": INF}}},
-    "spike.joint (loss and norm together)": {"rules": {"spike": {"joint": INF}}},
-    "spike.shift (level shift, 3 in a row)": {"rules": {"spike": {"shift_steps": 10**9}}},
     "spike.early (before the window is armed)": {
         "rules": {"spike": {"early_loss": INF, "early_grad_norm": INF}}},
     "grad_trend.confirm (loss confirms -> alarm)": {"rules": {"grad_trend": {"confirm": None}}},
     "grad_trend.lr_rise (schedule's climb exempt)": {"rules": {"grad_trend": {"lr_rise": INF}}},
     "lr_jump.climb (a climb judged as a whole)": {"rules": {"lr_jump": {"climb": False}}},
-    "update_ratio.falling (loss-falling veto)": {"rules": {"update_ratio": {"falling": None}}},
     "incidents.overflow_explains (1.8e19 gate)": {"incidents": {"overflow_explains": False}},
     "incidents.settle (a new kind is a new fault)": {"incidents": {"settle": None}},
     "incidents.returns (a spike back to the level)": {"incidents": {"returns": False}},

@@ -175,8 +175,7 @@ def test_loss_and_grad_norm_spike_at_the_right_step():
     assert all(step >= 70 for step, _ in ks), ks
     ev = next(e for e in mon.events if e.kind == "loss_spike")
     d = ev.details
-    # above the threshold alone, or with the gradient norm above 2/3 of it at the same step
-    assert d["zscore"] > 6 or (d["joint"] and d["zscore"] > 0.85 * 6), d
+    assert d["zscore"] > 6, d
     assert "Check first" in ev.message
 
 
@@ -233,20 +232,6 @@ def test_grad_norm_climbing_steadily_is_exploding_grad():
     climb = [math.exp(e + 0.08 * max(0, t - 100)) for t, e in enumerate(noise[:200])]
     fired = [t for t, v in enumerate(climb) for _ in rule.observe(_host(t, grad_norm=v))]
     assert len(fired) == 1 and 100 < fired[0] <= 125, fired
-
-
-def test_loss_far_out_on_the_linear_scale_is_a_spike_at_a_noisy_floor():
-    """At a loss floor near 0.03 batches swing 3x step to step: on the log scale a batch 400x
-    the level is only ~5 noise units, but hundreds on the linear one (seed 0's mislabelled
-    batch in bench/detectors). The floor's own swings are no spike."""
-    g = torch.Generator().manual_seed(1)
-    descent = [1.6 * math.exp(-0.2 * t) for t in range(20)]  # from chance level, 5 classes
-    floor = [0.03 * math.exp(0.8 * e) for e in torch.randn(300, generator=g).tolist()]
-    rule = rules.Spike()
-    assert not [f for t, v in enumerate(descent + floor) for f in rule.observe(_host(t, loss=v))]
-    found = rule.observe(_host(320, loss=0.03 * 400))
-    assert [f.kind for f in found] == ["loss_spike"], found
-    assert found[0].details["zscore"] > 30
 
 
 def test_oscillation_detector():

@@ -82,7 +82,7 @@ def _grouped(scaler, log_dir):
         measure=fh.MeasureOptions(backend="torch", activations=True),
         detect=fh.DetectOptions(spike_zscore=8.0, spike_window=64, warmup_steps=10,
                                 vanishing_threshold=1e-9, min_loss_scale=0.5,
-                                optimizer_check_every=3, rules={"spike": {"joint": 0.9}}),
+                                optimizer_check_every=3, rules={"spike": {"max_run": 4}}),
         precursors=fh.PrecursorOptions(logits=False),
         act=fh.ActOptions(on_nonfinite="raise", on_spike="skip", max_grad_norm=2.0,
                           scaler=scaler),
@@ -93,7 +93,7 @@ def _grouped(scaler, log_dir):
 def _flat(scaler, log_dir):
     return dict(backend="torch", activations=True, spike_zscore=8.0, spike_window=64,
                 warmup_steps=10, vanishing_threshold=1e-9, min_loss_scale=0.5,
-                optimizer_check_every=3, rules={"spike": {"joint": 0.9}}, logits=False,
+                optimizer_check_every=3, rules={"spike": {"max_run": 4}}, logits=False,
                 on_nonfinite="raise", on_spike="skip", max_grad_norm=2.0, scaler=scaler,
                 log_dir=log_dir, flush_every=3, per_tensor_every=2, dumps="event",
                 snapshot_max_bytes=0)
@@ -126,7 +126,7 @@ def test_groups_and_flat_keywords_make_the_same_monitor(tmp_path, make):
     assert [type(r) for r in a.detectors] == [type(r) for r in b.detectors]
     assert [r.config for r in a.detectors] == [r.config for r in b.detectors]
     spike = next(r.config for r in a.detectors if r.name == "spike")
-    assert (spike.zscore, spike.window, spike.warmup, spike.joint) == (8.0, 64, 10, 0.9)
+    assert (spike.zscore, spike.window, spike.warmup, spike.max_run) == (8.0, 64, 10, 4)
     assert a.skip_rule is not None and b.skip_rule is not None
     assert a.skip_rule.config == b.skip_rule.config
     for attr in ("flush_every", "on_nonfinite", "on_spike", "max_grad_norm", "min_loss_scale",

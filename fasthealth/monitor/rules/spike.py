@@ -3,13 +3,9 @@ section 6, "Spike scoring"; the score is ``robust.spike_scores``).
 
 A value is a spike when its score exceeds ``zscore`` on the linear and the log scale both (near
 a loss floor of 0.01 healthy batches reach 50x the median: far on the log scale, near on the
-linear one); or when it exceeds ``extreme`` times that on the linear scale with half of it on
-the log one (at such a floor a mislabelled batch 400x the level is hundreds of linear units out
-but only ~5 log ones); or when the loss and the gradient norm of one step both exceed ``joint``
-of the threshold (a bad batch moves both); or ``shift_steps`` steps in a row above ``shift`` of
-it (a level shift). Before the windows are armed, a loss above ``early_loss`` or a gradient
-norm above ``early_grad_norm`` times their first values (a learning rate far too high from the
-start). ``max_run`` spikes in a row are a new level, taken in.
+linear one). Before the windows are armed, a loss above ``early_loss`` or a gradient norm above
+``early_grad_norm`` times their first values (a learning rate far too high from the start).
+``max_run`` spikes in a row are a new level, taken in.
 
 Under ``on_spike="skip"`` a step the device rule skipped (``skip_rule.py``) is always an event
 that says so: the host rule usually sees the same spike (its finding then says ``skipped``);
@@ -50,14 +46,6 @@ class SpikeConfig:
     differences for a stable 0.9 quantile."""
     warmup: int = 20
     """Values a window needs before it scores (``warmup_steps``)."""
-    joint: float = 0.85
-    """Share of the threshold that the loss and the gradient norm of one step must both pass:
-    a bad batch moves both, healthy noise rarely moves both (bench/results/detectors.json)."""
-    shift: float = 0.6
-    """Share of the threshold that ``shift_steps`` values in a row must pass to be a new level
-    (a data change that moves the loss less than a spike but stays)."""
-    shift_steps: int = 3
-    """Steps in a row above ``shift``: one or two high batches are noise."""
     max_run: int = 5
     """Spikes in a row that make a new level, taken into the window: a level that stays is a
     change of regime, not a batch (the device rule stops skipping after as many)."""
@@ -69,10 +57,6 @@ class SpikeConfig:
     first: int = 5
     """First values the early ratios are taken against (their largest): all a run has before
     its window is armed."""
-    extreme: float = 5.0
-    """Times ``zscore`` on the linear scale (with half of it on the log one): a mislabelled batch
-    at a 0.01 loss floor is 400x the level, ~5 log units but hundreds of linear ones; healthy
-    batches never passed 11 linear units (bench/results/detectors.json). ``math.inf``: off."""
 
 
 class _Series:
@@ -84,8 +68,6 @@ class _Series:
         self.values: deque[float] = deque(maxlen=window)
         self.first: list[float] = []
         self.run = 0
-        self.high = 0  # steps in a row above the shift threshold
-        self.shifted = False
 
     def score(self, value: float, warmup: int) -> tuple[float, float] | None:
         """The linear and log spike scores of ``value``; None while the window is not armed (or
@@ -149,24 +131,19 @@ class Spike(Rule[SpikeConfig]):
         values = {"loss": s.values["loss"],
                   "grad_norm": s.values["grad_norm"] if s.values["grads_finite"] else math.nan}
         scores = {k: self.series[k].score(v, c.warmup) for k, v in values.items()}
-        z = {k: None if x is None else min(x) for k, x in scores.items()}
-        both = all(x is not None and x > c.joint * c.zscore for x in z.values())
         found = []
         for key, ser in self.series.items():
-            v, zk, pair = values[key], z[key], scores[key]
-            if zk is None or pair is None:
+            v, pair = values[key], scores[key]
+            if pair is None:
                 ratio = ser.early(v) if math.isfinite(v) else None
                 if ratio is not None:
                     found.append(self._early(ser, v, ratio))
                 elif math.isfinite(v) and len(ser.values) < max(c.warmup, 3):
                     ser.values.append(v)
                 continue
-            lin, log = pair
-            extreme = lin > c.extreme * c.zscore and log > c.zscore / 2
-            if ser.settle(v, zk > c.zscore or both or extreme, c.max_run):
-                found.append(self._spike(ser, v, max(zk, lin) if extreme else zk, both))
-            elif self._shifted(ser, zk):
-                found.append(self._shift(ser, v, zk))
+            z = min(pair)
+            if ser.settle(v, z > c.zscore, c.max_run):
+                found.append(self._spike(ser, v, z))
         return found
 
     def _device_skips(self, s: HostStep, found: list[Finding]) -> list[Finding]:
@@ -190,42 +167,15 @@ class Spike(Rule[SpikeConfig]):
             "fh.replay)",
             {"value": value, "zscore": z[key], "zscores": z, "skipped": True, "rule": "device"})]
 
-    def _shifted(self, ser: _Series, z: float) -> bool:
-        """``shift_steps`` steps in a row above ``shift`` times the threshold: a new level,
-        reported once until the series comes back."""
-        c = self.config
-        ser.high = ser.high + 1 if z > c.shift * c.zscore else 0
-        if ser.high == 0:
-            ser.shifted = False
-        if ser.high >= c.shift_steps and not ser.shifted:
-            ser.shifted = True
-            return True
-        return False
-
-    def _shift(self, ser: _Series, value: float, z: float) -> Finding:
-        c = self.config
-        median = statistics.median(ser.values)
-        return Finding(
-            KIND[ser.key],
-            f"{ser.label} stepped up and stayed: {ser.high} steps in a row more than "
-            f"{c.shift * c.zscore:.1f} noise units above its recent median {median:.4g} (now "
-            f"{value:.4g}). Check first: a change of learning rate (schedule, a restart), then "
-            f"a change in the data. {ADVICE[ser.key]}",
-            {"value": value, "zscore": z, "window_median": median, "steps": ser.high,
-             "threshold": c.shift * c.zscore, "shift": True})
-
-    def _spike(self, ser: _Series, value: float, z: float, both: bool) -> Finding:
-        c = self.config
+    def _spike(self, ser: _Series, value: float, z: float) -> Finding:
         median = statistics.median(ser.values)
         ratio = f" ({value / median:.3g}x)" if median > 0 else ""
-        joint = (" (the loss and the gradient norm jumped together)"
-                 if both and not z > c.zscore else "")
         return Finding(
             KIND[ser.key],
             f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
-            f"{median:.4g}{ratio}{joint}. {ADVICE[ser.key]}",
+            f"{median:.4g}{ratio}. {ADVICE[ser.key]}",
             {"value": value, "zscore": z, "window_median": median, "window": len(ser.values),
-             "threshold": c.zscore, "joint": both})
+             "threshold": self.config.zscore})
 
     def _early(self, ser: _Series, value: float, ratio: float) -> Finding:
         return Finding(

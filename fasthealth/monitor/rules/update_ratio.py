@@ -1,19 +1,17 @@
 """``precursor_update_ratio``: the largest update-to-weight ratio of a weight matrix (measured by
 ``precursors.PrecursorProbe``), per unit of gradient, more than ``zscore`` noise units above its
-recent level on the log scale, while the loss is not falling fast.
+recent level on the log scale.
 
 Why the noise unit and not a ratio to the median: small-batch SGD makes healthy updates many
 times its median now and then, while an LR jump under clipping moves a steady series by less;
 measured against its own step-to-step noise the jump stands out. Why per unit of gradient: with
 SGD the update follows the gradient, which grows several-fold while a run leaves a plateau; an
-LR jump changes the update for the same gradient. Why not while the loss falls fast: a run
-leaving a plateau makes its largest updates then, and they are what it needs.
+LR jump changes the update for the same gradient.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,12 +30,6 @@ class UpdateRatioConfig:
     """Measurements before the rule judges."""
     floor: float = 1e-3
     """Ratios below it are never a precursor: healthy training holds the ratio near 1e-3."""
-    falling: int | None = 10
-    """Steps in each half of the "loss falling fast" test (the median of the last ``falling``
-    losses ``falling_by`` below the ``falling`` before); None: no such test."""
-    falling_by: float = 0.1
-    """How far the recent median must stand below the one before to count as falling fast:
-    a run leaving its plateau falls tens of percent in 10 steps, a steady descent a few."""
 
 
 class UpdateRatio(Rule[UpdateRatioConfig]):
@@ -56,20 +48,10 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
         c = self.config
         self.names = list(ctx.probe.matrix_names) if ctx is not None and ctx.probe else []
         self.history: deque[float] = deque(maxlen=c.window)
-        self.losses: deque[float] = deque(maxlen=2 * (c.falling or 1))
         self.fired = False  # reported until the series comes back
-
-    def _falling(self) -> bool:
-        n = self.config.falling
-        xs = list(self.losses)
-        return n is not None and len(xs) == 2 * n \
-            and statistics.median(xs[n:]) < (1 - self.config.falling_by) * statistics.median(xs[:n])
 
     def observe(self, s: HostStep) -> list[Finding]:
         c = self.config
-        loss = s.values["loss"]
-        if math.isfinite(loss):
-            self.losses.append(loss)
         v = s.values.get("update_ratio_max", math.nan)
         g = s.values.get("grad_norm", math.nan)
         if not (math.isfinite(v) and v > 0 and math.isfinite(g) and g > 0) or skipped(s):
@@ -82,7 +64,7 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
         level, noise = level_and_noise(logs, recent=len(logs))
         z = (y - level) / noise if noise > 0 else math.inf
         high = z > c.zscore
-        fire = high and not self.fired and not self._falling()
+        fire = high and not self.fired
         self.fired = high
         if not fire:
             return []
