@@ -135,9 +135,9 @@ def test_an_override_names_an_existing_rule_and_setting():
         fh.Monitor(model, rules={"spikes": {"zscore": 8.0}})
     with pytest.raises(ValueError, match="no setting 'z'.*zscore"):
         fh.Monitor(model, rules={"spike": {"z": 8.0}})
-    mon = fh.Monitor(model, spike_zscore=7.0, rules={"spike": {"extreme": 4.0}})
+    mon = fh.Monitor(model, spike_zscore=7.0, rules={"spike": {"max_run": 4}})
     (spike,) = [r for r in mon.detectors if isinstance(r, rules.Spike)]
-    assert (spike.config.zscore, spike.config.extreme) == (7.0, 4.0)
+    assert (spike.config.zscore, spike.config.max_run) == (7.0, 4)
     mon.close()
 
 
