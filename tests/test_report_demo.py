@@ -6,12 +6,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import fasthealth as fh
 from fasthealth import demo, report
 
 
+@pytest.mark.slow
 def test_report_from_a_monitor_log(tmp_path):
     torch.manual_seed(0)
     m = torch.nn.Linear(4, 1)
@@ -39,6 +41,7 @@ def test_report_from_a_monitor_log(tmp_path):
     assert bad.returncode == 2 and "not found" in bad.stdout
 
 
+@pytest.mark.slow
 def test_demo_catches_every_planted_fault(tmp_path):
     out = io.StringIO()
     assert demo.run(tmp_path, progress=False, out=out), out.getvalue()
