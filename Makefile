@@ -29,21 +29,31 @@ $(BUILD_STAMP): $(ENV_STAMP) $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
+# Test tiers (markers in pyproject.toml): `make test` runs every test, `make test-fast` (the
+# edit-test loop) all but those marked slow, corpus (the detector corpus) or device_script (the
+# dry runs of bench/gpu_check.sh), on one intra-op thread: on a shared machine two threads wait
+# for each other's core at every op (CONTRIBUTING.md has the figures); the statistics do not
+# depend on the thread count, and `make test` runs the default threads.
+FAST := not slow and not corpus and not device_script
+# 2**31 + 100 elements (2 GB of int8, 4 GB of bfloat16) for the 64-bit indexing: on the
+# default kernel variant only
+BIG := --deselect tests/test_kernels.py::test_more_than_2_pow_31_elements
+
 # The suite (test_triton.py skips itself here: TRITON_INTERPRET is unset) on the fastest CPU
-# kernel variant, the kernel tests again on every other variant this processor runs (avx2,
-# avx, base), then the Triton kernels through Triton's interpreter in their own process
-# (TRITON_INTERPRET must be set before triton is imported).
+# kernel variant, with the slowest tests listed, the kernel tests again on every other variant
+# this processor runs (avx2, avx, base), then the Triton kernels through Triton's interpreter in
+# their own process (TRITON_INTERPRET must be set before triton is imported).
 test: build
-	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q tests
+	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q --durations=25 tests
 	for isa in $$($(PY) -c "import fasthealth as f; print(' '.join(f.ops.compiled.C.cpu_isas()[1:]))"); do \
 		echo "== CPU kernel variant $$isa"; \
-		FASTHEALTH_REQUIRE_CPU=1 FASTHEALTH_CPU_ISA=$$isa $(PY) -m pytest -q -m "not slow" \
+		FASTHEALTH_REQUIRE_CPU=1 FASTHEALTH_CPU_ISA=$$isa $(PY) -m pytest -q $(BIG) \
 			tests/test_kernels.py tests/test_fuzz.py tests/test_range.py || exit 1; \
 	done
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton.py
 
 test-fast: build
-	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q -x -m "not slow" tests
+	OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q -x -m "$(FAST)" --durations=10 tests
 
 bench: build
 	$(PY) bench/harness.py --out bench/results
@@ -86,4 +96,4 @@ cuda-check:
 		assert torch._C._dispatch_has_kernel_for_dispatch_key('fasthealth::multi_tensor_stats', 'CUDA'); \
 		print('CUDA extension built for sm_80 and sm_90 with torch', torch.__version__)"
 	cd $(CUDA_TREE) && FASTHEALTH_REQUIRE_CPU=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" \
-		$(CUDA_PY) -m pytest -q -m "not slow" tests
+		$(CUDA_PY) -m pytest -q -m "not corpus and not device_script" $(BIG) tests

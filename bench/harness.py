@@ -362,6 +362,8 @@ def machine() -> dict:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        # the host is shared: how busy it was when the run began (1, 5, 15 minutes)
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -491,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     info = machine()
     print(f"fasthealth CPU benchmark on {info['cpu']} ({info['cores']} cores, "
-          f"{info['torch_threads']} torch threads), torch {info['torch']}, "
+          f"{info['torch_threads']} torch threads, load average "
+          f"{' '.join(map(str, info['load_average']))}), torch {info['torch']}, "
           f"kernel {info['kernel_isa']}")
     rows: list[dict] = []
     for case in cases(args.quick):

@@ -223,6 +223,7 @@ def test_opcheck():
         assert all(v == "SUCCESS" for v in result.values()), result
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph():
     _needs_cpu_op()
     torch._dynamo.reset()
@@ -239,6 +240,7 @@ def test_torch_compile_fullgraph():
     assert got[1].item() is False and got[2].tolist() == [0, 1]
 
 
+@pytest.mark.slow
 def test_reference_traces_in_one_graph():
     """The benchmark's `compile` provider is torch.compile of the reference: it must trace
     without graph breaks (inductor's own code generation is exercised on the GPU bench)."""

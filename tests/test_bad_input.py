@@ -375,6 +375,7 @@ def test_report_with_nothing_readable_says_why_and_exits_2(tmp_path, content, me
         assert "steps.jsonl line 1: not " in out.stderr  # binary: not UTF-8, or not JSON
 
 
+@pytest.mark.slow
 def test_report_on_missing_and_wrong_directories(tmp_path):
     out = run_cli("report", tmp_path / "nope")
     assert out.returncode == 2

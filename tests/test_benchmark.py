@@ -3,6 +3,7 @@ against (the split of fasthealth's time adds up, every goal says what bounds it)
 
 import json
 
+import bench_runs
 import harness as benchmark
 import pytest
 
@@ -31,3 +32,23 @@ def test_quick_bench_writes_roofline_and_goals(tmp_path):
     for g in res["goals"]:
         if "get_total_norm" in g["goal"]:
             assert "bound" in g
+
+
+def test_several_runs_give_the_median_and_range_of_each_runs_median():
+    def run(fh_ms, total_ms, speedup, met):
+        rows = [{"case": "c", "dtype": "float32", "provider": "fasthealth", "ms": fh_ms,
+                 "x_read_paired_median": fh_ms / 2,
+                 "x_faster_than_total_norm_paired_median": speedup},
+                {"case": "c", "dtype": "float32", "provider": "total_norm", "ms": total_ms},
+                {"case": "c", "dtype": "float32", "provider": "naive", "ms": 10 * fh_ms}]
+        return {"rows": rows, "goals": [{"goal": "c float32: x read limit (paired)",
+                                         "value": 1.0, "met": met}]}
+
+    (s,) = bench_runs.summarize([run(3.0, 9.0, 2.5, True), run(1.0, 4.0, 1.1, False),
+                                 run(2.0, 5.0, 1.5, False)])
+    assert s["fasthealth_ms"] == {"median": 2.0, "range": [1.0, 3.0], "runs": 3}
+    assert s["total_norm_ms"]["median"] == 5.0 and s["total_norm_ms"]["range"] == [4.0, 9.0]
+    assert s["x_faster_than_total_norm"]["median"] == 1.5  # never the best run's 2.5
+    assert s["x_faster_than_naive"] == {"median": 10.0, "range": [10.0, 10.0], "runs": 3}
+    assert "read_limit_ms" not in s  # no such row: no figure
+    assert s["goals_met"] == {"c float32: x read limit (paired)": "1/3"}

@@ -129,6 +129,7 @@ def test_fast_path_all_sizes_and_alignments(exe, dtype):
     assert paths[FAST] >= chunks_of(ts) - 2 and paths[SLOW] == 0, paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_planted_values(exe, dtype):
     g = torch.Generator().manual_seed(2)
@@ -257,6 +258,7 @@ def test_range_and_zero_counts_on_the_fast_path(exe, range_dtype):
     assert zeros.tolist() == [float((x == 0).sum()) for x in ts]
 
 
+@pytest.mark.slow
 def test_many_mixed_tensors_and_determinism(exe):
     g = torch.Generator().manual_seed(7)
     dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int32]
@@ -292,6 +294,7 @@ def test_emulation_catches_a_planted_bug(exe, tmp_path):
         check_multi(table, [t], "planted bug")
 
 
+@pytest.mark.slow
 def test_random_batches(exe):
     """Seeded random batches of every dtype, size, magnitude and planted value, with and
     without range counts, at random misalignments."""
@@ -348,6 +351,7 @@ def test_many_blocks_keep_the_largest_chunk(exe):
     assert plan[0] == CHUNK  # 13 full waves of 3 blocks: halving would only add item costs
 
 
+@pytest.mark.slow
 def test_two_level_merge(exe):
     """A tensor of many chunks is merged in runs, then per tensor: same statistics, and
     deterministic; tensors of few chunks in the same call keep their single run."""

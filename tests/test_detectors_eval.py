@@ -1,7 +1,8 @@
 """The detector evaluation of bench/detectors/ at make test's size: one seed of every tuning
 family and fault (never a held-out one), each a real training run under fh.Monitor, scored at
 the Monitor's defaults and replayed under one other setting (the leave-one-family-out path).
-About 2-3 minutes on 2 cores: marked ``slow`` (``make test`` runs it, ``make test-fast`` not).
+About 2-3 minutes on 2 cores: the tests that train are marked ``corpus`` (``make test`` runs
+them, ``make test-fast`` not).
 The full evaluation is the benchmark ``bench/bench_detectors.py``.
 
 A healthy family must raise no alarm and a fault must be caught (an alarm of an expected kind
@@ -87,7 +88,7 @@ def test_verdict_counts_alarms_and_notices_apart():
     assert not v["caught"] and v["noticed"]
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 def test_final_scores_the_held_out_part_apart(monkeypatch):
     """--final's path, on two tuning runs standing in for held-out ones (the real held-out
     families are never run here)."""
@@ -108,7 +109,7 @@ def test_final_scores_the_held_out_part_apart(monkeypatch):
     assert {f for _, f, *_ in bench_detectors.jobs_for(SLICE, final=False)}.isdisjoint({fam, flt})
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 def test_cached_recordings_replay_to_the_same_verdicts(tmp_path, monkeypatch):
     """--cache: the second evaluation replays the first one's recordings instead of training,
     to the same verdicts; a change to a source that shapes training makes a new recording."""
@@ -126,7 +127,7 @@ def test_cached_recordings_replay_to_the_same_verdicts(tmp_path, monkeypatch):
 
 # ---- the slice ------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.corpus
 def test_replays_are_faithful_and_held_out_never_runs(res):
     assert res["faithful_replays"] == res["runs"], res["unfaithful"]
     names = {key.rsplit("/", 1)[0] for key in res["loss"]}
@@ -137,7 +138,7 @@ def test_replays_are_faithful_and_held_out_never_runs(res):
     assert all(c in res["grid"] for c in chosen.values())
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 def test_healthy_runs_learn_and_the_stack_does_not(res):
     for name in corpus.HEALTHY:
         first, last = res["loss"][f"{name}/0"]
@@ -146,21 +147,21 @@ def test_healthy_runs_learn_and_the_stack_does_not(res):
     assert last > 0.95 * first
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 @pytest.mark.parametrize("family", _marked(corpus.HEALTHY, KNOWN_FALSE_ALARMS))
 def test_no_alarm_on_a_healthy_family(res, family):
     row = res["defaults"]["families"][family]
     assert row["alarms"] == 0, row["alarm_list"][:10]
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 @pytest.mark.parametrize("fault", _marked(corpus.TUNING_FAULTS, KNOWN_MISSES))
 def test_fault_caught_within_its_delay(res, fault):
     row = res["defaults"]["faults"][fault]
     assert row["caught"] == len(row["runs"]), row["runs"]
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 @pytest.mark.parametrize("fault", sorted(corpus.TUNING_FAULTS))
 def test_one_alarm_incident_per_fault(res, fault):
     """The fault's events from its onset on make one alarm incident: its aftermath joins it."""
@@ -168,7 +169,7 @@ def test_one_alarm_incident_per_fault(res, fault):
     assert [x["alarm_incidents_after"] for x in row["runs"]] == [1], row["runs"]
 
 
-@pytest.mark.slow
+@pytest.mark.corpus
 def test_nonfinite_and_single_bad_batches_at_their_step(res):
     for name in ("nonfinite_input", "nonfinite_inside_model", "nonfinite_loss_empty_batch",
                  "garbage_batch", "mislabelled_batch", "target_x50_batch"):

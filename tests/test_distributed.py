@@ -268,17 +268,20 @@ def run(world, scenario):
     mp.spawn(_worker, args=(world, init_file, scenario), nprocs=world, join=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp(world):
     run(world, "ddp")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2(world):
     run(world, "fsdp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scenario", ["stages", "bad_input", "monitor_divergence",
                                       "spike_skip"])

@@ -14,6 +14,8 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NUM = r"-?\d+\.\d+"
 
+pytestmark = pytest.mark.slow  # each runs a script in a process of its own
+
 
 def free_port() -> int:
     with socket.socket() as s:

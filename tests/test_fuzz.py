@@ -40,6 +40,7 @@ def test_fuzz_float32_family(a, dtype):
     check_tensor(fh.multi_tensor_stats([t], backend="cpu").raw[0], t, str(dtype))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(float64_arrays)
 def test_fuzz_float64(a):

@@ -5,8 +5,9 @@ merges (bench/gpu_results.py).
 
 The dry run (FASTHEALTH_GPU_DRY=1) builds nothing, assumes both GPU backends, benchmarks with
 fake timings (bench_gpu.py --fake: the same case loop and writes) and runs the GPU tests for
-real (they skip themselves without CUDA). The matrix of forced failures and hangs takes about 6
-minutes on 2 cores: marked ``slow`` (``make test`` runs it, ``make test-fast`` not).
+real (they skip themselves without CUDA). Each dry run is marked ``device_script`` (``make test``
+runs them, ``make test-fast`` not): the matrix of forced failures and hangs takes 6-8 minutes on
+2 cores.
 """
 
 import json
@@ -100,6 +101,7 @@ def assert_every_written_case_is_there(doc, wrote):
             assert cases_of(doc, b) == wrote[f"bench-{b}"]
 
 
+@pytest.mark.device_script
 def test_dry_run_every_step_ok(tmp_path):
     copy = ROOT / "bench" / "results" / "h200.json"
     before = copy.stat().st_mtime_ns if copy.exists() else None
@@ -122,7 +124,7 @@ def test_dry_run_every_step_ok(tmp_path):
     assert "needs a CUDA device" in tests and " deselected" in tests
 
 
-@pytest.mark.slow
+@pytest.mark.device_script
 @pytest.mark.parametrize("step", STEPS)
 def test_dry_run_with_a_step_forced_to_fail(tmp_path, step):
     p, out, doc = dry_run(tmp_path, FORCE_FAIL=step)
@@ -152,7 +154,7 @@ def test_dry_run_with_a_step_forced_to_fail(tmp_path, step):
         assert len(doc["rows"]) == 8 * FUSED_ROWS
 
 
-@pytest.mark.slow
+@pytest.mark.device_script
 @pytest.mark.parametrize("step", ["build-cuda", "bench-cuda", "tests", "finish"])
 def test_dry_run_with_a_step_hanging_to_its_limit(tmp_path, step):
     p, out, doc = dry_run(tmp_path, FORCE_HANG=step, FASTHEALTH_GPU_LIMITS=f"{step}=4")
@@ -162,7 +164,7 @@ def test_dry_run_with_a_step_hanging_to_its_limit(tmp_path, step):
     assert_every_written_case_is_there(doc, written(out))
 
 
-@pytest.mark.slow
+@pytest.mark.device_script
 def test_dry_run_benchmark_cut_mid_way_keeps_the_cases_it_wrote(tmp_path):
     # 2 s a case, stopped after 15 s (a few of them starting Python): some cases written
     p, out, doc = dry_run(tmp_path, FASTHEALTH_BENCH_FAKE_SLEEP="2",
@@ -174,7 +176,7 @@ def test_dry_run_benchmark_cut_mid_way_keeps_the_cases_it_wrote(tmp_path):
     assert cases_of(doc, "read_sum") == wrote["bench-triton"]  # baselines timed again there
 
 
-@pytest.mark.slow
+@pytest.mark.device_script
 def test_dry_run_with_no_time_left_still_writes_the_file(tmp_path):
     # a 35 s budget: less than the steps after each need, so all are skipped but the last
     p, out, doc = dry_run(tmp_path, DEADLINE="35")
@@ -184,6 +186,7 @@ def test_dry_run_with_no_time_left_still_writes_the_file(tmp_path):
     assert "SKIPPED" in (out / "summary.txt").read_text()
 
 
+@pytest.mark.device_script
 def test_dry_run_a_hung_test_fails_alone_and_the_rest_run(tmp_path):
     f = tmp_path / "test_hang.py"
     f.write_text(HUNG_TESTS)
@@ -248,6 +251,7 @@ def test_results_steps_from_the_script(tmp_path):
     assert doc["run"] == {"deadline_s": 420, "elapsed_s": 180, "dry_run": False}
 
 
+@pytest.mark.device_script
 def test_dry_run_without_a_working_python_still_writes_the_file(tmp_path):
     # every Python step fails and bench/gpu_results.py cannot run: the script writes the
     # steps itself

@@ -177,6 +177,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_killed_process_leaves_a_readable_log(tmp_path, sig):
     rnd = random.Random(int(sig))

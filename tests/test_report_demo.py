@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import fasthealth as fh
@@ -13,6 +14,7 @@ from fasthealth import demo, report
 from fasthealth.monitor import kinds
 
 
+@pytest.mark.slow
 def test_report_from_a_monitor_log(tmp_path):
     torch.manual_seed(0)
     m = torch.nn.Linear(4, 1)
@@ -44,6 +46,7 @@ NOT_PLANTED = {"replica_divergence", "stall", "precursor_adam_eps", "precursor_l
                "precursor_attention_logits"}
 
 
+@pytest.mark.slow
 def test_demo_catches_every_planted_fault(tmp_path):
     out = io.StringIO()
     assert demo.run(tmp_path, progress=False, out=out), out.getvalue()

@@ -305,6 +305,7 @@ def test_a_reopened_log_dir_keeps_incidents_that_share_an_id(tmp_path):
         (0, 20, "loss_spike"), (0, 60, "nonfinite_loss")]
 
 
+@pytest.mark.slow
 def test_report_survives_random_values_in_incident_and_event_fields(tmp_path):
     """Every field of incidents.jsonl's records and the events' severity and incident replaced,
     at random, by a JSON value of another kind: read, summarized and drawn without raising."""

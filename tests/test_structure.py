@@ -224,3 +224,14 @@ def test_the_report_is_in_parts_that_import_in_order():
         for target, node, _ in imports(name):
             if target.startswith("fasthealth.report"):
                 assert target in parts[:i], f"{name}:{node.lineno} imports {target}"
+
+
+def test_pyproject_lists_every_package():
+    """A package missing from [tool.setuptools] packages installs without its files: an
+    editable install (tests, CI) hides that, a user's `pip install .` does not."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert found == listed, (found - listed, listed - found)
