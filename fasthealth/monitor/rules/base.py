@@ -68,6 +68,9 @@ class Rule(Generic[C]):
     kinds: ClassVar[tuple[str, ...]] = ()
     precursor: ClassVar[bool] = False  # built only with the Monitor's precursors on
     Config: ClassVar[type[Any]] = NoConfig
+    # config field -> the Context attribute (a Monitor option) it follows, where the config
+    # has that field
+    OPTIONS: ClassVar[dict[str, str]] = {"warmup": "warmup_steps"}
 
     def __init__(self, config: C | None = None, ctx: Context | None = None) -> None:
         self.config: C = config if config is not None else type(self).Config()
@@ -75,9 +78,9 @@ class Rule(Generic[C]):
 
     @classmethod
     def from_options(cls, ctx: Context) -> dict[str, Any]:
-        """The config fields that follow the Monitor's own options (``spike_zscore``,
-        ``warmup_steps``, ...)."""
-        return {}
+        """The config fields that follow the Monitor's own options (``OPTIONS``)."""
+        fields = {f.name for f in dataclasses.fields(cls.Config)}
+        return {f: getattr(ctx, o) for f, o in cls.OPTIONS.items() if f in fields}
 
     @classmethod
     def configure(cls, ctx: Context) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Context, Finding
+from .base import Finding
 from .trend import Rising
 
 
@@ -28,10 +28,6 @@ class Divergence(Rising[DivergenceConfig]):
     name = "divergence"
     kinds = ("divergence",)
     Config = DivergenceConfig
-
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"warmup": ctx.warmup_steps}
 
     def finding(self, trend: dict, window: int, value: float) -> Finding:
         return Finding(

@@ -52,10 +52,6 @@ class GradNormTrend(Rising[GradTrendConfig]):
     kinds = ("exploding_grad",)
     Config = GradTrendConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"warmup": ctx.warmup_steps}
-
     def __init__(self, config: GradTrendConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         c = self.config

@@ -28,9 +28,7 @@ class LossScale(Rule[LossScaleConfig]):
     kinds = ("loss_scale_collapse",)
     Config = LossScaleConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"min_loss_scale": ctx.min_loss_scale}
+    OPTIONS = {"min_loss_scale": "min_loss_scale"}
 
     @classmethod
     def build(cls, ctx: Context) -> Rule | None:

@@ -37,10 +37,6 @@ class LRJump(Rule[LRJumpConfig]):
     kinds = ("lr_jump",)
     Config = LRJumpConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"warmup": ctx.warmup_steps}
-
     def __init__(self, config: LRJumpConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         self.peak = 0.0

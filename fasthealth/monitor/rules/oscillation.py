@@ -39,10 +39,6 @@ class Oscillation(LossTrend[OscillationConfig]):
     kinds = ("oscillation",)
     Config = OscillationConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"warmup": ctx.warmup_steps}
-
     def __init__(self, config: OscillationConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         self.swings: deque[float] = deque(maxlen=self.config.history)

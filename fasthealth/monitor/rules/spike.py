@@ -112,10 +112,7 @@ class Spike(Rule[SpikeConfig]):
     kinds = ("loss_spike", "grad_norm_spike")
     Config = SpikeConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"zscore": ctx.spike_zscore, "window": ctx.spike_window,
-                "warmup": ctx.warmup_steps}
+    OPTIONS = {"zscore": "spike_zscore", "window": "spike_window", "warmup": "warmup_steps"}
 
     def __init__(self, config: SpikeConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)

@@ -35,10 +35,6 @@ class TensorNorm(Rule[TensorNormConfig]):
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"warmup": ctx.warmup_steps}
-
     def __init__(self, config: TensorNormConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         n = len(self.ctx.names)

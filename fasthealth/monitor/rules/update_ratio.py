@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..record import HostStep
 from ..robust import level_and_noise
@@ -37,6 +38,7 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
     kinds = ("precursor_update_ratio",)
     precursor = True
     Config = UpdateRatioConfig
+    OPTIONS: ClassVar[dict[str, str]] = {}  # its warmup counts measurements, not steps
 
     @classmethod
     def build(cls, ctx: Context) -> Rule | None:

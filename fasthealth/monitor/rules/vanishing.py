@@ -34,10 +34,8 @@ class Vanishing(Rule[VanishingConfig]):
     kinds = ("vanishing_grad",)
     Config = VanishingConfig
 
-    @classmethod
-    def from_options(cls, ctx: Context) -> dict:
-        return {"abs_threshold": ctx.vanishing_threshold, "window": ctx.spike_window,
-                "warmup": ctx.warmup_steps}
+    OPTIONS = {"abs_threshold": "vanishing_threshold", "window": "spike_window",
+               "warmup": "warmup_steps"}
 
     def __init__(self, config: VanishingConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
