@@ -32,7 +32,8 @@ descent within a few steps and ignores up to 15 outliers."""
 MIN_LOG_NOISE = 0.005
 """The smallest noise unit on the log scale: at a plateau whose losses differ by 0.1% a step a
 1.4% bump scored 7 units; with the floor a spike stands at least 3% above the level (6 units),
-less than any harmful spike of the corpus (bench/results/detectors.json, family plateau)."""
+and that family raises no alarm (bench/results/detectors.json, after_23c_final,
+digits_mlp_sgd_momentum_plateau)."""
 
 
 def quantile(xs: list[float], q: float) -> float:

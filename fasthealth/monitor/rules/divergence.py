@@ -11,13 +11,15 @@ from .trend import Rising
 @dataclass(frozen=True)
 class DivergenceConfig:
     window: int = 40
-    """Losses the line is fitted through: long enough that minibatch noise averages out at a
-    batch of 8, short enough to fire within the corpus's allowed delays."""
+    """Losses the line is fitted through: long enough for minibatch noise to average out,
+    short enough to fire within the corpus's allowed delays (slow_divergence: 13-19 steps of the
+    40 allowed, bench/results/detectors.json, after_30_final)."""
     t_min: float = 5.0
-    """The slope's t-statistic: healthy noisy stretches reach 3-4 over 40 steps."""
+    """The slope's t-statistic: a climb that stands out of the noise; no healthy run of the
+    corpus reaches it (bench/results/detectors.json, after_30_final)."""
     rise: float = 0.2
     """The rise over the window and above the best level: a 20% climb is what a user would act
-    on; a warm restart's bump is smaller once the window spans it."""
+    on."""
     short: int = 10
     """Losses in the recent median compared with the best."""
     warmup: int = 20

@@ -31,10 +31,11 @@ class GradTrendConfig:
     window: int = 24
     """Gradient norms the line is fitted through: weights growing 8% a step show within it."""
     t_min: float = 6.0
-    """Stricter than the loss's 5: the norm's noise is smoother, its healthy climbs steadier."""
+    """Stricter than the loss's 5: healthy norms climb steadily while a run leaves a plateau or
+    warms up, so a steady climb alone says less than the loss's."""
     rise: float = 2.5
-    """3.5x over the window and above the lowest level: early in training healthy norms climb
-    2-3x (tests/test_monitor.py plants both)."""
+    """3.5x over the window and above the lowest level: above the healthy 2.5x early climb
+    that tests/test_monitor.py plants (no finding), below an 8%-a-step one (found)."""
     short: int = 10
     """Values in the recent medians (of the norm and of the loss)."""
     warmup: int = 20

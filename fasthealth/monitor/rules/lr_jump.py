@@ -25,8 +25,8 @@ class LRJumpConfig:
     """Times the highest rate so far: restarts return to the old peak (1x), no schedule of
     torch's or transformers' exceeds it."""
     warmup: int = 20
-    """Steps before the rule judges (``warmup_steps``): a warm-up from the first step climbs
-    1000x."""
+    """Steps before the rule judges (``warmup_steps``): a warm-up from near 0 climbs by orders
+    of magnitude in its first steps."""
     climb: bool = True
     """Judge a climb as a whole against the peak it started from (a 10%-a-step ramp), not only
     single steps."""

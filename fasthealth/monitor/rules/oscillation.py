@@ -26,8 +26,8 @@ class OscillationConfig:
     """Lag-1 autocorrelation of the detrended losses: near 0 for minibatch noise, near -1 for
     steps that alternate."""
     amplitude: float = 3.0
-    """Times the run's usual swing: an LR too high for its stage swings several-fold, a
-    noisier stretch of healthy data less."""
+    """Times the run's usual swing: tests/test_monitor.py plants swings 5x the noise (found);
+    the corpus's healthy runs raise none (bench/results/detectors.json, after_30_final)."""
     history: int = 512
     """Past windows whose swings make the usual one."""
     warmup: int = 20

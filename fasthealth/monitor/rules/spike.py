@@ -51,9 +51,11 @@ class SpikeConfig:
     change of regime, not a batch (the device rule stops skipping after as many)."""
     early_loss: float = 4.0
     """Before the window is armed: a loss this many times its first values is a learning rate
-    far too high from the start (healthy first steps stay within 2x at batch 8)."""
+    far too high from the start. Without this path lr_too_high_from_start is caught in 2 runs
+    fewer of 6 (bench/results/rules_ablation.json)."""
     early_grad_norm: float = 100.0
-    """The same for the gradient norm, which healthy warm-ups move 10-30x."""
+    """The same for the gradient norm, set far higher: the first steps' gradient norms move
+    much more than their losses."""
     first: int = 5
     """First values the early ratios are taken against (their largest): all a run has before
     its window is armed."""
