@@ -169,6 +169,25 @@ register(
     Kind("precursor_attention_logits", "attention logits growing without bound (watched with "
          "`attention=`)", "qk-layernorm, or a lower learning rate for attention",
          "#c5b0d5", severity=NOTICE),
+    Kind("no_grad", "no parameter has a gradient (every `.grad` is None)",
+         "whether `loss.backward()` is called before the step, and whether the optimizer's "
+         "parameters are the model's; then a loss detached from the model", "#7b4173",
+         explained_by=frozenset()),
+    Kind("weight_corruption", "a parameter turned non-finite, or its largest magnitude jumped "
+         "by orders of magnitude, between two weight scans (named, with the old and new "
+         "magnitude)",
+         "a checkpoint or state_dict loaded into the model, code writing to the weights, then "
+         "the hardware (ECC errors: silent data corruption)", "#843c39",
+         explained_by=NONFINITE | GRADIENT),
+    Kind("repeated_batch", "the same batch (by sample ids, else a fingerprint) several steps "
+         "in a row after the run had shown different ones", "the data loader: an iterator "
+         "re-created each step, a batch variable not reassigned, a stuck sampler", "#5254a3",
+         explained_by=frozenset()),
+    Kind("overflow_streak", "under a GradScaler, every step skipped for a float16 overflow "
+         "for many steps in a row: the run has stopped learning", "a loss scale forced high "
+         "(init_scale, backoff_factor, growth_interval), activations beyond float16's range, "
+         "or train in bfloat16", "#de9ed6",
+         explained_by=NONFINITE | GRADIENT | {"loss_scale_collapse"}),
 )
 
 

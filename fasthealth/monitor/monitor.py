@@ -54,6 +54,7 @@ from .record import (
 )
 from .rules import Context, Rule
 from .rules import build as build_rules
+from .scans import Scans
 from .sinks import map_tensors
 from .skip_rule import SkipConfig, SkipRule
 
@@ -155,6 +156,7 @@ class Monitor:
         self.detectors: list[Rule] = list(
             build_rules(self.rule_context, precursors=pr.enabled) if de.detectors is None
             else de.detectors)
+        self.scans = Scans.for_rules(self.detectors, lg.flush_every, me.backend, self.device)
         self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
                                                            de.warmup_steps))
                           if ac.on_spike == "skip" else None)
@@ -258,7 +260,10 @@ class Monitor:
             "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
             "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
         }
-        self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids))
+        info = self._step_info(t, batch, sample_ids)
+        info["grads_present"] = len(present)  # known on the host: no parameter has a .grad
+        scalars.update(self.scans.measure(self.steps_seen, self.params, info, batch, sample_ids))
+        self.record.write(scalars, table, present, info)
         self.steps_seen += 1
         if self.record.full:
             self.flush()

@@ -17,20 +17,24 @@ from .grad_trend import GradNormTrend
 from .logit_growth import LogitGrowth
 from .loss_scale import LossScale
 from .lr_jump import LRJump
+from .no_grad import NoGrad
 from .nonfinite import NonFiniteGrad, NonFiniteLoss
 from .optimizer_state import OptimizerState
 from .oscillation import Oscillation
+from .overflow_streak import OverflowStreak
+from .repeated_batch import RepeatedBatch
 from .replica import ReplicaDivergence
 from .spike import Spike
 from .stall import Stall
 from .tensor_norm import TensorNorm
 from .update_ratio import UpdateRatio
 from .vanishing import Vanishing
+from .weight_corruption import WeightCorruption
 
 RULES: list[type[Rule]] = [
     NonFiniteLoss, NonFiniteGrad, Spike, Divergence, GradNormTrend, LRJump, Oscillation,
     Vanishing, TensorNorm, Stall, OptimizerState, ReplicaDivergence, LossScale,
-    AdamEps, UpdateRatio, LogitGrowth,
+    AdamEps, UpdateRatio, LogitGrowth, NoGrad, WeightCorruption, RepeatedBatch, OverflowStreak,
 ]
 
 

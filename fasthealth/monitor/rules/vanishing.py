@@ -44,6 +44,8 @@ class Vanishing(Rule[VanishingConfig]):
         self.active = False
 
     def observe(self, s: HostStep) -> list[Finding]:
+        if s.info.get("grads_present", 1) == 0:  # no .grad at all: ``no_grad``'s finding
+            return []
         return self.update(s.values["grad_norm"]) if s.values["grads_finite"] else []
 
     def update(self, norm: float) -> list[Finding]:

@@ -1,0 +1,150 @@
+"""What the Monitor measures for the rules that look past the loss and the gradients
+(docs/spec.md section 6): a periodic fused pass over the weights themselves, and a key per step
+for the batch it was given.
+
+- ``weight_scan``: every parameter's NaN + Inf count and largest finite |w| in one fused pass
+  (``multi_tensor_stats`` on the detached values, as the gradients are read): no host sync;
+  the table stays on the device until the flush (``rules/weight_corruption.py`` reads it).
+- ``ids_key``: the sample ids a step was given, hashed on the host (no sync: ids are CPU
+  tensors or lists); None for ids on an accelerator, which are fingerprinted instead.
+- ``fingerprint``: a float64 0-dim tensor on the device that is the same for the same batch and
+  differs for another with high probability (``rules/repeated_batch.py`` compares them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+
+from ..checks import multi_tensor_stats
+from ..ops.layout import COL
+from ..stats import MultiTensorStats
+from .record import not_measured
+
+SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
+
+
+def weight_scan(params: list[tuple[str, Any]], backend: str | None, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, MultiTensorStats]:
+    """(NaN + Inf count over every parameter, their largest finite |w|, the per-tensor stats):
+    one fused pass, results on the device."""
+    stats = multi_tensor_stats([p.detach() for _, p in params], backend=backend)
+    total = stats.raw[-1].to(device)
+    return total[COL["nan_count"]] + total[COL["inf_count"]], total[COL["amax"]], stats
+
+
+def scan_table(stats: MultiTensorStats) -> tuple[list[float], list[float]]:
+    """Per tensor (NaN + Inf count, largest finite |w|) on the host: one copy, at the flush."""
+    t = stats.raw[:-1].cpu()
+    bad = (t[:, COL["nan_count"]] + t[:, COL["inf_count"]]).tolist()
+    return bad, t[:, COL["amax"]].tolist()
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors inside ``obj`` (dicts, lists, tuples), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in obj for t in _leaves(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _leaves(v)]
+    return []
+
+
+def ids_key(sample_ids: Any) -> int | None:
+    """A hash of the sample ids (order included) taken on the host; None when there are none,
+    or when a tensor of them lives on an accelerator (reading it would sync)."""
+    if sample_ids is None:
+        return None
+    leaves = _leaves(sample_ids)
+    if leaves:
+        if any(t.device.type != "cpu" for t in leaves):
+            return None
+        h = hashlib.blake2b(digest_size=8)
+        for t in leaves:
+            h.update(t.detach().contiguous().numpy().tobytes())
+        return int.from_bytes(h.digest(), "little")
+    try:
+        return hash(tuple(sample_ids)) if isinstance(sample_ids, (list, tuple)) \
+            else hash(sample_ids)
+    except TypeError:
+        return None
+
+
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` fixed float64 weights in [1, 2) (the fractional parts of multiples of the golden
+    ratio, which never repeat), made once per length and device."""
+    w = _WEIGHTS.get((n, device))
+    if w is None:
+        if len(_WEIGHTS) > 32:
+            _WEIGHTS.clear()
+        w = torch.arange(1, n + 1, dtype=torch.float64).mul_((math.sqrt(5) - 1) / 2)
+        w = w.frac_().add_(1.0).to(device)
+        _WEIGHTS[(n, device)] = w
+    return w
+
+
+def fingerprint(batch: Any, device: torch.device) -> torch.Tensor | None:
+    """The batch's fingerprint (a float64 0-dim tensor on ``device``), or None without a
+    floating or integer tensor in it. Per tensor: the float64 sum of every element, and the
+    sum of at most ``SAMPLE`` evenly strided elements each times a fixed weight of its
+    position (a shuffled batch differs); each tensor's pair weighted by its place in the batch.
+    Kernels only: no sync."""
+    parts = []
+    for i, t in enumerate(_leaves(batch)):
+        if not (t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool)):
+            continue
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        step = max(1, flat.numel() // SAMPLE)
+        sample = flat[::step].to(torch.float64)
+        total = flat.sum(dtype=torch.float64)
+        weighted = torch.dot(sample, _weights(sample.numel(), sample.device))
+        parts.append((total * (i + 1) + weighted * math.pi * (i + 2)).to(device))
+    if not parts:
+        return None
+    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+
+
+class Scans:
+    """What a Monitor measures for these rules at each step, only where the rule that reads it
+    is in the Monitor's set: the weight scan on the first step and every ``every`` steps (the
+    last step of each flush by default), the batch's key (sample ids hashed on the host, else
+    the batch's fingerprint on the device). No sync."""
+
+    def __init__(self, every: int, keyed: bool, backend: str | None,
+                 device: torch.device) -> None:
+        self.every, self.keyed, self.backend, self.device = every, keyed, backend, device
+
+    @classmethod
+    def for_rules(cls, rules: list[Any], flush_every: int, backend: str | None,
+                  device: torch.device) -> Scans:
+        by_name = {getattr(r, "name", None): r for r in rules}
+        wc = by_name.get("weight_corruption")
+        every = 0
+        if wc is not None:  # never less often than once per flush
+            every = min(getattr(wc.config, "every", 0) or flush_every, flush_every)
+        return cls(every, "repeated_batch" in by_name, backend, device)
+
+    def measure(self, n: int, params: list[tuple[str, Any]], info: dict[str, Any], batch: Any,
+                sample_ids: Any) -> dict[str, torch.Tensor]:
+        """The record's fields for step number ``n`` of the Monitor (0 for its first), the
+        scan's table and the ids' key into ``info``."""
+        nan = not_measured(self.device)
+        out = {"weight_nonfinite": nan, "weight_amax": nan, "batch_fingerprint": nan}
+        if self.every and (n == 0 or (n + 1) % self.every == 0):
+            out["weight_nonfinite"], out["weight_amax"], info["weight_stats"] = weight_scan(
+                params, self.backend, self.device)
+        if self.keyed:
+            info["batch_key"] = ids_key(sample_ids)
+            if info["batch_key"] is None:
+                fp = fingerprint(batch if sample_ids is None else sample_ids, self.device)
+                out["batch_fingerprint"] = fp if fp is not None else nan
+        return out
