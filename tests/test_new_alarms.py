@@ -273,3 +273,20 @@ def test_gradients_that_are_exactly_zero_are_vanishing_not_no_grad():
     mon, _ = run(20, after_backward=zero)
     kinds = {e.kind for e in mon.events}
     assert "vanishing_grad" in kinds and "no_grad" not in kinds, kinds
+
+
+# ---- the record ------------------------------------------------------------------------------
+
+
+def test_the_scans_reach_steps_jsonl_at_their_steps_only(tmp_path):
+    import json
+
+    run(25, ids=False, log_dir=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step" in r and "loss" in r]
+    scanned = [r["step"] for r in rows if r["weight_nonfinite"] is not None]
+    assert scanned == [0, 9, 19]
+    assert all(r["weight_nonfinite"] == 0 and r["weight_amax"] > 0 for r in rows
+               if r["step"] in scanned)
+    fps = [r["batch_fingerprint"] for r in rows]
+    assert all(isinstance(f, float) for f in fps) and len(set(fps)) == len(fps)

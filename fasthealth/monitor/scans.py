@@ -21,24 +21,25 @@ import torch
 
 from ..checks import multi_tensor_stats
 from ..ops.layout import COL
-from ..stats import MultiTensorStats
 from .record import not_measured
 
 SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
 
 
 def weight_scan(params: list[tuple[str, Any]], backend: str | None, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, MultiTensorStats]:
-    """(NaN + Inf count over every parameter, their largest finite |w|, the per-tensor stats):
-    one fused pass, results on the device."""
-    stats = multi_tensor_stats([p.detach() for _, p in params], backend=backend)
-    total = stats.raw[-1].to(device)
-    return total[COL["nan_count"]] + total[COL["inf_count"]], total[COL["amax"]], stats
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(NaN + Inf count over every parameter, their largest finite |w|, the per-tensor table
+    of section 2's statistics, its last row the total): one fused pass, results on the device.
+    Only the table is kept, not the tensors: a recorded step holds no reference to the
+    weights."""
+    table = multi_tensor_stats([p.detach() for _, p in params], backend=backend).raw
+    total = table[-1].to(device)
+    return total[COL["nan_count"]] + total[COL["inf_count"]], total[COL["amax"]], table
 
 
-def scan_table(stats: MultiTensorStats) -> tuple[list[float], list[float]]:
+def scan_table(table: torch.Tensor) -> tuple[list[float], list[float]]:
     """Per tensor (NaN + Inf count, largest finite |w|) on the host: one copy, at the flush."""
-    t = stats.raw[:-1].cpu()
+    t = table[:-1].cpu()
     bad = (t[:, COL["nan_count"]] + t[:, COL["inf_count"]]).tolist()
     return bad, t[:, COL["amax"]].tolist()
 
@@ -140,7 +141,7 @@ class Scans:
         nan = not_measured(self.device)
         out = {"weight_nonfinite": nan, "weight_amax": nan, "batch_fingerprint": nan}
         if self.every and (n == 0 or (n + 1) % self.every == 0):
-            out["weight_nonfinite"], out["weight_amax"], info["weight_stats"] = weight_scan(
+            out["weight_nonfinite"], out["weight_amax"], info["weight_table"] = weight_scan(
                 params, self.backend, self.device)
         if self.keyed:
             info["batch_key"] = ids_key(sample_ids)

@@ -56,10 +56,10 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
         self.prev: tuple[int, list[float], list[float]] | None = None  # step, bad, amax
 
     def observe(self, s: HostStep) -> list[Finding]:
-        stats = s.info.get("weight_stats")
-        if stats is None:
+        table = s.info.get("weight_table")
+        if table is None:
             return []
-        bad, amax = scan_table(stats)
+        bad, amax = scan_table(table)
         prev, self.prev = self.prev, (s.step, bad, amax)
         names = self.ctx.names if len(self.ctx.names) == len(bad) else [
             str(i) for i in range(len(bad))]
