@@ -241,6 +241,21 @@ def test_an_overflow_at_every_step_under_a_scale_forced_high_alarms_once():
     assert not events(mon, "loss_scale_collapse")
 
 
+def test_a_scale_that_backs_off_in_vain_is_one_incident_with_its_collapse():
+    """The default scaler halves at every overflow: the scale's collapse comes first, the
+    streak joins its incident."""
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
+
+    def overflow(step, model):
+        if step >= 10:
+            model.fc1.weight.grad[0, 0] = math.inf
+
+    mon, _ = run(80, after_backward=overflow, scaler=scaler)
+    assert [e.step for e in events(mon, "overflow_streak")] == [29]
+    assert len(mon.incidents) == 1
+    assert mon.incidents[0].kinds == ["loss_scale_collapse", "overflow_streak"]
+
+
 def test_a_few_overflow_skips_are_the_scaler_at_work():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=1000)
 

@@ -85,8 +85,8 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     if w is None:
         if len(_WEIGHTS) > 32:
             _WEIGHTS.clear()
-        w = torch.arange(1, n + 1, dtype=torch.float64).mul_((math.sqrt(5) - 1) / 2)
-        w = w.frac_().add_(1.0).to(device)
+        w = torch.arange(1, n + 1, dtype=torch.float64, device=device)
+        w = w.mul_((math.sqrt(5) - 1) / 2).frac_().add_(1.0)  # made there: no copy
         _WEIGHTS[(n, device)] = w
     return w
 
