@@ -66,7 +66,7 @@ def ids_key(sample_ids: Any) -> int | None:
             return None
         h = hashlib.blake2b(digest_size=8)
         for t in leaves:
-            h.update(t.detach().contiguous().numpy().tobytes())
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return int.from_bytes(h.digest(), "little")
     try:
         return hash(tuple(sample_ids)) if isinstance(sample_ids, (list, tuple)) \
