@@ -76,6 +76,9 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
         if not nonfinite and not jumps:
             return []
         since = f"steps {prev[0]}..{s.step}" if prev is not None else f"step {s.step}"
+        # several tensors blown up together: a run that diverged (what the corpus's learning-
+        # rate faults do), more likely than one corrupted element
+        many = len(jumps) + len(nonfinite) > 1
         parts = []
         if nonfinite:
             parts.append(f"NaN/Inf in {len(nonfinite)} weight tensor(s) that had none: "
@@ -85,10 +88,13 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
                 f"{n} {a0:.3g} -> {a1:.3g}" for n, (a0, a1) in jumps.items()))
         return [Finding(
             "weight_corruption",
-            "; ".join(parts) + f" (between the weight scans of {since}). Check first: a "
-            "checkpoint or state_dict loaded into the model, code that writes to the weights "
-            "(in-place ops on .data, a custom init or EMA), then the hardware (ECC errors, a "
-            "failing GPU: silent data corruption); fh.check_params(model) names the tensors",
+            "; ".join(parts) + f" (between the weight scans of {since}). Check first: "
+            + ("the learning rate and the run's other alarms (several tensors at once: a "
+               "diverging run), then " if many else "")
+            + "a checkpoint or state_dict loaded into the model, code that writes to the "
+            "weights (in-place ops on .data, a custom init or EMA), then the hardware (ECC "
+            "errors, a failing GPU: silent data corruption); fh.check_params(model) names the "
+            "tensors",
             {"nonfinite": nonfinite, "jumps": {n: {"old_amax": a0, "new_amax": a1}
                                                for n, (a0, a1) in jumps.items()},
              "since_step": prev[0] if prev is not None else None, "step": s.step})]
