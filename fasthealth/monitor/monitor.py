@@ -54,6 +54,7 @@ from .record import (
 )
 from .rules import Context, Rule
 from .rules import build as build_rules
+from .schedule import ScheduleSource, ScheduleView
 from .sinks import map_tensors
 from .skip_rule import SkipConfig, SkipRule
 
@@ -161,6 +162,9 @@ class Monitor:
         self.gate = gate.Gate(optimizer, ac.scaler, self.record, self.device,
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip",
                               skip_rule=self.skip_rule, precursors=self.precursors)
+        self.schedule = ScheduleSource(optimizer, de.scheduler)
+        self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
+        self.flushes = 0
         self.steps_seen = 0
         self._next_step = 0
         self._rng = _rng_state()
@@ -243,6 +247,9 @@ class Monitor:
         grads_ok = table[-1, COL["all_finite"]] != 0
         bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
+        rates = self.schedule.rates()
+        if self._restarts.observe(*rates)[0] and self.skip_rule is not None:
+            self.skip_rule.rearm()
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
         skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
@@ -258,7 +265,7 @@ class Monitor:
             "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
             "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
         }
-        self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids))
+        self.record.write(scalars, table, present, self._step_info(t, batch, sample_ids, rates))
         self.steps_seen += 1
         if self.record.full:
             self.flush()
@@ -283,13 +290,14 @@ class Monitor:
             self.optimizer if due else None, self.names_by_id, self.backend, self.device)
         return count
 
-    def _step_info(self, t: int, batch: Any, sample_ids: Any) -> dict[str, Any]:
+    def _step_info(self, t: int, batch: Any, sample_ids: Any,
+                   rates: tuple[float | None, float | None]) -> dict[str, Any]:
         """What the flush needs of this step on the host: references to the batch (no copy,
-        kept until the flush), the RNG state its forward started from."""
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+        kept until the flush), the RNG state its forward started from, the learning rate and
+        the rate the scheduler set (``schedule.py``)."""
         keep = self.log_dir is not None
         info = {
-            "step": t, "lr": float(lr) if isinstance(lr, (int, float)) else None,
+            "step": t, "lr": rates[0], "lr_scheduled": rates[1],
             "slot": self.record.fill,
             "batch": map_tensors(torch.Tensor.detach, batch) if keep else None,
             "sample_ids": map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
@@ -305,6 +313,8 @@ class Monitor:
         incidents, write logs and dumps (``journal.py``). Returns the new events; raises
         NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
         ``write_errors``, never raised."""
+        self.flushes += 1
+        self.schedule.search(self.flushes)  # off the step's path: once per flush at most
         return self.journal.flush(self.record.take(), self._snapshots)
 
     @property
