@@ -194,3 +194,41 @@ def test_hf_trainer_with_warm_restarts_raises_no_alarm(tmp_path):
 def test_hf_trainer_with_warm_restarts_alarms_without_the_restart_test(tmp_path, monkeypatch):
     monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
     assert any(k == "divergence" for _, k in _hf_sgdr_alarms(tmp_path))
+
+
+def _lightning_sgdr_alarms(seed=1):
+    L = pytest.importorskip("lightning")
+
+    from fasthealth.integrations.lightning import HealthCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _DigitsNet()
+
+        def training_step(self, batch, i):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.9)
+            sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, 60)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    L.seed_everything(seed, verbose=False)
+    loader = torch.utils.data.DataLoader(_DigitsSet(), batch_size=64, shuffle=True)
+    cb = HealthCallback(log_dir=False)
+    trainer = L.Trainer(max_steps=300, callbacks=[cb], logger=False, accelerator="cpu",
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Module(), loader)
+    assert cb.monitor is not None and cb.monitor.schedule.scheduler is not None
+    return _alarms(cb.monitor)
+
+
+def test_lightning_with_warm_restarts_raises_no_alarm():
+    assert _lightning_sgdr_alarms() == []
+
+
+def test_lightning_with_warm_restarts_alarms_without_the_restart_test(monkeypatch):
+    monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
+    assert any(k == "divergence" for _, k in _lightning_sgdr_alarms())
