@@ -164,7 +164,7 @@ class Monitor:
                               skip_rule=self.skip_rule, precursors=self.precursors)
         self.schedule = ScheduleSource(optimizer, de.scheduler)
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
-        self.flushes = 0
+        self._rose = False  # a step since the last flush raised the rate (schedule.search)
         self.steps_seen = 0
         self._next_step = 0
         self._rng = _rng_state()
@@ -248,8 +248,10 @@ class Monitor:
         bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
         rates = self.schedule.rates()
-        if self._restarts.observe(*rates)[0] and self.skip_rule is not None:
-            self.skip_rule.rearm()
+        if self._restarts.observe(*rates)[0]:
+            self._rose = True
+            if self.skip_rule is not None:
+                self.skip_rule.rearm()
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
         skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
@@ -313,8 +315,8 @@ class Monitor:
         incidents, write logs and dumps (``journal.py``). Returns the new events; raises
         NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
         ``write_errors``, never raised."""
-        self.flushes += 1
-        self.schedule.search(self.flushes)  # off the step's path: once per flush at most
+        self.schedule.search(self._rose)  # a few times a run at most
+        self._rose = False
         return self.journal.flush(self.record.take(), self._snapshots)
 
     @property

@@ -11,16 +11,15 @@ explains is suspect: ``lr_jump`` judges it (``rules/lr_jump.py``).
 
 Which scheduler set the rate: the one the Monitor was given (``scheduler=``; the trainer
 callbacks pass theirs), else one found among the objects that hold the optimizer (a torch
-``LRScheduler`` keeps it as ``.optimizer``; looked for once per flush while none is known, off
-the step's path). Each step records the rate of the optimizer's first parameter group
-(``lr``) and the rate the scheduler last set for it (``lr_scheduled``, None without one): they
-agree when the scheduler set it. Without a scheduler, a rise that stays within the peak so far
-(a restart returns to the old peak, never above it) is taken as the schedule's.
+``LRScheduler`` keeps it as ``.optimizer``), looked for a few times a run at most
+(``ScheduleSource.search``). Each step records the rate of the optimizer's first parameter
+group (``lr``) and the rate the scheduler last set for it (``lr_scheduled``, None without
+one): they agree when the scheduler set it.
 
 ``ScheduleView`` reads those two per step, on the host, and says whether the step is a
 restart: the rate more than ``rise`` times the step before's, set by the scheduler (or, with no
-scheduler known, not above 1.5x the peak so far). Its thresholds are in ``ScheduleConfig``,
-each with its reason.
+scheduler known, not above 1.5x the peak so far: a restart returns to its old peak). Its
+thresholds are in ``ScheduleConfig``, each with its reason.
 """
 
 from __future__ import annotations
@@ -68,7 +67,8 @@ def _last_lr(scheduler: Any) -> float | None:
 def find_scheduler(optimizer: Any) -> Any:
     """A scheduler that holds ``optimizer`` (``.optimizer is optimizer``, or holds a wrapper of
     it, as accelerate's ``AcceleratedOptimizer``), found among the objects referring to it;
-    None if there is none. Costs a walk of the referrers: called once per flush at most."""
+    None if there is none. Costs a pass over the interpreter's objects (``ScheduleSource.search``
+    calls it a few times a run)."""
     if optimizer is None:
         return None
     targets = {id(optimizer)}
@@ -88,6 +88,9 @@ def find_scheduler(optimizer: Any) -> Any:
     return None
 
 
+MAX_SEARCHES = 4  # the first flush, then up to three flushes whose steps raised the rate
+
+
 class ScheduleSource:
     """The Monitor's side: the step's rate and the rate its scheduler set (``lr``,
     ``lr_scheduled`` in the step's host info), and the search for a scheduler."""
@@ -95,7 +98,7 @@ class ScheduleSource:
     def __init__(self, optimizer: Any, scheduler: Any = None) -> None:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.given = scheduler is not None
-        self.searched_at: int | None = None
+        self.searches = 0
 
     def rates(self) -> tuple[float | None, float | None]:
         """(this step's rate, the rate the scheduler set), host floats, no sync."""
@@ -107,10 +110,16 @@ class ScheduleSource:
         lr = float(lr) if isinstance(lr, (int, float)) else None
         return lr, (_last_lr(self.scheduler) if self.scheduler is not None else None)
 
-    def search(self, flush: int) -> None:
-        """Looks for a scheduler of the optimizer once per flush while none is known."""
-        if self.scheduler is None and self.optimizer is not None and self.searched_at != flush:
-            self.searched_at = flush
+    def search(self, rose: bool) -> None:
+        """Looks for a scheduler of the optimizer while none is known: at the first flush, then
+        at a flush whose steps raised the rate, ``MAX_SEARCHES`` times in all. A search walks
+        the objects that refer to the optimizer, which costs a pass over the interpreter's
+        objects (0.45 s with 3 million of them, measured here): a few times a run, never per
+        flush."""
+        if self.scheduler is not None or self.optimizer is None:
+            return
+        if self.searches < MAX_SEARCHES and (self.searches == 0 or rose):
+            self.searches += 1
             self.scheduler = find_scheduler(self.optimizer)
 
 
