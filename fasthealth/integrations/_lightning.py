@@ -65,7 +65,8 @@ class HealthCallbackMixin:
         self._batch = batch
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self.capture.add(loss.detach() * trainer.accumulate_grad_batches, self._batch)
+        divided = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        self.capture.add(loss.detach() * divided, self._batch)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         loss, batch, ids = self.capture.take()
