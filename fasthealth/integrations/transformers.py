@@ -47,6 +47,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -70,7 +71,7 @@ def _sync_step() -> Callable[[], bool]:
 def find_trainer(callback: TrainerCallback, depth: int = 12) -> Trainer | None:
     """The ``Trainer`` whose callbacks hold ``callback``, from the frames calling it (the
     Trainer's method's ``self``); None when none is there."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             break
