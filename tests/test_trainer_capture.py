@@ -332,10 +332,16 @@ def test_lightning_step_loss_and_a_fault_in_it(tmp_path, manual):
     assert (PLANT, "loss_spike") in alarms and min(s for s, _ in alarms) == PLANT, alarms
 
 
-@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
-def test_lightning_logs_unchanged_by_the_callback(tmp_path, manual):
+@pytest.mark.parametrize("manual,fp16", [(False, False), (True, False), (False, True)],
+                         ids=["automatic", "manual", "automatic_fp16_scaler"])
+def test_lightning_logs_unchanged_by_the_callback(tmp_path, manual, fp16):
     """Lightning's clipping (gradient_clip_val) stays its own: the module sees the same
-    gradients in on_before_optimizer_step, logs the same values, ends with the same weights."""
+    gradients in on_before_optimizer_step, logs the same values, ends with the same weights;
+    under fp16 with a GradScaler too (Lightning unscales before the check, which then does
+    not; on the CPU Lightning makes 16-mixed bf16 unless given the plugin)."""
+    def kw():  # a plugin (and GradScaler) of its own for each run
+        return {"plugins": [lightning.pytorch.plugins.MixedPrecision("16-mixed", "cpu")]} \
+            if fp16 else {}
     seen = []
 
     class Clip(lightning.pytorch.Callback):  # the clipping Lightning is set to, mid-run
@@ -343,9 +349,10 @@ def test_lightning_logs_unchanged_by_the_callback(tmp_path, manual):
             seen.append(trainer.gradient_clip_val)
 
     a, b = Regression(manual), Regression(manual)
-    ta = pl_fit(tmp_path / "a", a, Clip())
+    ta = pl_fit(tmp_path / "a", a, Clip(), **kw())
     cb = LightningCallback()
-    tb = pl_fit(tmp_path / "b", b, cb, Clip())
+    tb = pl_fit(tmp_path / "b", b, cb, Clip(), **kw())
+    assert (cb.monitor.scaler is not None) == fp16
     assert seen[:20] == seen[20:] and len(seen) == 40
     assert a.losses == b.losses and a.norms == b.norms
     assert max(a.norms) > 0.5 or manual  # Lightning's clipping had work to do
