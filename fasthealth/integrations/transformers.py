@@ -33,8 +33,12 @@ Why wrap ``training_step``: callbacks are not given the Trainer, nor any loss be
 optimizer step (``on_pre_optimizer_step`` comes after the clipping), and the model's output
 holds the Trainer's loss only when the model computes it. ``training_step``'s return value is
 the one place every way of computing the loss goes through, and the one the Trainer's logged
-loss is made of. The Trainer is found in the calling frames of ``on_train_begin``, which
-``Trainer._inner_training_loop`` calls (its ``self``).
+loss is made of (a ``training_step`` of a subclass is wrapped as well). It returns after the
+micro-batch's backward and before the Trainer's clipping, so the check still sees the raw
+gradients. The Trainer always gets a scalar tensor from it (it adds it to its running loss), so
+with the Trainer found no forward hook is needed. The Trainer is found in the calling frames
+of ``on_train_begin``, which ``Trainer._inner_training_loop`` calls (its ``self``, holding this
+callback); the wrapper sits on that instance only, for that ``train()``.
 
 ``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs); the other keywords are
 ``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``). ``.monitor`` is the
