@@ -181,7 +181,7 @@ def _hf_sgdr_alarms(tmp_path):
     cb = HealthCallback(log_dir=False)
     Trainer(model, args, train_dataset=_DigitsSet(), callbacks=[cb],
             optimizers=(opt, sched)).train()
-    assert cb.monitor is not None
+    assert cb.monitor is not None and cb.monitor.schedule.scheduler is sched  # passed, not found
     return _alarms(cb.monitor)
 
 
@@ -221,7 +221,7 @@ def _lightning_sgdr_alarms(seed=1):
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Module(), loader)
-    assert cb.monitor is not None and cb.monitor.schedule.scheduler is not None
+    assert cb.monitor is not None and cb.monitor.schedule.given  # the callback passed it
     return _alarms(cb.monitor)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from ..monitor import Monitor
+from ..monitor.option_groups import with_default
 from .capture import Capture
 from .log import log_dir_option, log_incident, logger
 
@@ -56,6 +57,9 @@ class HealthCallbackMixin:
         options = log_dir_option(dict(self.options), self.log_dir, trainer.default_root_dir)
         self._warned = False
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        configs = getattr(trainer, "lr_scheduler_configs", None) or []
+        # the module's scheduler: the rules take its warm restarts as a new start
+        options = with_default(options, "scheduler", configs[0].scheduler if configs else None)
         self.monitor = Monitor(pl_module, optimizer,
                                scaler=getattr(trainer.precision_plugin, "scaler", None),
                                **options)

@@ -59,6 +59,7 @@ from torch.amp.grad_scaler import OptState
 from transformers import Trainer, TrainerCallback
 
 from ..monitor import Monitor, gate
+from ..monitor.option_groups import with_default
 from .capture import BackwardEnd, Capture, ForwardCapture
 from .log import log_dir_option, log_incident, logger
 
@@ -171,6 +172,8 @@ class HealthCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_of_run(args)  # a train() that raised never reached on_train_end
         options = log_dir_option(dict(self.options), self.log_dir, args.output_dir)
+        # the Trainer's scheduler: the rules take its warm restarts as a new start
+        options = with_default(options, "scheduler", kwargs.get("lr_scheduler"))
         scaler = getattr(optimizer, "scaler", None)
         monitor = Monitor(model, optimizer, scaler=scaler, **options)
         monitor.on_alarm(log_incident)
