@@ -3,8 +3,9 @@
     python examples/hf_trainer.py
 
 A tiny GPT-2 (built from a config, nothing downloaded) trains for 10 steps on CPU. The callback
-checks every gradient once per optimizer step, before the Trainer's clipping (which it takes
-over), skips a non-finite step, and logs to <output_dir>/fasthealth/steps.jsonl.
+takes the loss the Trainer logs (from its training_step), checks every gradient once per
+optimizer step, before the Trainer's clipping (which stays the Trainer's: what it logs does not
+change), skips a non-finite step, and logs to <output_dir>/fasthealth/steps.jsonl.
 """
 
 import json
@@ -50,5 +51,5 @@ with tempfile.TemporaryDirectory() as out:
     last = steps[-1]
     alarms = sum(e.severity == "alarm" for e in mon.events)
     print(f"hf_trainer: {len(steps)} steps logged, {alarms} alarms, "
-          f"{sum(r['skipped'] for r in steps)} skipped, clip at {mon.max_grad_norm}, "
+          f"{sum(r['skipped'] for r in steps)} skipped, clip at {args.max_grad_norm}, "
           f"last loss {last['loss']:.3f}, grad norm {last['grad_norm']:.3f}")

@@ -4,7 +4,8 @@
 
 A small regression LightningModule trains for 30 steps on CPU; one sample (index 165, in step
 20's batch) holds a NaN. The callback catches it, skips that optimizer step on the device (a
-fused AdamW), takes over Lightning's gradient clipping, and fh.replay names the sample.
+fused AdamW), leaves Lightning's gradient clipping to Lightning, and fh.replay names the
+sample.
 """
 
 import tempfile

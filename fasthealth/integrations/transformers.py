@@ -2,18 +2,43 @@
 
     trainer = Trainer(model, args, train_dataset=ds, callbacks=[HealthCallback()])
 
-- the loss and the batch of every micro-batch come from a forward hook on the model (the
-  ``loss`` of its output, as models given labels return it; the batch as the Trainer passes it);
-  sample ids from a batch key (``sample_ids``, ``idx``, ...; keep the column with
-  ``remove_unused_columns=False``) or ``sample_ids=fn(batch)``;
-- the gradients are checked once per optimizer step, at the end of the backward pass of the
-  last micro-batch of the accumulation, before the Trainer clips them (its clipping, and its
-  norm pass with ``max_grad_norm=0``, would smear one NaN over every tensor);
-- the Trainer's clipping (``args.max_grad_norm``) is taken over: the Monitor clips with the
-  norm it computed, and the Trainer's own pass then sees unclipped-at-most gradients;
+- the loss is the one the Trainer itself logs, however it computes it (the model's
+  ``output.loss``, a ``compute_loss`` override, label smoothing, ``compute_loss_func``,
+  ``num_items_in_batch`` scaling, gradient accumulation): the callback wraps the Trainer's
+  ``training_step`` (on the instance, for the length of ``train()``) and takes the per-micro-
+  batch loss it returns, which is what the Trainer sums into its logged ``loss`` (already
+  divided for the accumulation); the step's loss is their sum. The batch is a shallow copy of
+  the ``inputs`` given to ``training_step``, taken before it runs (``compute_loss`` pops
+  ``labels`` from that dict); sample ids from a batch key (``sample_ids``, ``idx``, ...; keep
+  the column with ``remove_unused_columns=False``) or ``sample_ids=fn(batch)``;
+- the gradients are checked once per optimizer step, right after the ``training_step`` of the
+  last micro-batch of the accumulation (accelerate's ``sync_gradients``), so before the
+  Trainer clips them;
+- the Trainer's own clipping (``args.max_grad_norm``) and everything it logs stay its own: the
+  callback changes neither (its logged ``grad_norm`` stays the pre-clip norm). A
+  ``max_grad_norm=`` given to the callback makes the Monitor clip too, before the Trainer;
 - a non-finite step is skipped: fused torch optimizers (``optim="adamw_torch_fused"``) and the
   Trainer's GradScaler skip on the device through ``found_inf``, others lose that step's
-  gradients (one host sync); ``steps.jsonl`` marks it skipped and the event says so.
+  gradients (one host sync); ``steps.jsonl`` marks it skipped and the event says so. Under fp16
+  the check unscales the gradients (the GradScaler's ``unscale_``), and the Trainer's own
+  unscaling before its clipping is then left out for that step, as it is already done (a
+  second ``unscale_`` would raise);
+- where the Trainer cannot be found (the callback is driven by something else than
+  ``Trainer.train``), the loss and the batch come from a forward hook on the model (its
+  output's ``loss``) and the check runs at the end of the last backward pass; where no loss can
+  be had at all, one warning at the first step says so and how to pass one, and the gradient
+  rules go on.
+
+Why wrap ``training_step``: callbacks are not given the Trainer, nor any loss before the
+optimizer step (``on_pre_optimizer_step`` comes after the clipping), and the model's output
+holds the Trainer's loss only when the model computes it. ``training_step``'s return value is
+the one place every way of computing the loss goes through, and the one the Trainer's logged
+loss is made of (a ``training_step`` of a subclass is wrapped as well). It returns after the
+micro-batch's backward and before the Trainer's clipping, so the check still sees the raw
+gradients. The Trainer always gets a scalar tensor from it (it adds it to its running loss), so
+with the Trainer found no forward hook is needed. The Trainer is found in the calling frames
+of ``on_train_begin``, which ``Trainer._inner_training_loop`` calls (its ``self``, holding this
+callback); the wrapper sits on that instance only, for that ``train()``.
 
 ``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs); the other keywords are
 ``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``). ``.monitor`` is the
@@ -22,20 +47,25 @@ Monitor once training has begun.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, Literal
 
-from transformers import TrainerCallback
+import torch
+from torch.amp.grad_scaler import OptState
+from transformers import Trainer, TrainerCallback
 
-from ..monitor import Monitor
+from ..monitor import Monitor, gate
 from ..monitor.option_groups import with_default
-from .capture import BackwardEnd, ForwardCapture
-from .log import log_dir_option, log_incident
+from .capture import BackwardEnd, Capture, ForwardCapture
+from .log import log_dir_option, log_incident, logger
 
 
 def _sync_step() -> Callable[[], bool]:
-    """Whether the backward that just ended is the last of its gradient accumulation: the
+    """Whether the micro-batch that just ended is the last of its gradient accumulation: the
     flag accelerate keeps for the Trainer."""
     from accelerate.state import GradientState  # the Trainer brings accelerate; we do not
 
@@ -43,48 +73,149 @@ def _sync_step() -> Callable[[], bool]:
     return lambda: bool(state.sync_gradients)
 
 
+def find_trainer(callback: TrainerCallback, depth: int = 12) -> Trainer | None:
+    """The ``Trainer`` whose callbacks hold ``callback``, from the frames calling it (the
+    Trainer's method's ``self``); None when none is there."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and any(
+                c is callback for c in getattr(owner.callback_handler, "callbacks", ())):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class Patch:
+    """An attribute of an instance replaced until ``remove``, which puts back what was there
+    (the class's method when the instance had none of its own)."""
+
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self.obj, self.name = obj, name
+        self.had, self.old = name in vars(obj), vars(obj).get(name)
+        setattr(obj, name, value)
+
+    def remove(self) -> None:
+        if self.obj is None:
+            return
+        if self.had:
+            setattr(self.obj, self.name, self.old)
+        else:
+            vars(self.obj).pop(self.name, None)
+        self.obj = None
+
+
+def _loss_tensor(loss: Any) -> torch.Tensor | None:
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def wrap_training_step(trainer: Trainer, monitor: Monitor, step: Callable[[], int],
+                       sample_ids: Callable[[Any], Any] | None,
+                       on_loss: Callable[[torch.Tensor | None, int], None]) -> Patch:
+    """``trainer.training_step`` wrapped: each micro-batch's returned loss and a shallow copy
+    of its inputs are kept; after the last micro-batch of the accumulation, ``monitor.check``
+    with their sum (the loss the Trainer logs for the step). ``on_loss(loss, step)`` sees it
+    first (the warning when it is None)."""
+    original = trainer.training_step
+    capture, sync = Capture(sample_ids), _sync_step()
+
+    @functools.wraps(original)
+    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = dict(inputs) if isinstance(inputs, Mapping) else inputs  # before labels go
+        loss = original(model, inputs, *args, **kwargs)
+        capture.add(_loss_tensor(loss), batch, partial=True)
+        if sync():
+            total, batches, ids = capture.take()
+            t = step()
+            on_loss(total, t)
+            monitor.check(total, batch=batches, sample_ids=ids, step=t)
+        return loss
+
+    return Patch(trainer, "training_step", training_step)
+
+
+def unscale_once(trainer: Trainer, scaler: Any) -> Patch:
+    """``trainer.accelerator.unscale_gradients`` leaving out the optimizers whose gradients
+    the check already unscaled this step (the GradScaler's stage), so that the Trainer's
+    clipping and norm pass neither raise nor unscale twice."""
+    accelerator = trainer.accelerator
+    original = accelerator.unscale_gradients
+
+    def unscale_gradients(optimizer: Any = None) -> None:
+        opts = accelerator._optimizers if optimizer is None else optimizer
+        opts = list(opts) if isinstance(opts, (list, tuple)) else [opts]
+        states = scaler._per_optimizer_states
+        left = [o for o in opts
+                if states[id(gate.unwrap(o))]["stage"] is not OptState.UNSCALED]
+        if left:
+            original(optimizer=left)
+
+    return Patch(accelerator, "unscale_gradients", unscale_gradients)
+
+
+NO_LOSS = ("fasthealth: step %d: no loss to check (%s); the loss rules are off, the gradient "
+           "rules go on. To have it checked, return the loss from the model's output "
+           "(output.loss), or drive the callback from Trainer.train().")
+
+
 class HealthCallback(TrainerCallback):
     def __init__(self, log_dir: str | os.PathLike | Literal[False] | None = None, *,
                  sample_ids: Callable[[Any], Any] | None = None, **monitor_options: Any):
         self.log_dir, self.sample_ids, self.options = log_dir, sample_ids, monitor_options
         self.monitor: Monitor | None = None
-        self._clip: float | None = None
+        self.trainer: Trainer | None = None  # the Trainer found, while training
         self._open = False
+        self._warned = False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_of_run(args)  # a train() that raised never reached on_train_end
-        options = dict(self.options)
-        if args.max_grad_norm and args.max_grad_norm > 0:
-            options = with_default(options, "max_grad_norm", float(args.max_grad_norm))
-            self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
-        options = log_dir_option(options, self.log_dir, args.output_dir)
-        monitor = Monitor(model, optimizer, scaler=getattr(optimizer, "scaler", None),
-                          **options)
+        options = log_dir_option(dict(self.options), self.log_dir, args.output_dir)
+        # the Trainer's scheduler: the rules take its warm restarts as a new start
+        options = with_default(options, "scheduler", kwargs.get("lr_scheduler"))
+        scaler = getattr(optimizer, "scaler", None)
+        monitor = Monitor(model, optimizer, scaler=scaler, **options)
         monitor.on_alarm(log_incident)
-        self.monitor = monitor
-        self._open = True
+        self.monitor, self._open, self._warned = monitor, True, False
+        trainer = self.trainer = find_trainer(self)
+        if trainer is not None:
+            monitor.hooks.append(wrap_training_step(
+                trainer, monitor, lambda: state.global_step, self.sample_ids,
+                lambda loss, t: self._no_loss(loss, t, "the Trainer's training_step "
+                                              "returned no scalar tensor")))
+            if scaler is not None:
+                monitor.hooks.append(unscale_once(trainer, scaler))
+            return
         capture = ForwardCapture(model, self.sample_ids)
         sync = _sync_step()
 
         def after_backward() -> None:
             if sync():
                 loss, batch, ids = capture.take()
+                self._no_loss(loss, state.global_step, "no Trainer calls this callback and "
+                              "the model's output carries no loss")
                 monitor.check(loss, batch=batch, sample_ids=ids, step=state.global_step)
 
         monitor.hooks += [capture, BackwardEnd(model, after_backward)]
+
+    def _no_loss(self, loss: torch.Tensor | None, step: int, why: str) -> None:
+        if loss is None and not self._warned:
+            self._warned = True
+            logger.warning(NO_LOSS, step, why)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._end_of_run(args)
 
     def _end_of_run(self, args) -> None:
-        """Gives the Trainer its clipping back and closes the monitor (a final flush, its hooks
-        off the model): at the end of training, or at the next train() when the last one
-        raised (a crash in a notebook, then train() again, must neither run without clipping
-        nor check every gradient twice)."""
-        if self._clip is not None:
-            if not args.max_grad_norm:  # still ours
-                args.max_grad_norm = self._clip
-            self._clip = None
+        """Closes the monitor (a final flush; its hooks off the model, the Trainer's
+        ``training_step`` its own again): at the end of training, or at the next train() when
+        the last one raised (a crash in a notebook, then train() again, must not check every
+        gradient twice)."""
         if self.monitor is not None and self._open:
             self.monitor.close()  # kept: callback.monitor.events stays readable after training
         self._open = False
+        self.trainer = None
+
+
+HealthCallback.__doc__ = __doc__

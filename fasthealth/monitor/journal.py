@@ -25,6 +25,7 @@ from .incidents import IncidentTracker, dump_due
 from .kinds import fatal_kinds
 from .record import HostStep
 from .rules import Rule, as_finding
+from .schedule import ScheduleView
 from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
 
 
@@ -39,6 +40,7 @@ class Journal:
         self.on_nonfinite = on_nonfinite
         self.events: list[Event] = []
         self.tracker = IncidentTracker()
+        self.schedule = ScheduleView()
         self.log_dir = log_dir
         self.backlog: list[HostStep] = []  # taken from the record, not yet fully flushed
         self.jsonl = JsonlSink(log_dir, meta) if log_dir is not None else None
@@ -84,6 +86,14 @@ class Journal:
         the others repeat one of their incident's and are counted on it), the incident records
         and whether it dumps."""
         closed = self.tracker.advance(s.step)
+        restart, unexplained = self.schedule.observe(s.info.get("lr"),
+                                                     s.info.get("lr_scheduled"))
+        s.info["lr_restart"], s.info["lr_unexplained"] = restart, unexplained
+        if restart:  # the schedule's own restart: the rules' windows start again
+            for rule in self.detectors:
+                rearm = getattr(rule, "rearm", None)  # a user's rule may not be a Rule
+                if callable(rearm):
+                    rearm()
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
         found = [Event(s.step, f.kind, f.message, dict(f.details, **details),
                        severity=f.severity or "")

@@ -55,6 +55,7 @@ from .record import (
 from .rules import Context, Rule
 from .rules import build as build_rules
 from .scans import Scans
+from .schedule import ScheduleSource, ScheduleView
 from .sinks import map_tensors
 from .skip_rule import SkipConfig, SkipRule
 
@@ -156,15 +157,17 @@ class Monitor:
         self.detectors: list[Rule] = list(
             build_rules(self.rule_context, precursors=pr.enabled) if de.detectors is None
             else de.detectors)
-        self.scans = Scans.for_rules(self.detectors, lg.flush_every, me.backend, self.device)
+        self.scans = Scans.for_rules(self.detectors, lg.flush_every, self.params, me.backend)
         self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
                                                            de.warmup_steps))
                           if ac.on_spike == "skip" else None)
         self.gate = gate.Gate(optimizer, ac.scaler, self.record, self.device,
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip",
                               skip_rule=self.skip_rule, precursors=self.precursors)
-        self.steps_seen = 0
-        self._next_step = 0
+        self.schedule = ScheduleSource(optimizer, de.scheduler)
+        self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
+        self._rose = False  # a step since the last flush raised the rate (schedule.search)
+        self.steps_seen = self._next_step = 0
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
@@ -245,6 +248,11 @@ class Monitor:
         grads_ok = table[-1, COL["all_finite"]] != 0
         bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
+        rates = self.schedule.rates()
+        if self._restarts.observe(*rates)[0]:
+            self._rose = True
+            if self.skip_rule is not None:
+                self.skip_rule.rearm()
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
         skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
@@ -260,9 +268,8 @@ class Monitor:
             "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
             "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
         }
-        info = self._step_info(t, batch, sample_ids)
-        info["grads_present"] = len(present)  # known on the host: no parameter has a .grad
-        scalars.update(self.scans.measure(self.steps_seen, self.params, info, batch, sample_ids))
+        info = self._step_info(t, batch, sample_ids, rates)
+        scalars.update(self.scans.measure(self.steps_seen, len(present), info, batch, sample_ids))
         self.record.write(scalars, table, present, info)
         self.steps_seen += 1
         if self.record.full:
@@ -288,13 +295,14 @@ class Monitor:
             self.optimizer if due else None, self.names_by_id, self.backend, self.device)
         return count
 
-    def _step_info(self, t: int, batch: Any, sample_ids: Any) -> dict[str, Any]:
+    def _step_info(self, t: int, batch: Any, sample_ids: Any,
+                   rates: tuple[float | None, float | None]) -> dict[str, Any]:
         """What the flush needs of this step on the host: references to the batch (no copy,
-        kept until the flush), the RNG state its forward started from."""
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+        kept until the flush), the RNG state its forward started from, the learning rate and
+        the rate the scheduler set (``schedule.py``)."""
         keep = self.log_dir is not None
         info = {
-            "step": t, "lr": float(lr) if isinstance(lr, (int, float)) else None,
+            "step": t, "lr": rates[0], "lr_scheduled": rates[1],
             "slot": self.record.fill,
             "batch": map_tensors(torch.Tensor.detach, batch) if keep else None,
             "sample_ids": map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
@@ -310,6 +318,8 @@ class Monitor:
         incidents, write logs and dumps (``journal.py``). Returns the new events; raises
         NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
         ``write_errors``, never raised."""
+        self.schedule.search(self._rose)  # a few times a run at most
+        self._rose = False
         return self.journal.flush(self.record.take(), self._snapshots)
 
     @property

@@ -92,6 +92,12 @@ class DetectOptions:
     """Steps between scans of the optimizer's state (Adam's moments) for NaN/Inf, one fused
     pass each: state that broke stays broken, so a scan every 10 steps finds it at a tenth of
     the cost of every step. 0: never."""
+    scheduler: Any = None
+    """The learning-rate scheduler that sets the optimizer's rate (a torch ``LRScheduler``,
+    or anything with ``get_last_lr()``): evidence for the rules, which take a warm restart it
+    makes as a new start and judge only a change of rate it did not make (``schedule.py``).
+    None: one that holds the optimizer is looked for, at the first flush and when the rate
+    rises, a few times a run; the trainer callbacks pass the trainer's."""
     rules: dict[str, dict[str, Any]] | None = None
     """Overrides of any rule's own config, by rule name: ``{"spike": {"zscore": 8.0}}``
     (the names: ``fasthealth.monitor.rules.names()``; each field is documented in its rule's

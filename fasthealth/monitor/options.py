@@ -222,6 +222,11 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
     _check_distributed(o["process_group"], o["replica_group"])
     _check_parts(o["activations"], o["scaler"], o["backend"], o["detectors"], o["logits"],
                  o["attention"])
+    sched = o["scheduler"]
+    if sched is not None and not callable(getattr(sched, "get_last_lr", None)):
+        raise TypeError(f"fasthealth: scheduler must be a learning-rate scheduler (an object "
+                        f"with get_last_lr(), as torch's LRScheduler) or None, got "
+                        f"{shown(sched)}")
     if not isinstance(o["precursors"], bool):
         raise TypeError(f"fasthealth: precursors must be True, False or a "
                         f"fh.PrecursorOptions, got {shown(o['precursors'])}")

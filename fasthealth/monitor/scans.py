@@ -120,29 +120,32 @@ class Scans:
     last step of each flush by default), the batch's key (sample ids hashed on the host, else
     the batch's fingerprint on the device). No sync."""
 
-    def __init__(self, every: int, keyed: bool, backend: str | None,
-                 device: torch.device) -> None:
-        self.every, self.keyed, self.backend, self.device = every, keyed, backend, device
+    def __init__(self, every: int, keyed: bool, params: list[tuple[str, Any]],
+                 backend: str | None) -> None:
+        self.every, self.keyed, self.params, self.backend = every, keyed, params, backend
+        self.device = params[0][1].device
 
     @classmethod
-    def for_rules(cls, rules: list[Any], flush_every: int, backend: str | None,
-                  device: torch.device) -> Scans:
+    def for_rules(cls, rules: list[Any], flush_every: int, params: list[tuple[str, Any]],
+                  backend: str | None) -> Scans:
         by_name = {getattr(r, "name", None): r for r in rules}
         wc = by_name.get("weight_corruption")
         every = 0
         if wc is not None:  # never less often than once per flush
             every = min(getattr(wc.config, "every", 0) or flush_every, flush_every)
-        return cls(every, "repeated_batch" in by_name, backend, device)
+        return cls(every, "repeated_batch" in by_name, params, backend)
 
-    def measure(self, n: int, params: list[tuple[str, Any]], info: dict[str, Any], batch: Any,
+    def measure(self, n: int, grads_present: int, info: dict[str, Any], batch: Any,
                 sample_ids: Any) -> dict[str, torch.Tensor]:
-        """The record's fields for step number ``n`` of the Monitor (0 for its first), the
-        scan's table and the ids' key into ``info``."""
+        """The record's fields for step number ``n`` of the Monitor (0 for its first); into
+        ``info``: the scan's table, the ids' key, and how many parameters have a ``.grad``
+        (known on the host: ``no_grad``)."""
+        info["grads_present"] = grads_present
         nan = not_measured(self.device)
         out = {"weight_nonfinite": nan, "weight_amax": nan, "batch_fingerprint": nan}
         if self.every and (n == 0 or (n + 1) % self.every == 0):
             out["weight_nonfinite"], out["weight_amax"], info["weight_table"] = weight_scan(
-                params, self.backend, self.device)
+                self.params, self.backend, self.device)
         if self.keyed:
             info["batch_key"] = ids_key(sample_ids)
             if info["batch_key"] is None:

@@ -84,6 +84,12 @@ class SkipRule:
         self._ring = torch.arange(c.window, device=device)
         self._constants = score_constants(2, device)
 
+    def rearm(self) -> None:
+        """At a warm restart of the schedule (``schedule.py``): the rings start again, on the
+        device, no sync; as the host rules do."""
+        self.buf.fill_(math.nan)
+        self.run.zero_()
+
     def scores(self, v: torch.Tensor) -> torch.Tensor:
         """(2,) scores of ``v`` = (loss, grad norm) against the windows, NaN where unarmed."""
         order = (self._ring[None, :] + self.pos[:, None]) % self.window

@@ -71,6 +71,9 @@ class Rule(Generic[C]):
     # config field -> the Context attribute (a Monitor option) it follows, where the config
     # has that field
     OPTIONS: ClassVar[dict[str, str]] = {"warmup": "warmup_steps"}
+    # the rule's windows hold a level and a noise that a warm restart of the learning-rate
+    # schedule makes stale: at a restart (``schedule.py``) it starts again as it was made
+    REARM: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, ctx: Context | None = None) -> None:
         self.config: C = config if config is not None else type(self).Config()
@@ -101,6 +104,15 @@ class Rule(Generic[C]):
 
     def observe(self, s: HostStep) -> list[Finding]:
         raise NotImplementedError
+
+    def rearm(self) -> None:
+        """Called at a restart of the learning-rate schedule, before the restart's step is
+        observed: a rule with ``REARM`` starts again as it was made (its config kept), so its
+        level and noise are measured under the new rate, after a warm-up of its own. Rules
+        whose state must outlive a restart (the peak rate of ``lr_jump``, a stall "from the
+        start") keep ``REARM`` False; a rule may override this to keep part of its state."""
+        if type(self).REARM:
+            type(self).__init__(self, self.config, self.ctx)
 
 
 def listed(names: Any) -> str:

@@ -30,6 +30,7 @@ class Divergence(Rising[DivergenceConfig]):
     name = "divergence"
     kinds = ("divergence",)
     Config = DivergenceConfig
+    REARM = True
 
     def finding(self, trend: dict, window: int, value: float) -> Finding:
         return Finding(

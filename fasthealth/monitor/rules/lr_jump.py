@@ -7,7 +7,9 @@ Warm-ups climb a few percent a step and restarts (SGDR, cycles) return to the ol
 times the highest it had been when it last stopped rising (a step at or below the one before,
 after ``warmup`` steps), reported once per climb: a schedule whose exponent changed sign grows
 10% a step and never jumps 3x at once. A warm-up from the first step has no such point, so it
-is judged step by step only.
+is judged step by step only. Where the scheduler is known (``schedule.py``), a rise of
+``unexplained`` times the step before's that it did not make is a jump too, below the peak: no
+schedule explains it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ class LRJumpConfig:
     climb: bool = True
     """Judge a climb as a whole against the peak it started from (a 10%-a-step ramp), not only
     single steps."""
+    unexplained: float = 2.0
+    """A rise of more than this many times the step before's rate that the known scheduler
+    did not make (``schedule.py``: the rate differs from the scheduler's) is a jump whatever
+    the peak: no schedule explains it. 2x as the restart test's ``rise``: the same step the
+    rules would otherwise take as a restart."""
 
 
 class LRJump(Rule[LRJumpConfig]):
@@ -52,7 +59,8 @@ class LRJump(Rule[LRJumpConfig]):
             return []
         self.seen += 1
         peak, self.peak = self.peak, max(self.peak, lr)
-        rose = self.last is not None and lr > self.last
+        last = self.last
+        rose = last is not None and lr > last
         self.last = lr
         if self.seen > c.warmup and not rose:
             self.settled, self.since = self.peak, 0
@@ -60,7 +68,11 @@ class LRJump(Rule[LRJumpConfig]):
             self.since += 1
         if self.seen <= c.warmup:
             return []
-        if peak > 0 and lr > c.ratio * peak:
+        if s.info.get("lr_unexplained") and last and lr > c.unexplained * last:
+            ref = last
+            how = (f"the step before's ({last:.4g}), and the scheduler did not set it (it set "
+                   f"{s.info.get('lr_scheduled'):.4g})")
+        elif peak > 0 and lr > c.ratio * peak:
             ref, how = peak, f"the highest it had been ({peak:.4g})"
         elif c.climb and self.settled is not None and self.settled > 0 \
                 and lr > c.ratio * self.settled:

@@ -38,6 +38,7 @@ class Oscillation(LossTrend[OscillationConfig]):
     name = "oscillation"
     kinds = ("oscillation",)
     Config = OscillationConfig
+    REARM = True
 
     def __init__(self, config: OscillationConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)

@@ -125,6 +125,16 @@ class Spike(Rule[SpikeConfig]):
     def observe(self, s: HostStep) -> list[Finding]:
         return self._device_skips(s, self._host(s))
 
+    def rearm(self) -> None:
+        """At a warm restart: the windows start again (the noise under the old rate is not the
+        new rate's), and the early ratios stay off: they catch a rate far too high from the
+        start, and this rate is the schedule's."""
+        c = self.config
+        for ser in self.series.values():
+            ser.values.clear()
+            ser.run = 0
+            ser.first = [math.inf] * c.first
+
     def _host(self, s: HostStep) -> list[Finding]:
         c = self.config
         values = {"loss": s.values["loss"],

@@ -35,6 +35,7 @@ class TensorNorm(Rule[TensorNormConfig]):
     name = "tensor_norm"
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig
+    REARM = True
 
     def __init__(self, config: TensorNormConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)

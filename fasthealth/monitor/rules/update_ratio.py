@@ -38,6 +38,7 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
     kinds = ("precursor_update_ratio",)
     precursor = True
     Config = UpdateRatioConfig
+    REARM = True
     OPTIONS: ClassVar[dict[str, str]] = {}  # its warmup counts measurements, not steps
 
     @classmethod

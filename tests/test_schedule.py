@@ -1,0 +1,234 @@
+"""The learning-rate schedule as evidence (docs/spec.md section 6; fasthealth/monitor/schedule.py):
+a warm restart the scheduler makes is a new start for the rules, not an alarm; a change of rate
+no schedule explains is ``lr_jump``; the scheduler is found or given, in plain loops and in the
+trainers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fasthealth as fh
+from fasthealth.monitor import schedule
+from fasthealth.monitor.schedule import ScheduleConfig, ScheduleView, find_scheduler
+from fasthealth.monitor.skip_rule import SkipRule
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return torch.tensor(d.data, dtype=torch.float32) / 16, torch.tensor(d.target)
+
+
+def _sgdr_run(seed=0, steps=300, by_hand=False, known=None, **monitor):
+    """An MLP on scikit-learn's digits, SGD at lr 1 with momentum, warm restarts every 60
+    steps (SGDR): at each restart the loss climbs several-fold for tens of steps, then falls
+    below where it was. ``by_hand``: the same rates set on the param group directly, with no
+    scheduler (or with ``known``, a scheduler that did not set them)."""
+    X, Y = _digits()
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)
+    rates = [0.5 * (1 + math.cos(math.pi * (t % 60) / 60)) for t in range(steps)]
+    sched = None if by_hand else torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, 60)
+    if known is not None:
+        known = known(opt)
+    mon = fh.Monitor(m, opt, scheduler=known, **monitor)
+    losses = []
+    for t in range(steps):
+        if by_hand:
+            opt.param_groups[0]["lr"] = rates[t]
+        i = torch.randint(0, len(X), (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(m(X[i]), Y[i])
+        loss.backward()
+        mon.step(loss)
+        opt.zero_grad()
+        losses.append(loss.item())
+        if sched is not None:
+            sched.step()
+    mon.close()
+    return mon, losses
+
+
+def _alarms(mon):
+    return [(e.step, e.kind) for e in mon.events if e.severity == "alarm"]
+
+
+def test_warm_restarts_are_the_schedules_and_raise_no_alarm():
+    mon, losses = _sgdr_run()
+    assert mon.schedule.scheduler is not None  # found among the optimizer's holders
+    assert _alarms(mon) == []
+    # the run does what makes the case: the loss climbs after the restart at step 60
+    assert max(losses[61:90]) > 2 * min(losses[40:60])
+
+
+def test_without_the_restart_the_same_run_alarms(monkeypatch):
+    """The test above can fail: with the restart test off, the climb after a restart is read
+    against the windows of the old rate (a divergence)."""
+    monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
+    mon, _ = _sgdr_run()
+    assert any(k == "divergence" for _, k in _alarms(mon)), _alarms(mon)
+
+
+def test_restarts_set_by_hand_without_a_scheduler_are_taken_as_a_schedule():
+    mon, _ = _sgdr_run(by_hand=True)
+    assert mon.schedule.scheduler is None
+    assert _alarms(mon) == []
+
+
+def test_a_rise_the_known_scheduler_did_not_make_is_lr_jump():
+    """The same rates by hand while a (constant) scheduler is known: each restart is a change
+    no schedule explains."""
+    mon, _ = _sgdr_run(by_hand=True, steps=130,
+                       known=lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=0.5,
+                                                                           total_iters=10**6))
+    jumps = [e for e in mon.events if e.kind == "lr_jump"]
+    # one incident's repeats are counted on its first event (Event.repeats)
+    seen = sorted({e.step for e in jumps} | {e.last_step for e in jumps if e.repeats})
+    assert seen == [60, 120]
+    assert "did not set it" in jumps[0].message and jumps[0].severity == "alarm"
+
+
+def test_restart_view():
+    v = ScheduleView()
+    # a linear warm-up from 0, a cosine decay to ~0, a restart: only the restart (and the
+    # warm-up's first step, inside every rule's warm-up) counts
+    warm = [0.1 * t / 10 for t in range(11)]
+    decay = [0.05 * (1 + math.cos(math.pi * t / 40)) for t in range(40)]
+    seen = [v.observe(lr, lr)[0] for lr in warm + decay + [0.1, 0.099]]
+    assert [i for i, r in enumerate(seen) if r] == [1, 51]
+    # without a scheduler: a rise back within the peak is a restart, one above it is not
+    v = ScheduleView()
+    assert [v.observe(lr, None)[0] for lr in (0.1, 1e-4, 0.1, 1e-4, 1.0)] == [
+        False, False, True, False, False]
+    # a scheduler that did not set the rate: unexplained, never a restart
+    v = ScheduleView(ScheduleConfig())
+    assert v.observe(0.1, 0.1) == (False, False)
+    assert v.observe(2.0, 0.1) == (False, True)
+
+
+def test_find_scheduler_and_bad_argument():
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    assert find_scheduler(opt) is None
+    s = torch.optim.lr_scheduler.StepLR(opt, 5)
+    assert find_scheduler(opt) is s
+    with pytest.raises(TypeError, match="scheduler must be a learning-rate scheduler"):
+        fh.Monitor(m, opt, scheduler="cosine")
+    assert schedule.ScheduleSource(opt, s).rates() == (pytest.approx(1e-3), pytest.approx(1e-3))
+
+
+def test_the_device_skip_rule_restarts_with_the_schedule():
+    """on_spike="skip" decides on the device from its own windows: they start again at a
+    restart too (this run skips nothing either way: what is checked is that the windows are
+    emptied at the restart's step, and that no healthy step of the run is skipped)."""
+    emptied = []
+    real = SkipRule.rearm
+
+    def rearm(self):
+        real(self)
+        emptied.append(bool(self.buf.isnan().all()))
+
+    SkipRule.rearm = rearm
+    try:
+        mon, _ = _sgdr_run(on_spike="skip", steps=130)
+    finally:
+        SkipRule.rearm = real
+    assert emptied == [True, True]  # the restarts at steps 60 and 120
+    assert [e.step for e in mon.events if e.details.get("skipped")] == []
+    assert _alarms(mon) == []
+
+
+class _DigitsSet(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x, self.y = _digits()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class _DigitsNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                     torch.nn.Linear(128, 10))
+
+    def forward(self, x, labels=None):
+        logits = self.f(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def _hf_sgdr_alarms(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from fasthealth.integrations.transformers import HealthCallback
+
+    torch.manual_seed(0)
+    model = _DigitsNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, 60)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=64, max_steps=300,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=50,
+                             seed=0, disable_tqdm=True)  # max_grad_norm: the default, 1.0
+    cb = HealthCallback(log_dir=False)
+    Trainer(model, args, train_dataset=_DigitsSet(), callbacks=[cb],
+            optimizers=(opt, sched)).train()
+    assert cb.monitor is not None and cb.monitor.schedule.scheduler is sched  # passed, not found
+    return _alarms(cb.monitor)
+
+
+def test_hf_trainer_with_warm_restarts_raises_no_alarm(tmp_path):
+    """The user's report: SGD with CosineAnnealingWarmRestarts through the Trainer, the
+    callback at its defaults."""
+    assert _hf_sgdr_alarms(tmp_path) == []
+
+
+def test_hf_trainer_with_warm_restarts_alarms_without_the_restart_test(tmp_path, monkeypatch):
+    monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
+    assert any(k == "divergence" for _, k in _hf_sgdr_alarms(tmp_path))
+
+
+def _lightning_sgdr_alarms(seed=1):
+    L = pytest.importorskip("lightning")
+
+    from fasthealth.integrations.lightning import HealthCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _DigitsNet()
+
+        def training_step(self, batch, i):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.9)
+            sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, 60)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    L.seed_everything(seed, verbose=False)
+    loader = torch.utils.data.DataLoader(_DigitsSet(), batch_size=64, shuffle=True)
+    cb = HealthCallback(log_dir=False)
+    trainer = L.Trainer(max_steps=300, callbacks=[cb], logger=False, accelerator="cpu",
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Module(), loader)
+    assert cb.monitor is not None and cb.monitor.schedule.given  # the callback passed it
+    return _alarms(cb.monitor)
+
+
+def test_lightning_with_warm_restarts_raises_no_alarm():
+    assert _lightning_sgdr_alarms() == []
+
+
+def test_lightning_with_warm_restarts_alarms_without_the_restart_test(monkeypatch):
+    monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
+    assert any(k == "divergence" for _, k in _lightning_sgdr_alarms())
