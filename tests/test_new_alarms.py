@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fasthealth as fh
+from fasthealth.monitor.rules import Rule
 from fasthealth.monitor.scans import fingerprint, ids_key
 
 NEW = {"weight_corruption", "repeated_batch", "no_grad", "overflow_streak"}
@@ -305,3 +306,30 @@ def test_the_scans_reach_steps_jsonl_at_their_steps_only(tmp_path):
                if r["step"] in scanned)
     fps = [r["batch_fingerprint"] for r in rows]
     assert all(isinstance(f, float) for f in fps) and len(set(fps)) == len(fps)
+
+
+def test_without_their_rules_nothing_is_scanned():
+    """A rule set of one's own without the two rules: no weight scan, no fingerprint."""
+    torch.manual_seed(0)
+    model = LoRAish()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(model, opt, flush_every=5, detectors=[])
+    x, y = dataset()
+    seen = []
+
+    class Spy(Rule):
+        name = "spy"
+
+        def observe(self, s):
+            seen.append(s)
+            return []
+
+    mon.detectors.append(Spy())
+    for _ in range(6):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+        mon.step(torch.tensor(1.0), batch=(x[:16], y[:16]))
+    mon.close()
+    assert len(seen) == 6 and mon.scans.every == 0 and not mon.scans.keyed
+    assert all("weight_table" not in s.info and "batch_key" not in s.info for s in seen)
+    assert all(math.isnan(s.values["batch_fingerprint"]) for s in seen)

@@ -108,7 +108,9 @@ def fingerprint(batch: Any, device: torch.device) -> torch.Tensor | None:
         sample = flat[::step].to(torch.float64)
         total = flat.sum(dtype=torch.float64)
         weighted = torch.dot(sample, _weights(sample.numel(), sample.device))
-        parts.append((total * (i + 1) + weighted * math.pi * (i + 2)).to(device))
+        # a CPU batch of a model elsewhere: its scalar travels without waiting for the device
+        parts.append((total * (i + 1) + weighted * math.pi * (i + 2)).to(device,
+                                                                         non_blocking=True))
     if not parts:
         return None
     return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
