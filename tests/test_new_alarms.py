@@ -333,3 +333,11 @@ def test_without_their_rules_nothing_is_scanned():
     assert len(seen) == 6 and mon.scans.every == 0 and not mon.scans.keyed
     assert all("weight_table" not in s.info and "batch_key" not in s.info for s in seen)
     assert all(math.isnan(s.values["batch_fingerprint"]) for s in seen)
+
+
+@pytest.mark.parametrize("rules", [{"weight_corruption": {"every": -1}},
+                                   {"weight_corruption": {"factor": 1.0}},
+                                   {"repeated_batch": {"repeats": 1}}])
+def test_settings_that_cannot_work_are_refused_when_the_monitor_is_built(rules):
+    with pytest.raises(ValueError, match=next(iter(rules))):
+        fh.Monitor(LoRAish(), rules=rules)

@@ -33,6 +33,11 @@ class RepeatedBatchConfig:
     from the start, and with a few odd batches planted in it (a bad batch, the detector
     corpus's faults of one to a few steps) it moves for fewer steps than that."""
 
+    def __post_init__(self) -> None:
+        if self.repeats < 2 or self.moving < 0:
+            raise ValueError("fasthealth: rules={'repeated_batch': ...}: repeats must be >= 2 "
+                             f"and moving >= 0, got repeats={self.repeats}, moving={self.moving}")
+
 
 class RepeatedBatch(Rule[RepeatedBatchConfig]):
     name = "repeated_batch"

@@ -43,6 +43,12 @@ class WeightCorruptionConfig:
     reach 10x the model's largest weight within one scan to count, which healthy growth from
     zero does not (tests/test_new_alarms.py grows a LoRA-style B from 0 at a high rate)."""
 
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.factor <= 1 or self.floor < 0:
+            raise ValueError("fasthealth: rules={'weight_corruption': ...}: every must be >= 0, "
+                             f"factor > 1 and floor >= 0, got every={self.every}, factor="
+                             f"{self.factor}, floor={self.floor}")
+
 
 class WeightCorruption(Rule[WeightCorruptionConfig]):
     name = "weight_corruption"
