@@ -341,3 +341,34 @@ def test_without_their_rules_nothing_is_scanned():
 def test_settings_that_cannot_work_are_refused_when_the_monitor_is_built(rules):
     with pytest.raises(ValueError, match=next(iter(rules))):
         fh.Monitor(LoRAish(), rules=rules)
+
+
+def test_a_tiny_gpt2_bit_flip_and_stuck_dict_batches():
+    """A transformers GPT-2 built from its config, dict batches as a tokenizer gives them: a
+    flipped exponent bit in one attention weight is named; a loader stuck on one dict batch is
+    caught by its fingerprint."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = fh.Monitor(model, opt, flush_every=10)
+    g = torch.Generator().manual_seed(1)
+    stuck = torch.randint(0, 64, (4, 16), generator=g)
+    target = "transformer.h.1.attn.c_attn.weight"
+    for step in range(40):
+        ids = stuck if step >= 25 else torch.randint(0, 64, (4, 16), generator=g)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        if step == 12:
+            w = dict(model.named_parameters())[target]
+            flip_exponent_bit(w, int(torch.argmax(w.detach().abs())) + 1)
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        mon.step(loss, batch=batch)
+    mon.close()
+    wc = events(mon, "weight_corruption")
+    assert wc and wc[0].step == 19 and target in wc[0].details["jumps"] | wc[0].details[
+        "nonfinite"], [(e.step, e.kind, e.details) for e in wc]
+    rb = events(mon, "repeated_batch")
+    assert len(rb) == 1 and rb[0].step == 27 and rb[0].details["by"] == "fingerprint"
