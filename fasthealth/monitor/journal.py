@@ -15,17 +15,20 @@ in ``errors``, never raised.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .events import Event, Incident, NonFiniteError
-from .incidents import IncidentTracker, dump_due
+from .incidents import IncidentTracker, dump_due, step_finite
 from .kinds import fatal_kinds
 from .record import HostStep
 from .rules import Rule, as_finding
 from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
+
+RECENT_LR = 64  # steps whose learning rate a dump keeps: an earlier level to compare with
 
 
 class Journal:
@@ -46,6 +49,10 @@ class Journal:
         self.errors: list[str] = self.jsonl.errors if self.jsonl is not None else []
         # called once per incident, when it becomes an alarm (Monitor.on_alarm)
         self.alarm_listeners: list[Callable[[Incident], None]] = []
+        # for the dumps (fh.replay's verdict): the learning rates of the last steps, and what
+        # the latest optimizer scan found
+        self.recent_lr: deque[tuple[int, float | None]] = deque(maxlen=RECENT_LR)
+        self.optimizer: dict | None = None
 
     def flush(self, steps: list[HostStep],
               snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
@@ -85,12 +92,13 @@ class Journal:
         and whether it dumps."""
         closed = self.tracker.advance(s.step)
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
+        self._remember(s)
         found = [Event(s.step, f.kind, f.message, dict(f.details, **details),
                        severity=f.severity or "")
                  for rule in self.detectors for f in map(as_finding, rule.observe(s))]
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
-                             s.values["grad_norm"])
+                             s.values["grad_norm"], step_finite(s.values))
         ended = ([closed] if closed else []) + self.tracker.take_closed()
         s.info["incidents"] = [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened else [])
@@ -101,12 +109,22 @@ class Journal:
             for listener in self.alarm_listeners:
                 listener(incident)
 
+    def _remember(self, s: HostStep) -> None:
+        """Keeps the step's learning rate and, at an optimizer scan, what it found."""
+        self.recent_lr.append((s.step, s.info["lr"]))
+        count = s.values["optimizer_nonfinite"]
+        if count == count:  # scanned at this step
+            stats = s.info.get("opt_stats")
+            self.optimizer = {"step": s.step, "nonfinite": int(count), "tensors": (
+                stats.nonfinite() if count and stats is not None else [])}
+
     def _save_dump(self, s: HostStep, events: list[Event],
                    snapshots: list[list[torch.Tensor]] | None) -> str | None:
         assert self.jsonl is not None and self.log_dir is not None
         params = snapshots[s.info["slot"]] if snapshots is not None else None
         try:
-            dump = write_dump(self.log_dir, s, self.names, events, params)
+            dump = write_dump(self.log_dir, s, self.names, events, params, {
+                "recent_lr": list(self.recent_lr), "optimizer": self.optimizer})
         except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
             self.jsonl.fail(exc)
             return None

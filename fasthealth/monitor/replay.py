@@ -12,8 +12,21 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   value in that pass, None when the step does not reproduce.
 - ``first_nonfinite``: the innermost module, leaf or not, whose inputs were finite and whose
   output was not (a masked softmax inside an attention block names the block).
-- ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, the
-  batch is bisected: the sample ids of the smallest part found that alone reproduces the event.
+- ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, a
+  group test finds every sample that alone reproduces the event: halves are replayed, and
+  every half that reproduces is split again (at most ``4 x`` the batch size replays:
+  ``capped`` says the search stopped there). A part of ``m`` samples reproduces a spike when
+  its excess over the window's median is at least half the recorded excess divided by ``m``
+  (a mean over ``m`` samples dilutes one bad sample ``m``-fold). When no single sample
+  reproduces but the batch does, ``culprit_ids`` is the smallest part found that does.
+- ``cause`` (``kinds.CAUSES``): non-finite optimizer state in the dump: "optimizer_state";
+  not reproduced: "numeric_range" under a GradScaler with non-finite gradients (replay runs
+  unscaled), else "outside" (the loss code first: a loss computed differently at that step;
+  then a transient hardware fault); reproduced by the batch's own NaN/Inf or by some samples
+  only: "batch"; by every sample alone (or only by the whole batch): not the batch, the model
+  state, "learning_rate" when the dump's learning rate is 3x or more its earlier level, else
+  "weights"; reproduced without a search of the samples: "batch" (or the model state: the
+  verdict says so), "weights" when the dumped parameters hold NaN/Inf.
 
 What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
 reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
@@ -57,8 +70,10 @@ class ReplayResult:
     kinds: list[str] = field(default_factory=list)
     recorded: dict = field(default_factory=dict)
     source: str | None = None  # "batch", "forward", "backward", or None (did not reproduce)
-    culprit_ids: list | None = None  # sample ids of the smallest part that alone reproduces
-    replays: int = 1  # forward + backward passes run, the bisection's included
+    culprit_ids: list | None = None  # sample ids of every sample that alone reproduces
+    replays: int = 1  # forward + backward passes run, the group test's included
+    cause: str | None = None  # the likely cause, one of kinds.CAUSES
+    capped: bool = False  # the group test stopped at its cap of replays
 
 
 def _bare(name: str) -> str:
@@ -148,28 +163,31 @@ class _Pass:
         self.loss = float(loss.detach().float())
 
 
-def _reproduces(p: _Pass, events: list[dict], record: dict) -> bool:
+def _reproduces(p: _Pass, events: list[dict], record: dict, part: int = 1) -> bool:
+    """Whether pass ``p`` reproduces ``events``; ``part``: the samples of a part of the batch
+    (a spike's excess diluted that many times counts)."""
     checks = []
     for e in events:
         if e["kind"] in fatal_kinds():
             checks.append(not math.isfinite(p.loss) or not p.grads.ok)
         elif e["kind"] in ("loss_spike", "grad_norm_spike"):
             value = p.loss if e["kind"] == "loss_spike" else float(p.grads.total.norm)
-            checks.append(_spike_reproduced(value, e["details"]))
+            checks.append(_spike_reproduced(value, e["details"], part))
         else:  # trends and state problems: the step itself replays to the same loss
             rec = record.get("loss")
             checks.append(rec is not None and math.isclose(p.loss, rec, rel_tol=1e-3))
     return bool(checks) and all(checks)
 
 
-def _spike_reproduced(value: float, details: dict) -> bool:
-    """At least half of the recorded excess over the window's median comes back."""
+def _spike_reproduced(value: float, details: dict, part: int = 1) -> bool:
+    """At least half of the recorded excess over the window's median comes back (divided by
+    ``part``, the samples of a part: one bad sample among them shows diluted that much)."""
     if not math.isfinite(value):
         return True
     median, recorded = details.get("window_median"), details.get("value")
     if median is None or recorded is None:
         return False
-    return value - median >= 0.5 * (recorded - median)
+    return value - median >= 0.5 * (recorded - median) / part
 
 
 def _split(batch: Any, n: int, idx: torch.Tensor) -> Any:
@@ -186,21 +204,68 @@ def _shares_first_dim(batch: Any, n: int) -> bool:
     return bool(batched) and all(t.shape[0] == n for t in batched)
 
 
-def _bisect(m, loss_fn, batch, d: dict, n: int) -> tuple[list[int], int]:
-    """Halves the batch while one half alone still reproduces the events: (the indices of the
-    smallest part found, the replays it took)."""
-    current, replays = torch.arange(n), 0
-    while len(current) > 1:
+CAP = 4  # the group test's replays, at most this many times the batch size
+
+
+def _group_test(m, loss_fn, batch, d: dict, n: int, cap: int
+                ) -> tuple[list[int], list[int], int, bool]:
+    """Replays halves of the batch, splitting again every half that reproduces the events:
+    (the samples that alone reproduce them, the smallest part found that does, the replays
+    run, whether the search stopped at ``cap`` replays)."""
+    singles: list[int] = []
+    smallest, replays, capped = torch.arange(n), 0, False
+    stack = [torch.arange(n)]
+    while stack and not capped:
+        current = stack.pop()
+        if len(current) == 1:
+            singles.append(int(current[0]))
+            continue
         half = len(current) // 2
         for part in (current[:half], current[half:]):
+            if replays >= cap:
+                capped = True
+                break
             replays += 1
             p = _Pass(m, loss_fn, _split(batch, n, part), d.get("rng") or {})
-            if _reproduces(p, d.get("events", []), d.get("record", {})):
-                current = part
-                break
-        else:
-            break  # neither half alone: it takes samples from both
-    return current.tolist(), replays
+            if _reproduces(p, d.get("events", []), d.get("record", {}), len(part)):
+                stack.append(part)
+                if len(part) < len(smallest):
+                    smallest = part
+    return sorted(singles), smallest.tolist(), replays, capped
+
+
+LR_RECENT, LR_FAR = 8, 3.0  # the lr of the last 8 steps 3x its earlier median: far above
+
+
+def _lr_far_above(d: dict) -> bool:
+    """Whether the dump's learning rate (the highest of its last ``LR_RECENT`` steps) is
+    ``LR_FAR`` times or more the median of the earlier ones it recorded (lr_jump's 3x)."""
+    lrs = [lr for _, lr in d.get("recent_lr") or [] if isinstance(lr, (int, float))]
+    if len(lrs) <= LR_RECENT:
+        return False
+    earlier = sorted(lrs[:-LR_RECENT])[len(lrs[:-LR_RECENT]) // 2]
+    return earlier > 0 and max(lrs[-LR_RECENT:]) >= LR_FAR * earlier
+
+
+def _params_nonfinite(d: dict) -> bool:
+    params = d.get("params") or {}
+    return any(not torch.isfinite(t).all() for t in params.values() if t.is_floating_point())
+
+
+def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
+           singles: list | None, n: int) -> str:
+    """The likely cause (see the module docstring)."""
+    if (d.get("optimizer") or {}).get("nonfinite"):
+        return "optimizer_state"
+    if not reproduced:
+        scaled = d.get("record", {}).get("loss_scale") is not None
+        ranged = {"nonfinite_grad", "loss_scale_collapse", "overflow_streak"} & set(kinds)
+        return "numeric_range" if scaled and ranged else "outside"
+    if source == "batch" or singles and len(singles) < n:
+        return "batch"
+    if singles is None and not _params_nonfinite(d):
+        return "learning_rate" if _lr_far_above(d) else "batch"
+    return "learning_rate" if _lr_far_above(d) else "weights"
 
 
 def result_path(dump: str | os.PathLike) -> Path:
@@ -222,7 +287,8 @@ def save_result(dump: str | os.PathLike, d: dict, r: ReplayResult) -> Path | Non
            "reproduced": r.reproduced, "source": r.source, "first_nonfinite": r.first_nonfinite,
            "culprit_ids": None if r.culprit_ids is None else [_jsonable_id(i)
                                                                for i in r.culprit_ids],
-           "kinds": r.kinds, "exact": r.exact, "replays": r.replays,
+           "kinds": r.kinds, "exact": r.exact, "replays": r.replays, "cause": r.cause,
+           "capped": r.capped,
            "loss": r.loss if math.isfinite(r.loss) else None, "verdict": r.verdict}
     tmp = None
     try:
@@ -272,17 +338,19 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     n = len(id_list)
     if find_samples is None:
         find_samples = n > 1 and _shares_first_dim(batch, n)
-    culprits, replays = None, 1
+    culprits, singles, replays, capped = None, None, 1, False
     if reproduced and find_samples:
         if not (n > 1 and _shares_first_dim(batch, n)):
             raise ValueError("fasthealth: find_samples needs sample ids in the dump and a batch "
                              "whose tensors all have that many rows")
-        found, k = _bisect(m, loss_fn, batch, d, n)
-        culprits, replays = [id_list[i] for i in found], 1 + k
+        singles, smallest, k, capped = _group_test(m, loss_fn, batch, d, n, CAP * n)
+        culprits, replays = [id_list[i] for i in singles or smallest], 1 + k
     kinds = [e["kind"] for e in events]
+    cause = _cause(d, kinds, reproduced, source, singles, n)
     verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
+    verdict += _cause_text(cause, singles, n, capped)
     result = ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
-                          d.get("record", {}), source, culprits, replays)
+                          d.get("record", {}), source, culprits, replays, cause, capped)
     if save:
         save_result(path, d, result)
     return result
@@ -292,8 +360,10 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
              culprits: list | None, replays: int, exact: bool) -> str:
     what = ", ".join(dict.fromkeys(kinds)) or "the step"
     if not reproduced:
-        text = (f"{what} does not reproduce on replay of step {d['step']}: a transient fault "
-                "(hardware, communication, a race), not this batch")
+        text = (f"{what} does not reproduce on replay of step {d['step']}: not this batch nor "
+                "the model state; the loss code first (a loss computed differently at that "
+                "step: a scaling, a mask, a division), then a transient fault (hardware, "
+                "communication, a race)")
     else:
         text = f"{what} reproduces on replay of step {d['step']}"
         if source == "batch":
@@ -304,11 +374,24 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
         elif source:
             text += (f": the first non-finite value was made in the {source} pass outside the "
                      "model's modules (the loss function?)")
-        else:
-            text += ": the batch itself (or the model state) causes it"
         if culprits is not None:
             text += (f"; samples {culprits[:10]}{' ...' if len(culprits) > 10 else ''} alone "
-                     f"reproduce it ({replays} replays)")
+                     f"reproduce it ({len(culprits)} samples, {replays} replays)")
     if not exact:
         text += " [parameters were not captured: replayed with the model's current ones]"
     return text
+
+
+def _cause_text(cause: str, singles: list | None, n: int, capped: bool) -> str:
+    """What the verdict adds about the likely cause."""
+    text = ""
+    if singles is not None and not singles:
+        text += ("; no single sample alone reproduces it: the samples named are the smallest "
+                 "part found that does, together")
+    elif singles is not None and len(singles) == n:
+        text += "; every sample alone reproduces it: not the batch but the model state"
+    if capped:
+        text += f"; the search stopped at its cap of {CAP * n} replays (more samples may)"
+    if cause == "batch" and singles is None:
+        text += "; the batch itself (or the model state) causes it"
+    return text + f". Likely cause: {cause}"
