@@ -26,7 +26,9 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   only: "batch"; by every sample alone (or only by the whole batch): not the batch, the model
   state, "learning_rate" when the dump's learning rate is 3x or more its earlier level, else
   "weights"; reproduced without a search of the samples: "batch" (or the model state: the
-  verdict says so), "weights" when the dumped parameters hold NaN/Inf.
+  verdict says so). Reproduced with dumped parameters that hold NaN/Inf or a value of 1e10 or
+  more: "weights", whichever samples reproduce it (they only read the broken weights: a NaN
+  row of an embedding, a 1e30 weight that only some inputs reach).
 
 What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
 reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
@@ -163,16 +165,21 @@ class _Pass:
         self.loss = float(loss.detach().float())
 
 
-def _reproduces(p: _Pass, events: list[dict], record: dict, part: int = 1) -> bool:
+def _reproduces(p: _Pass, events: list[dict], record: dict, part: int | None = None) -> bool:
     """Whether pass ``p`` reproduces ``events``; ``part``: the samples of a part of the batch
-    (a spike's excess diluted that many times counts)."""
+    replayed (a spike's excess diluted that many times counts, and only the non-finite values
+    and spikes are judged: a part's loss is not the batch's)."""
     checks = []
+    if part is not None:
+        judged = [e for e in events if e["kind"] in fatal_kinds()
+                  or e["kind"] in ("loss_spike", "grad_norm_spike")]
+        events = judged or events
     for e in events:
         if e["kind"] in fatal_kinds():
             checks.append(not math.isfinite(p.loss) or not p.grads.ok)
         elif e["kind"] in ("loss_spike", "grad_norm_spike"):
             value = p.loss if e["kind"] == "loss_spike" else float(p.grads.total.norm)
-            checks.append(_spike_reproduced(value, e["details"], part))
+            checks.append(_spike_reproduced(value, e["details"], part or 1))
         else:  # trends and state problems: the step itself replays to the same loss
             rec = record.get("loss")
             checks.append(rec is not None and math.isclose(p.loss, rec, rel_tol=1e-3))
@@ -247,9 +254,14 @@ def _lr_far_above(d: dict) -> bool:
     return earlier > 0 and max(lrs[-LR_RECENT:]) >= LR_FAR * earlier
 
 
-def _params_nonfinite(d: dict) -> bool:
+HUGE_WEIGHT = 1e10  # no trained weight comes near: a parameter this large is corrupt
+
+
+def _params_broken(d: dict) -> list[str]:
+    """The dumped parameters that hold NaN/Inf or a value of ``HUGE_WEIGHT`` or more."""
     params = d.get("params") or {}
-    return any(not torch.isfinite(t).all() for t in params.values() if t.is_floating_point())
+    return [n for n, t in params.items()
+            if t.is_floating_point() and not bool((t.abs() < HUGE_WEIGHT).all())]
 
 
 def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
@@ -257,13 +269,15 @@ def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
     """The likely cause (see the module docstring)."""
     if (d.get("optimizer") or {}).get("nonfinite"):
         return "optimizer_state"
+    if reproduced and _params_broken(d):
+        return "weights"  # the samples that reproduce it only read the broken weights
     if not reproduced:
         scaled = d.get("record", {}).get("loss_scale") is not None
         ranged = {"nonfinite_grad", "loss_scale_collapse", "overflow_streak"} & set(kinds)
         return "numeric_range" if scaled and ranged else "outside"
     if source == "batch" or singles and len(singles) < n:
         return "batch"
-    if singles is None and not _params_nonfinite(d):
+    if singles is None:
         return "learning_rate" if _lr_far_above(d) else "batch"
     return "learning_rate" if _lr_far_above(d) else "weights"
 
@@ -349,6 +363,10 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     cause = _cause(d, kinds, reproduced, source, singles, n)
     verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
     verdict += _cause_text(cause, singles, n, capped)
+    broken = _params_broken(d)
+    if broken:
+        verdict += (f"; the weights before this step hold NaN/Inf or values of {HUGE_WEIGHT:g} "
+                    f"or more: {', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}")
     result = ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
                           d.get("record", {}), source, culprits, replays, cause, capped)
     if save:
