@@ -74,6 +74,9 @@ def test_a_garbage_batch_is_the_batch_and_every_garbage_sample_is_named(tmp_path
     assert r.culprit_ids == [2500 + i for i in bad], r.verdict  # all of them, not one
     assert not r.capped and r.replays <= 1 + 4 * N
     assert "Likely cause: batch" in r.verdict
+    few = fh.replay(inc.dump, model, loss_fn, max_replays=4, save=False)
+    assert few.capped and few.replays == 5 and "cap of 4 replays" in few.verdict, few.verdict
+    assert "smallest part found" in few.verdict and set(few.culprit_ids) & set(r.culprit_ids)
 
 
 def test_a_weight_set_to_1e30_is_the_weights(tmp_path):

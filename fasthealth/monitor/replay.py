@@ -14,11 +14,13 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   output was not (a masked softmax inside an attention block names the block).
 - ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, a
   group test finds every sample that alone reproduces the event: halves are replayed, and
-  every half that reproduces is split again (at most ``4 x`` the batch size replays:
-  ``capped`` says the search stopped there). A part of ``m`` samples reproduces a spike when
-  its excess over the window's median is at least half the recorded excess divided by ``m``
-  (a mean over ``m`` samples dilutes one bad sample ``m``-fold). When no single sample
-  reproduces but the batch does, ``culprit_ids`` is the smallest part found that does.
+  every half that reproduces is split again (at most ``max_replays``, by default ``4 x`` the
+  batch size: ``capped`` says the search stopped there). A part of ``m`` samples reproduces
+  a spike when its excess over the window's median is at least half the recorded excess
+  divided by ``m`` (a mean over ``m`` samples dilutes one bad sample ``m``-fold), and it is
+  judged on its non-finite values and spikes only (its loss is not the batch's). When no
+  single sample reproduces but the batch does, ``culprit_ids`` is the smallest part found that
+  does.
 - ``cause`` (``kinds.CAUSES``): non-finite optimizer state in the dump: "optimizer_state";
   not reproduced: "numeric_range" under a GradScaler with non-finite gradients (replay runs
   unscaled), else "outside" (the loss code first: a loss computed differently at that step;
@@ -324,11 +326,14 @@ def save_result(dump: str | os.PathLike, d: dict, r: ReplayResult) -> Path | Non
 
 def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
            device: torch.device | str | None = None,
-           find_samples: bool | None = None, save: bool = True) -> ReplayResult:
+           find_samples: bool | None = None, save: bool = True,
+           max_replays: int | None = None) -> ReplayResult:
     """Re-run the captured step on a copy of ``model``; see the module docstring.
     ``find_samples``: bisect the batch to the samples that cause the event (default: when the
     dump has sample ids and the batch's tensors all have a first dimension of that length).
-    ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``."""
+    ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``.
+    ``max_replays``: the group test's cap (default ``4 x`` the batch size; halving needs at
+    most twice the batch size: the cap bounds the cost on a large batch)."""
     if dump is None:
         raise ValueError("fasthealth: this event has no dump (was the Monitor given log_dir?)")
     path = str(dump)
@@ -357,12 +362,13 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
         if not (n > 1 and _shares_first_dim(batch, n)):
             raise ValueError("fasthealth: find_samples needs sample ids in the dump and a batch "
                              "whose tensors all have that many rows")
-        singles, smallest, k, capped = _group_test(m, loss_fn, batch, d, n, CAP * n)
+        cap = CAP * n if max_replays is None else max_replays
+        singles, smallest, k, capped = _group_test(m, loss_fn, batch, d, n, cap)
         culprits, replays = [id_list[i] for i in singles or smallest], 1 + k
     kinds = [e["kind"] for e in events]
     cause = _cause(d, kinds, reproduced, source, singles, n)
     verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
-    verdict += _cause_text(cause, singles, n, capped)
+    verdict += _cause_text(cause, singles, n, capped and replays - 1)
     broken = _params_broken(d)
     if broken:
         verdict += (f"; the weights before this step hold NaN/Inf or values of {HUGE_WEIGHT:g} "
@@ -400,16 +406,19 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
     return text
 
 
-def _cause_text(cause: str, singles: list | None, n: int, capped: bool) -> str:
-    """What the verdict adds about the likely cause."""
+def _cause_text(cause: str, singles: list | None, n: int, capped: int) -> str:
+    """What the verdict adds about the samples and the likely cause."""
     text = ""
-    if singles is not None and not singles:
+    if capped:
+        text += (f"; the search stopped at its cap of {capped} replays" + (
+            ": more samples may reproduce it" if singles else
+            " before reaching single samples: the samples named are the smallest part found "
+            "that reproduces it"))
+    elif singles is not None and not singles:
         text += ("; no single sample alone reproduces it: the samples named are the smallest "
                  "part found that does, together")
     elif singles is not None and len(singles) == n:
         text += "; every sample alone reproduces it: not the batch but the model state"
-    if capped:
-        text += f"; the search stopped at its cap of {CAP * n} replays (more samples may)"
     if cause == "batch" and singles is None:
         text += "; the batch itself (or the model state) causes it"
     return text + f". Likely cause: {cause}"
