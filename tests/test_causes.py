@@ -2,6 +2,7 @@
 incident and in fh.replay's verdict; the group test's culprit set; the first non-finite module
 of a Hugging Face model; an incident that stays open while the run is broken."""
 
+import json
 import math
 
 import pytest
@@ -90,6 +91,10 @@ def test_a_weight_set_to_1e30_is_the_weights(tmp_path):
     assert inc.start == 25, mon.incidents
     assert inc.cause == "weights", (inc.trigger, inc.kinds, inc.why)
     assert "stayed up" in inc.why
+    # the loss was astronomical at once: the incident led to the weights from its first step
+    # (the record written when it opened, what the trainer callbacks log)
+    opened = json.loads((tmp_path / "incidents.jsonl").read_text().splitlines()[0])
+    assert opened["state"] == "opened" and opened["cause"] == "weights", opened
     # the spike rule's "this step's batch" gives way to the incident's check-first
     assert "this step's batch" not in inc.message and CHECK_FIRST["weights"] in inc.message
     r = fh.replay(inc.dump, model, loss_fn)

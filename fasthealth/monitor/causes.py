@@ -7,10 +7,11 @@ An incident names one of ``kinds.CAUSES`` from the evidence it has, by the first
 2. a corrupted weight (``weight_corruption``) among its kinds: ``weights``;
 3. a learning-rate jump among its kinds: ``learning_rate``;
 4. a collapsing loss scale or an overflow streak, or non-finite gradients with a finite loss
-   under a GradScaler: ``numeric_range``;
-5. a loss spike or a non-finite loss (or an alarmed gradient spike) that comes back within
-   ``back_within`` steps: ``batch`` (replay it); one that persists: ``weights`` (the update of
-   that step damaged the model);
+   under a GradScaler: ``numeric_range``; a repeated batch: ``batch``;
+5. a loss spike, a non-finite loss or gradient (or an alarmed gradient spike) whose loss comes
+   back within ``back_within`` steps: ``batch`` (replay it); one that persists: ``weights``
+   (the model state was damaged); until that is known, a loss ``astronomical`` times its level
+   at the first alarm's step is ``weights`` already;
 6. otherwise the default cause of its first alarm's kind (``Kind.cause``).
 
 The judgement is made again at every step while the incident is open: rule 5 needs the steps
@@ -60,16 +61,27 @@ class CauseConfig:
     range_kinds: frozenset[str] = frozenset({"loss_scale_collapse", "overflow_streak"})
     """Kinds that name the numeric range: a loss scale that keeps backing off, or overflow at
     every step, is float16's range exceeded."""
+    batch_kinds: frozenset[str] = frozenset({"repeated_batch"})
+    """Kinds that name the data wherever they stand: a loader that serves the same batch again
+    is the input pipeline, whatever the loss does."""
     scaled_grads: bool = True
     """Non-finite gradients with a finite loss under a GradScaler name the numeric range: the
     forward stayed in range, the scaled backward did not."""
-    spikes: frozenset[str] = frozenset({"loss_spike", "nonfinite_loss", "grad_norm_spike"})
-    """First alarms judged by whether the run comes back (rule 5)."""
+    spikes: frozenset[str] = frozenset({"loss_spike", "nonfinite_loss", "nonfinite_grad",
+                                        "grad_norm_spike"})
+    """First alarms judged by whether the run comes back (rule 5): each is what one bad batch
+    makes at its own step, and what damaged weights make at every step."""
     back_within: int = 3
     """Steps after the first alarm within which the loss must come back for the cause to be
     the batch: a bad batch harms its own step (a garbage batch, the Adam update it makes, is
     back within one or two steps in the tests); a loss that stays up after the batch has
     passed is the model's state."""
+    astronomical: float = 1e6
+    """A first alarm's loss this many times its level names the weights before the run has
+    shown whether it comes back (so that the trainer's log line, written at that step, leads
+    to them): a 1e30 weight makes a loss 7e28x its level in tests/test_causes.py, while its
+    garbage batch (inputs 300x, mislabelled) makes 210x; a batch would need inputs thousands
+    of times off to come near a million."""
     back_share: float = 0.2
     """Back: a finite loss at most this share above its level before the incident (the
     tracker's ``recover``)."""
@@ -89,11 +101,10 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
     """(cause, why) of ``inc``; ``after``: the losses of the steps after its first alarm (None
     before it has one), ``level``: the loss before it, ``scaled``: a GradScaler's scale seen."""
     trigger = inc.trigger
-    kinds = set(inc.kinds)
     if trigger in c.optimizer_first:
         return "optimizer_state", f"its first alarm is {trigger}"
     for names, cause in ((c.weight_kinds, "weights"), (c.lr_kinds, "learning_rate"),
-                         (c.range_kinds, "numeric_range")):
+                         (c.range_kinds, "numeric_range"), (c.batch_kinds, "batch")):
         hit = next((k for k in inc.kinds if k in names), None)
         if hit is not None:
             return cause, f"it holds {hit}"
@@ -108,6 +119,11 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
         if len(after) >= c.back_within and level is not None:
             return "weights", (f"the loss stayed up (or non-finite) {c.back_within} steps "
                                f"after {trigger}: the model state was damaged")
-    if kinds and not trigger:
-        return cause_of(inc.kinds[0]), f"the default cause of {inc.kinds[0]}"
+        loss = first.details.get("step_loss") if first is not None else None
+        if isinstance(loss, float) and level and loss >= c.astronomical * level:
+            return "weights", (f"the loss at {trigger} was {loss / level:.3g}x its level: "
+                               "damaged weights, not data (judged again once the run has "
+                               "shown whether it comes back)")
+    if not trigger and inc.kinds:
+        trigger = inc.kinds[0]
     return cause_of(trigger), f"the default cause of {trigger}"
