@@ -21,16 +21,18 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   judged on its non-finite values and spikes only (its loss is not the batch's). When no
   single sample reproduces but the batch does, ``culprit_ids`` is the smallest part found that
   does.
-- ``cause`` (``kinds.CAUSES``): non-finite optimizer state in the dump: "optimizer_state";
-  not reproduced: "numeric_range" under a GradScaler with non-finite gradients (replay runs
-  unscaled), else "outside" (the loss code first: a loss computed differently at that step;
-  then a transient hardware fault); reproduced by the batch's own NaN/Inf or by some samples
-  only: "batch"; by every sample alone (or only by the whole batch): not the batch, the model
-  state, "learning_rate" when the dump's learning rate is 3x or more its earlier level, else
+- ``cause`` (``kinds.CAUSES``), the first that applies: non-finite optimizer state in the
+  dump: "optimizer_state"; reproduced with dumped parameters that hold NaN/Inf or a value of
+  1e10 or more: "weights", whichever samples reproduce it (they only read the broken weights:
+  a NaN row of an embedding, a 1e30 weight that only some inputs reach); not reproduced:
+  "numeric_range" under a GradScaler with non-finite gradients (replay runs unscaled), else
+  "outside" (the loss code first: a loss computed differently at that step; then a transient
+  hardware fault); reproduced by the batch's own NaN/Inf: "batch"; when the dump's learning
+  rate (the last 8 steps) is 3x or more its earlier median: "learning_rate" (whichever samples
+  reproduce it: the model it damaged fails on some of them); by some samples only: "batch";
+  by every sample alone (or only by the whole batch): not the batch but the model state,
   "weights"; reproduced without a search of the samples: "batch" (or the model state: the
-  verdict says so). Reproduced with dumped parameters that hold NaN/Inf or a value of 1e10 or
-  more: "weights", whichever samples reproduce it (they only read the broken weights: a NaN
-  row of an embedding, a 1e30 weight that only some inputs reach).
+  verdict says so).
 
 What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
 reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
@@ -61,6 +63,7 @@ from .sinks import map_tensors
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 RESULT_SUFFIX = ".replay.json"  # what replay found, beside the dump: "<dump>.replay.json"
+SPIKES = ("loss_spike", "grad_norm_spike")  # judged by their excess; samples can cause them
 
 
 @dataclass
@@ -173,13 +176,12 @@ def _reproduces(p: _Pass, events: list[dict], record: dict, part: int | None = N
     and spikes are judged: a part's loss is not the batch's)."""
     checks = []
     if part is not None:
-        judged = [e for e in events if e["kind"] in fatal_kinds()
-                  or e["kind"] in ("loss_spike", "grad_norm_spike")]
+        judged = [e for e in events if e["kind"] in fatal_kinds() or e["kind"] in SPIKES]
         events = judged or events
     for e in events:
         if e["kind"] in fatal_kinds():
             checks.append(not math.isfinite(p.loss) or not p.grads.ok)
-        elif e["kind"] in ("loss_spike", "grad_norm_spike"):
+        elif e["kind"] in SPIKES:
             value = p.loss if e["kind"] == "loss_spike" else float(p.grads.total.norm)
             checks.append(_spike_reproduced(value, e["details"], part or 1))
         else:  # trends and state problems: the step itself replays to the same loss
@@ -277,11 +279,13 @@ def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
         scaled = d.get("record", {}).get("loss_scale") is not None
         ranged = {"nonfinite_grad", "loss_scale_collapse", "overflow_streak"} & set(kinds)
         return "numeric_range" if scaled and ranged else "outside"
-    if source == "batch" or singles and len(singles) < n:
+    if source == "batch":
         return "batch"
-    if singles is None:
-        return "learning_rate" if _lr_far_above(d) else "batch"
-    return "learning_rate" if _lr_far_above(d) else "weights"
+    if _lr_far_above(d):
+        return "learning_rate"  # the samples that reproduce it are the ones it hurts most
+    if singles is None or singles and len(singles) < n:
+        return "batch"
+    return "weights"
 
 
 def result_path(dump: str | os.PathLike) -> Path:
@@ -329,8 +333,9 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
            find_samples: bool | None = None, save: bool = True,
            max_replays: int | None = None) -> ReplayResult:
     """Re-run the captured step on a copy of ``model``; see the module docstring.
-    ``find_samples``: bisect the batch to the samples that cause the event (default: when the
-    dump has sample ids and the batch's tensors all have a first dimension of that length).
+    ``find_samples``: search the batch for the samples that cause the event (default: when
+    the dump has sample ids, the batch's tensors all have a first dimension of that length,
+    and the event is a non-finite value or a spike: a trend has no samples to find).
     ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``.
     ``max_replays``: the group test's cap (default ``4 x`` the batch size; halving needs at
     most twice the batch size: the cap bounds the cost on a large batch)."""
@@ -355,8 +360,9 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
     id_list = ids if isinstance(ids, (list, tuple)) else []
     n = len(id_list)
-    if find_samples is None:
-        find_samples = n > 1 and _shares_first_dim(batch, n)
+    if find_samples is None:  # a trend or a state problem has no samples to find
+        find_samples = n > 1 and _shares_first_dim(batch, n) and any(
+            e["kind"] in fatal_kinds() or e["kind"] in SPIKES for e in events)
     culprits, singles, replays, capped = None, None, 1, False
     if reproduced and find_samples:
         if not (n > 1 and _shares_first_dim(batch, n)):
@@ -367,8 +373,10 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
         culprits, replays = [id_list[i] for i in singles or smallest], 1 + k
     kinds = [e["kind"] for e in events]
     cause = _cause(d, kinds, reproduced, source, singles, n)
-    verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
-    verdict += _cause_text(cause, singles, n, capped and replays - 1)
+    verdict = _verdict(d, kinds, reproduced, source, p, culprits if singles else None,
+                       replays, exact)
+    verdict += _cause_text(cause, singles, [] if singles else culprits or [], n,
+                           capped and replays - 1)
     broken = _params_broken(d)
     if broken:
         verdict += (f"; the weights before this step hold NaN/Inf or values of {HUGE_WEIGHT:g} "
@@ -406,19 +414,22 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
     return text
 
 
-def _cause_text(cause: str, singles: list | None, n: int, capped: int) -> str:
+def _cause_text(cause: str, singles: list | None, smallest: list, n: int, capped: int) -> str:
     """What the verdict adds about the samples and the likely cause."""
     text = ""
     if capped:
         text += (f"; the search stopped at its cap of {capped} replays" + (
             ": more samples may reproduce it" if singles else
-            " before reaching single samples: the samples named are the smallest part found "
-            "that reproduces it"))
+            f" before reaching single samples: samples {smallest[:10]}"
+            f"{' ...' if len(smallest) > 10 else ''} reproduce it together, the smallest part "
+            "found"))
     elif singles is not None and not singles:
-        text += ("; no single sample alone reproduces it: the samples named are the smallest "
-                 "part found that does, together")
+        text += (f"; no single sample alone reproduces it: samples {smallest[:10]}"
+                 f"{' ...' if len(smallest) > 10 else ''} do together, the smallest part found")
     elif singles is not None and len(singles) == n:
         text += "; every sample alone reproduces it: not the batch but the model state"
     if cause == "batch" and singles is None:
         text += "; the batch itself (or the model state) causes it"
+    if cause == "learning_rate":
+        text += "; the learning rate of the last steps is 3x or more its earlier level"
     return text + f". Likely cause: {cause}"
