@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fasthealth as fh
+from fasthealth import report
 from fasthealth.monitor.causes import CHECK_FIRST
 from fasthealth.monitor.events import Event
 from fasthealth.monitor.incidents import IncidentTracker
@@ -75,6 +76,14 @@ def test_a_garbage_batch_is_the_batch_and_every_garbage_sample_is_named(tmp_path
     assert r.culprit_ids == [2500 + i for i in bad], r.verdict  # all of them, not one
     assert not r.capped and r.replays <= 1 + 4 * N
     assert "Likely cause: batch" in r.verdict
+    # the report: the cause and trigger in the incidents' table, what to check first under it,
+    # and replay's cause with what it found
+    _, text = report.write(tmp_path)
+    lines = text.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith("#0 "))
+    assert lines[row].split()[4:6] == ["batch", "loss_spike"], lines[row]
+    assert lines[row + 1].strip() == f"check first: {CHECK_FIRST['batch']}"
+    assert lines[row + 2].rstrip().endswith("likely cause batch"), lines[row + 2]
     few = fh.replay(inc.dump, model, loss_fn, max_replays=4, save=False)
     assert few.capped and few.replays == 5 and "cap of 4 replays" in few.verdict, few.verdict
     assert "smallest part found" in few.verdict and set(few.culprit_ids) & set(r.culprit_ids)

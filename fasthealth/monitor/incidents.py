@@ -131,7 +131,8 @@ def dump_due(policy: str, events: list[Event], alarmed: bool) -> bool:
 def step_finite(values: dict) -> bool:
     """Whether a step's loss and gradients were finite; under a GradScaler, Inf without NaN in
     the gradients at a finite loss is an overflow step, the scaler at work."""
-    scaled = values.get("loss_scale") == values.get("loss_scale")  # not NaN: a scaler
+    scale = values.get("loss_scale")
+    scaled = isinstance(scale, float) and scale == scale  # not NaN: a scaler
     grads = bool(values["grads_finite"]) or (scaled and values.get("nan_count", 1) == 0)
     return bool(values["loss_finite"]) and grads
 
