@@ -101,9 +101,10 @@ class IncidentConfig:
     broken: float = 1e6
     """A last loss this many times its level before the incident (or the run's first loss)
     is a broken run and holds an alarm incident open, like a non-finite one: no real loss
-    moves a million-fold while training (cross-entropy from its uniform value to memorised is
-    a few hundred-fold), while a NaN-filled stretch leaves the median of the finite losses at
-    its old level (issue 31: an incident closed at a loss of 3.06e38)."""
+    moves a million-fold while training (a cross-entropy that fell to 1e-3 and climbs back to
+    its uniform value, about 10, moves 1e4-fold), while a NaN-filled stretch leaves the median
+    of the finite losses at its old level (issue 31: an incident closed at a loss of
+    3.06e38)."""
     causes: CauseConfig = CauseConfig()
     """The evidence rules that name an incident's likely cause (``causes.py``)."""
 
@@ -193,7 +194,6 @@ class IncidentTracker:
         if math.isfinite(scale):
             self.scale = scale
             self.scales.append(scale)
-        if math.isfinite(scale):
             self.scaled = True
         if cur is not None and cur.severity == ALARM and not self.harmed:
             self.harmed = self._unrecovered()
