@@ -112,6 +112,40 @@ def test_a_weight_set_to_1e30_is_the_weights(tmp_path):
     assert 0 < len(r.culprit_ids) < N and "1e+10 or more: 0.weight" in r.verdict, r.verdict
 
 
+def test_a_weight_set_to_1e30_in_a_bf16_llama_is_the_weights(tmp_path):
+    """Issue 31's case: the incident and its replay lead to the weights, and replay names the
+    tensor."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def lm_loss(m, b):
+        return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+
+    g = torch.Generator().manual_seed(0)
+    with fh.Monitor(model, opt, log_dir=tmp_path, flush_every=5, warmup_steps=5) as mon:
+        for step in range(35):
+            if step == 25:
+                with torch.no_grad():
+                    model.model.layers[0].mlp.down_proj.weight[3, 5] = 1e30
+            batch = {"input_ids": torch.randint(1, 64, (8, 12), generator=g)}
+            opt.zero_grad()
+            loss = lm_loss(model, batch)
+            loss.backward()
+            mon.step(loss.detach(), batch=batch, sample_ids=torch.arange(8) + 10 * step)
+    inc = alarm_incidents(mon)[0]
+    assert inc.start >= 25 and inc.cause == "weights", (inc.trigger, inc.kinds, inc.why)
+    assert "this step's batch" not in inc.message
+    r = fh.replay(inc.dump, model, lm_loss)
+    assert r.cause == "weights" and "model.layers.0.mlp.down_proj.weight" in r.verdict, \
+        r.verdict
+
+
 def test_an_lr_x20_is_the_learning_rate(tmp_path):
     def plant(step, batch, model, opt):
         if step == 25:
