@@ -85,8 +85,27 @@ def test_a_garbage_batch_is_the_batch_and_every_garbage_sample_is_named(tmp_path
     assert lines[row + 1].strip() == f"check first: {CHECK_FIRST['batch']}"
     assert lines[row + 2].rstrip().endswith("likely cause batch"), lines[row + 2]
     few = fh.replay(inc.dump, model, loss_fn, max_replays=4, save=False)
-    assert few.capped and few.replays == 5 and "cap of 4 replays" in few.verdict, few.verdict
+    # 1 + 4 replays, and the batch before as a control (the samples found reproduce together)
+    assert few.capped and few.replays == 6 and "cap of 4 replays" in few.verdict, few.verdict
     assert "smallest part found" in few.verdict and set(few.culprit_ids) & set(r.culprit_ids)
+
+
+def test_a_batch_of_garbage_only_is_the_batch_the_batch_before_as_control(tmp_path):
+    """Issue 31: a batch of 16 garbage samples named 1. Every sample alone reproduces it, as
+    with damaged weights; the batch of the step before, replayed on the same weights, does not:
+    the batch is the cause, all 16 named."""
+    def plant(step, batch, model, opt):
+        if step == 25:
+            x = torch.full_like(batch[0], 300.0)  # a loader that filled the batch with junk
+            with torch.no_grad():
+                return x, (model(x).argmax(1) + 1) % 4
+
+    mon, model = run(tmp_path, plant)
+    (inc,) = alarm_incidents(mon)
+    assert inc.start == 25 and inc.cause == "batch", inc.why
+    r = fh.replay(inc.dump, model, loss_fn)
+    assert r.culprit_ids == [2500 + i for i in range(N)], r.verdict
+    assert r.cause == "batch" and "the batch of step 24" in r.verdict, r.verdict
 
 
 def test_a_weight_set_to_1e30_is_the_weights(tmp_path):

@@ -26,7 +26,7 @@ from .incidents import IncidentTracker, dump_due, step_finite
 from .kinds import fatal_kinds
 from .record import HostStep
 from .rules import Rule, as_finding
-from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
+from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
 
 RECENT_LR = 64  # steps whose learning rate a dump keeps: an earlier level to compare with
 
@@ -53,6 +53,7 @@ class Journal:
         # the latest optimizer scan found
         self.recent_lr: deque[tuple[int, float | None]] = deque(maxlen=RECENT_LR)
         self.optimizer: dict | None = None
+        self.previous: HostStep | None = None  # the step before, its batch a dump's control
 
     def flush(self, steps: list[HostStep],
               snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
@@ -76,6 +77,8 @@ class Journal:
                                             for inc, state in s.info["incidents"]])
             if self.tb is not None:
                 self.tb.write(s)
+            if s.info.get("batch") is not None:
+                self.previous = s
             self.backlog.pop(0)
         if self.jsonl is not None:
             self.jsonl.drain()
@@ -123,8 +126,13 @@ class Journal:
         assert self.jsonl is not None and self.log_dir is not None
         params = snapshots[s.info["slot"]] if snapshots is not None else None
         try:
+            prev = self.previous
+            control = None if prev is None or prev.step >= s.step else {
+                "step": prev.step, "batch": map_tensors(lambda t: t.detach().cpu(),
+                                                        prev.info["batch"])}
             dump = write_dump(self.log_dir, s, self.names, events, params, {
-                "recent_lr": list(self.recent_lr), "optimizer": self.optimizer})
+                "recent_lr": list(self.recent_lr), "optimizer": self.optimizer,
+                "control": control})
         except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
             self.jsonl.fail(exc)
             return None

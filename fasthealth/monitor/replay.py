@@ -30,9 +30,11 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   hardware fault); reproduced by the batch's own NaN/Inf: "batch"; when the dump's learning
   rate (the last 8 steps) is 3x or more its earlier median: "learning_rate" (whichever samples
   reproduce it: the model it damaged fails on some of them); by some samples only: "batch";
-  by every sample alone (or only by the whole batch): not the batch but the model state,
-  "weights"; reproduced without a search of the samples: "batch" (or the model state: the
-  verdict says so).
+  by every sample alone, only by the whole batch, or without a search: the batch of the step
+  before (the dump's ``control``), replayed on the same weights, tells: it reproduces too, the
+  model state, "weights"; it does not, "batch" (a batch that is junk throughout). Without a
+  control: "weights" when every sample reproduces, "batch" without a search (the verdict says
+  the model state may be).
 
 What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
 reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
@@ -268,8 +270,23 @@ def _params_broken(d: dict) -> list[str]:
             if t.is_floating_point() and not bool((t.abs() < HUGE_WEIGHT).all())]
 
 
+def _control(m, loss_fn, d: dict, dev: torch.device) -> bool | None:
+    """Whether the batch of the step before (the dump's ``control``), replayed on the same
+    weights, reproduces the events too (then the model state causes them, not this batch);
+    None without one or when it cannot be replayed."""
+    control = d.get("control")
+    if not isinstance(control, dict) or control.get("batch") is None:
+        return None
+    try:
+        p = _Pass(m, loss_fn, map_tensors(lambda t: t.to(dev), control["batch"]),
+                  d.get("rng") or {})
+    except Exception:  # a loss_fn that cannot take that batch: no control
+        return None
+    return _reproduces(p, d.get("events", []), d.get("record", {}), 1)
+
+
 def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
-           singles: list | None, n: int) -> str:
+           singles: list | None, n: int, control: bool | None) -> str:
     """The likely cause (see the module docstring)."""
     if (d.get("optimizer") or {}).get("nonfinite"):
         return "optimizer_state"
@@ -283,9 +300,11 @@ def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
         return "batch"
     if _lr_far_above(d):
         return "learning_rate"  # the samples that reproduce it are the ones it hurts most
-    if singles is None or singles and len(singles) < n:
+    if singles and len(singles) < n:
         return "batch"
-    return "weights"
+    if control is not None:  # every sample (or no search): the batch before tells
+        return "weights" if control else "batch"
+    return "batch" if singles is None else "weights"
 
 
 def result_path(dump: str | os.PathLike) -> Path:
@@ -335,7 +354,8 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     """Re-run the captured step on a copy of ``model``; see the module docstring.
     ``find_samples``: search the batch for the samples that cause the event (default: when
     the dump has sample ids, the batch's tensors all have a first dimension of that length,
-    and the event is a non-finite value or a spike: a trend has no samples to find).
+    and the event is a non-finite value or a spike: a trend has no samples to find); False
+    also skips the control replay of the batch before.
     ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``.
     ``max_replays``: the group test's cap (default ``4 x`` the batch size; halving needs at
     most twice the batch size: the cap bounds the cost on a large batch)."""
@@ -360,6 +380,7 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
     id_list = ids if isinstance(ids, (list, tuple)) else []
     n = len(id_list)
+    searches = find_samples is not False  # False: the one replay only, no control either
     if find_samples is None:  # a trend or a state problem has no samples to find
         find_samples = n > 1 and _shares_first_dim(batch, n) and any(
             e["kind"] in fatal_kinds() or e["kind"] in SPIKES for e in events)
@@ -372,11 +393,14 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
         singles, smallest, k, capped = _group_test(m, loss_fn, batch, d, n, cap)
         culprits, replays = [id_list[i] for i in singles or smallest], 1 + k
     kinds = [e["kind"] for e in events]
-    cause = _cause(d, kinds, reproduced, source, singles, n)
+    whole = reproduced and source != "batch" and not (singles and len(singles) < n)
+    control = _control(m, loss_fn, d, dev) if whole and searches else None
+    cause = _cause(d, kinds, reproduced, source, singles, n, control)
     verdict = _verdict(d, kinds, reproduced, source, p, culprits if singles else None,
                        replays, exact)
     verdict += _cause_text(cause, singles, [] if singles else culprits or [], n,
-                           capped and replays - 1)
+                           capped and replays - 1, control, d)
+    replays += control is not None
     broken = _params_broken(d)
     if broken:
         verdict += (f"; the weights before this step hold NaN/Inf or values of {HUGE_WEIGHT:g} "
@@ -414,7 +438,8 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
     return text
 
 
-def _cause_text(cause: str, singles: list | None, smallest: list, n: int, capped: int) -> str:
+def _cause_text(cause: str, singles: list | None, smallest: list, n: int, capped: int,
+                control: bool | None, d: dict) -> str:
     """What the verdict adds about the samples and the likely cause."""
     text = ""
     if capped:
@@ -427,8 +452,14 @@ def _cause_text(cause: str, singles: list | None, smallest: list, n: int, capped
         text += (f"; no single sample alone reproduces it: samples {smallest[:10]}"
                  f"{' ...' if len(smallest) > 10 else ''} do together, the smallest part found")
     elif singles is not None and len(singles) == n:
-        text += "; every sample alone reproduces it: not the batch but the model state"
-    if cause == "batch" and singles is None:
+        text += "; every sample alone reproduces it"
+    if control is not None:
+        step = (d.get("control") or {}).get("step")
+        text += (f"; the batch of step {step}, replayed on the same weights, reproduces it too: "
+                 "not this batch but the model state" if control else
+                 f"; the batch of step {step}, replayed on the same weights, does not: this "
+                 "batch causes it")
+    elif cause == "batch" and singles is None:
         text += "; the batch itself (or the model state) causes it"
     if cause == "learning_rate":
         text += "; the learning rate of the last steps is 3x or more its earlier level"

@@ -265,7 +265,8 @@ def write_dump(log_dir: Path, s: HostStep, names: list[str], events: list[Event]
     state its forward started from, its record and, when captured, the parameters as they were
     before its update; ``context``: what the host knows of the steps before it (the journal's
     ``recent_lr``: [(step, lr)], ``optimizer``: the latest scan's non-finite count and
-    tensors), for replay's verdict. Written to a temporary file and renamed (a failure leaves
+    tensors, ``control``: the step and batch of the step before, replayed by ``fh.replay`` as
+    a control), for replay's verdict. Written to a temporary file and renamed (a failure leaves
     no half dump); a name already taken (a reopened run) gets a suffix. Returns the file's
     path."""
     folder = log_dir / "dumps"
