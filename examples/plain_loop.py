@@ -49,7 +49,8 @@ with tempfile.TemporaryDirectory() as log_dir:
     print(r.verdict)
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     alarms = sum(e.severity == "alarm" for e in mon.events)
-    print(f"plain_loop: {len(mon.incidents)} incident ({inc.cause} at step {inc.start}, "
-          f"{alarms} alarms), skipped={inc.events[0].details['skipped']}, replay "
+    print(f"plain_loop: {len(mon.incidents)} incident ({inc.trigger} at step {inc.start}, "
+          f"{alarms} alarms, likely cause {inc.cause}: {r.cause} on replay), "
+          f"skipped={inc.events[0].details['skipped']}, replay "
           f"source={r.source} culprit_ids={r.culprit_ids}, weights finite={finite}, "
           f"last loss {obs.loss.item():.4f}")

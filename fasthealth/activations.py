@@ -7,7 +7,10 @@ copies the tables of the latest forward/backward to the host once.
 
 First producer: the first module, in forward order, whose inputs were finite and whose output
 was not; failing that, the first module in backward order whose incoming gradient was finite
-and whose outgoing gradient was not. Modules that only pass a NaN on are not blamed.
+and whose outgoing gradient was not. Modules that only pass a NaN on are not blamed. A module's
+inputs are its positional and keyword tensor arguments (a Hugging Face model is called with
+``input_ids=``, ``inputs_embeds=``); its own parameters are not inputs: a NaN weight makes its
+module the producer.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ class ActivationMonitor:
         self._backward_handles: list = []
         self._handles.append(root.register_forward_pre_hook(self._start_pass))
         for name, m in chosen:
-            self._handles.append(m.register_forward_hook(self._forward_hook(name)))
+            self._handles.append(m.register_forward_hook(self._forward_hook(name),
+                                                         with_kwargs=True))
 
     # hooks ----------------------------------------------------------------------------------
 
@@ -126,9 +130,10 @@ class ActivationMonitor:
         store.append((name, s.raw, len(inputs)))
 
     def _forward_hook(self, name: str):
-        def hook(module, args, output):
-            if self._recording:
-                self._record(self._forward, name, _tensors(args), _tensors(output))
+        def hook(module, args, kwargs, output):
+            if self._recording:  # keyword arguments are inputs too
+                self._record(self._forward, name, _tensors(args) + _tensors(kwargs),
+                             _tensors(output))
         return hook
 
     def _backward_hook(self, name: str):

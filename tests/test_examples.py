@@ -37,7 +37,8 @@ def run_example(args: list[str], prefix: str) -> str:
 def test_plain_loop():
     line = run_example([str(EXAMPLES / "plain_loop.py")], "plain_loop:")
     assert re.fullmatch(
-        r"plain_loop: 1 incident \(nonfinite_loss at step 40, 2 alarms\), skipped=True, replay "
+        r"plain_loop: 1 incident \(nonfinite_loss at step 40, 2 alarms, likely cause batch: "
+        r"batch on replay\), skipped=True, replay "
         rf"source=batch culprit_ids=\[1287\], weights finite=True, last loss {NUM}", line), line
 
 

@@ -30,7 +30,7 @@ def test_severity_is_by_consequence():
 def test_aftermath_joins_the_fault_and_a_quiet_period_closes_it():
     t = IncidentTracker(quiet=50, notice_quiet=10)
     inc, opened, alarmed = t.add(100, [ev(100, "loss_spike"), ev(100, "grad_norm_spike")])
-    assert opened and alarmed and inc.cause == "loss_spike" and inc.severity == ALARM
+    assert opened and alarmed and inc.trigger == "loss_spike" and inc.severity == ALARM
     for step in (110, 130, 170):  # the damaged model recovering: each within 50 of the last
         assert t.advance(step) is None
         again, opened, alarmed = t.add(step, [ev(step, "loss_spike")])
@@ -112,7 +112,7 @@ def test_a_notice_that_the_loss_confirms_becomes_an_alarm_incident():
     inc, opened, alarmed = t.add(5, [ev(5, "grad_norm_spike")])
     assert opened and not alarmed and inc.severity == NOTICE
     same, opened, alarmed = t.add(7, [ev(7, "loss_spike")])
-    assert same is inc and alarmed and inc.severity == ALARM and inc.cause == "loss_spike"
+    assert same is inc and alarmed and inc.severity == ALARM and inc.trigger == "loss_spike"
     assert inc.kinds == ["grad_norm_spike", "loss_spike"]
 
 
@@ -194,7 +194,7 @@ def test_two_nans_apart_are_two_incidents():
                                                                             model, opt)
 
     mon = train(m, opt, 60, plant=plant)
-    assert [(i.start, i.cause) for i in mon.incidents] == [(20, "nonfinite_loss"),
+    assert [(i.start, i.trigger) for i in mon.incidents] == [(20, "nonfinite_loss"),
                                                            (35, "nonfinite_loss")]
 
 

@@ -231,7 +231,7 @@ def test_replay_writes_its_result_beside_the_dump_and_the_report_shows_it(tmp_pa
     torch.manual_seed(0)
     model = Net()
     mon = run(model, tmp_path, 7, mask_sample(5))
-    inc = next(i for i in mon.incidents if i.cause == "nonfinite_loss")
+    inc = next(i for i in mon.incidents if i.trigger == "nonfinite_loss")
     logged = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     r = fh.replay(inc.dump, model, lm_loss)
     assert r.culprit_ids == [705]
@@ -248,13 +248,14 @@ def test_replay_writes_its_result_beside_the_dump_and_the_report_shows_it(tmp_pa
 
     _, text = report.write(tmp_path)
     line = next(t for t in text.splitlines() if "replay:" in t)
-    assert "reproduces; first non-finite module blocks.0; source forward; samples 705" in line
+    assert ("reproduces; first non-finite module blocks.0; source forward; samples 705; "
+            "likely cause batch") in line
     log = report.read_log(tmp_path)
-    shown = next(i for i in log.incidents if i["cause"] == "nonfinite_loss")
+    shown = next(i for i in log.incidents if i["trigger"] == "nonfinite_loss")
     assert report.replay_brief(shown["replay"]) == "samples 705"
     fig = report.figure(log.meta, log.steps, log.events, log.incidents)
     labels = [t.get_text() for t in fig.axes[0].texts]
-    assert any(t.endswith("nonfinite_loss: samples 705") for t in labels), labels
+    assert any(t.endswith("batch: samples 705") for t in labels), labels
 
     # a replay that cannot write its result warns and still returns it
     def refuse(*a, **k):

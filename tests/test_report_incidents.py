@@ -90,9 +90,10 @@ def test_summary_lists_both_incidents_with_spans_causes_and_counts(tmp_path):
     path, text = report.write(tmp_path)
     assert "incidents: 2 (1 alarm, 1 notice)" in text
     first, second = _table_line(text, "#0"), _table_line(text, "#1")
-    assert first.split()[:5] == ["#0", "20-24", "alarm", "3", "loss_spike"], first
+    # a log from before causes: its 'cause' is a kind, shown as the trigger, the cause unknown
+    assert first.split()[:6] == ["#0", "20-24", "alarm", "3", "?", "loss_spike"], first
     assert first.rstrip().endswith("loss_spike, grad_norm_spike")
-    assert second.split()[:5] == ["#1", "70-71", "notice", "2", "grad_norm_spike"], second
+    assert second.split()[:6] == ["#1", "70-71", "notice", "2", "?", "grad_norm_spike"], second
     assert second.rstrip().endswith("grad_norm_spike, exploding_grad")
     assert text.index("#0 ") < text.index("#1 ") < text.index("  events:")  # before the events
     # the dump, shown from the log dir; no replay output in this log: what to run
@@ -247,12 +248,12 @@ def test_bad_incident_lines_are_named_and_the_rest_reported(tmp_path, capsys):
     assert "incidents.jsonl line 5: not JSON" in out.err
     assert "incidents.jsonl line 6: the incident's 'id' is \"x\", not an id" in out.err
     assert "incidents.jsonl line 7: the incident's 'kinds' is \"loss_spike\", not a list" in out.err
-    assert "incidents.jsonl line 7: the incident's 'cause' is 7, not a kind" in out.err
+    assert "incidents.jsonl line 7: the incident's 'cause' is 7, not a cause or a kind" in out.err
     assert "incidents.jsonl line 7: the incident's 'severity' is \"bad\"" in out.err
     assert "incidents.jsonl line 8: a partial last line" in out.err
     # what the bad record has wrong, the incident's earlier records said
     first = _table_line(out.out, "#0")
-    assert first.split()[:5] == ["#0", "20-24", "alarm", "3", "loss_spike"], first
+    assert first.split()[:6] == ["#0", "20-24", "alarm", "3", "?", "loss_spike"], first
 
 
 def test_an_incident_left_open_takes_its_end_from_its_events(tmp_path):
@@ -301,7 +302,7 @@ def test_a_reopened_log_dir_keeps_incidents_that_share_an_id(tmp_path):
         _incident("opened", 0, 60, 60, ["nonfinite_loss"], "nonfinite_loss", "alarm", 1),
         _incident("closed", 0, 60, 60, ["nonfinite_loss"], "nonfinite_loss", "alarm", 1)])
     log = report.read_log(tmp_path)
-    assert [(i["id"], i["start"], i["cause"]) for i in log.incidents] == [
+    assert [(i["id"], i["start"], i["trigger"]) for i in log.incidents] == [
         (0, 20, "loss_spike"), (0, 60, "nonfinite_loss")]
 
 

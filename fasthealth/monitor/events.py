@@ -73,11 +73,13 @@ class Event:
 @dataclass
 class Incident:
     """The events of one fault: from ``start`` to ``end`` (steps), the ``kinds`` seen in order of
-    first appearance, ``cause`` (the kind of its first alarm, else of its first event),
-    ``severity`` ("alarm" once any of its events is one), ``events`` (the first of each kind and
-    severity: later ones are counted on it, ``Event.repeats``), ``counts`` (the steps each kind
-    was seen at) and ``dump`` (the saved step of its first alarm). ``open`` until it is over
-    (``incidents.py``)."""
+    first appearance, ``trigger`` (the kind of its first alarm, else of its first event),
+    ``cause`` (its likely cause, one of ``kinds.CAUSES``, judged from its evidence:
+    ``causes.py``), ``check_first`` (what to check first for that cause) and ``why`` (the
+    evidence that named it), ``severity`` ("alarm" once any of its events is one), ``events``
+    (the first of each kind and severity: later ones are counted on it, ``Event.repeats``),
+    ``counts`` (the steps each kind was seen at) and ``dump`` (the saved step of its first
+    alarm). ``open`` until it is over (``incidents.py``)."""
 
     id: int
     start: int
@@ -89,16 +91,26 @@ class Incident:
     dump: str | None = None
     open: bool = True
     counts: dict[str, int] = field(default_factory=dict)
+    trigger: str = ""
+    check_first: str = ""
+    why: str = ""
 
     @property
     def message(self) -> str:
-        """The first alarm's message (else the first event's): what a log line shows."""
+        """The first alarm's message (else the first event's): what a log line shows. With a
+        ``check_first``, the rule's own "Check first: ..." advice gives way to it (a spike's
+        "this step's batch" is wrong when the weights are the cause)."""
         first = next((e for e in self.events if e.severity == ALARM), self.events[0])
-        return first.message
+        text = first.message
+        if self.check_first:
+            text = text.split(" Check first:")[0].split("Check first:")[0].rstrip(" .;,")
+            text += f". Likely cause: {self.cause}; check first: {self.check_first}"
+        return text
 
     def to_json(self, state: str) -> dict:
         return {"record": "incident", "state": state, "id": self.id, "start": self.start,
                 "end": self.end, "kinds": list(self.kinds), "cause": self.cause,
+                "trigger": self.trigger, "check_first": self.check_first, "why": self.why,
                 "severity": self.severity, "events": len(self.events),
                 "counts": dict(self.counts), "dump": self.dump, "message": self.message}
 

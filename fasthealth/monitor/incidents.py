@@ -8,16 +8,21 @@ opens a new one. An alarm incident stays open while the run has not come back fr
 median of the last ``recent`` (10) finite losses more than ``recover`` (20%) above the median of
 the 32 before the incident opened, or a GradScaler's scale still 8x or more below the highest of
 those 32 steps (a persistent fault, a data change or a collapsed scale, spikes again 100 steps
-later: that is still its aftermath). An incident that opens before the loss has a level (fewer
-than ``recent`` losses: a fault from the first steps, an LR far too high) stays open until the
-loss has fallen ``recover`` below its first value, the model at its initialization: a run that
-never learns is one fault, however often it spikes. Otherwise an incident closes after ``quiet``
-steps without an event; sooner when it cannot explain what comes later: after ``notice_quiet``
-steps while it holds only notices (a notice that nothing confirms should not hold the door open
-for an unrelated alarm much later), and after ``skipped_quiet`` steps while every event in it
-was at a skipped step (the update never reached the weights, so there is no aftermath: a NaN ten
-steps later is a fault of its own, a NaN at every step is still one). A notice incident that an
-alarm joins becomes an alarm: a gradient spike that the loss then confirms.
+later: that is still its aftermath). Above all it stays open while the run is broken: the last
+step's loss or gradients non-finite (a NaN in the gradients under a GradScaler; its overflow
+steps are the scaler at work), or its loss ``broken`` (1e6) times its level before the incident
+(a loss of 3e38 is no model at all, whatever the median of the finite losses says): it closes
+only on recovery, whatever its quiet periods. An incident that opens before the loss has a level
+(fewer than ``recent`` losses: a fault from the first steps, an LR far too high) stays open
+until the loss has fallen ``recover`` below its first value, the model at its initialization: a
+run that never learns is one fault, however often it spikes. Otherwise an incident closes after
+``quiet`` steps without an event; sooner when it cannot explain what comes later: after
+``notice_quiet`` steps while it holds only notices (a notice that nothing confirms should not
+hold the door open for an unrelated alarm much later), and after ``skipped_quiet`` steps while
+every event in it was at a skipped step (the update never reached the weights, so there is no
+aftermath: a NaN ten steps later is a fault of its own, a NaN at every step is still one). A
+notice incident that an alarm joins becomes an alarm: a gradient spike that the loss then
+confirms.
 
 When the run is not (or no longer) harmed by an alarm incident and ``settle`` (10) steps have
 passed since its last new finding, an alarm of a kind the incident does not hold is a new fault:
@@ -53,8 +58,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .causes import CHECK_FIRST, CauseConfig, judge
 from .events import ALARM, NOTICE, Event, Incident
-from .kinds import GRADIENT, KINDS
+from .kinds import GRADIENT, KINDS, cause_of
 
 SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19: its square is inf
 
@@ -92,6 +98,15 @@ class IncidentConfig:
     overflow_explains: bool = True
     """Broken optimizer state is explained by a gradient whose square overflows float32 (Adam's
     second moment), as well as by a non-finite value."""
+    broken: float = 1e6
+    """A last loss this many times its level before the incident (or the run's first loss)
+    is a broken run and holds an alarm incident open, like a non-finite one: no real loss
+    moves a million-fold while training (a cross-entropy that fell to 1e-3 and climbs back to
+    its uniform value, about 10, moves 1e4-fold), while a NaN-filled stretch leaves the median
+    of the finite losses at its old level (issue 31: an incident closed at a loss of
+    3.06e38)."""
+    causes: CauseConfig = CauseConfig()
+    """The evidence rules that name an incident's likely cause (``causes.py``)."""
 
     def __post_init__(self) -> None:
         if min(self.quiet, self.notice_quiet, self.skipped_quiet, self.settle or 1) < 1:
@@ -112,6 +127,15 @@ def dump_due(policy: str, events: list[Event], alarmed: bool) -> bool:
     if policy == "alarm":
         return any(e.severity == ALARM for e in events)
     return policy == "event" and bool(events)
+
+
+def step_finite(values: dict) -> bool:
+    """Whether a step's loss and gradients were finite; under a GradScaler, Inf without NaN in
+    the gradients at a finite loss is an overflow step, the scaler at work."""
+    scale = values.get("loss_scale")
+    scaled = isinstance(scale, float) and scale == scale  # not NaN: a scaler
+    grads = bool(values["grads_finite"]) or (scaled and values.get("nan_count", 1) == 0)
+    return bool(values["loss_finite"]) and grads
 
 
 def _norm(e: Event) -> float:
@@ -146,10 +170,23 @@ class IncidentTracker:
         # the first recorded event of each (kind, severity) in the open incident
         self.firsts: dict[tuple[str, str], Event] = {}
         self.skipped_only = False  # every event of the open incident was at a skipped step
+        self.last = (math.nan, True)  # the last step's loss, and whether it was finite
+        self.after: list[float] | None = None  # losses after the open incident's first alarm
+        self.scaled = False  # a GradScaler's scale has been seen
 
-    def observe(self, loss: float, scale: float, grad_norm: float = math.nan) -> None:
+    def observe(self, loss: float, scale: float, grad_norm: float = math.nan,
+                finite: bool = True) -> None:
+        """The step's loss, loss scale and gradient norm; ``finite``: its loss and gradients
+        were finite (``step_finite``)."""
+        self.last = (loss, finite)
         if math.isfinite(grad_norm) and self.current is not None:
             self.peak_norm = max(self.peak_norm, grad_norm)
+        cur = self.current
+        if cur is not None and cur.severity == ALARM:
+            if self.after is None:
+                self.after = []  # the first alarm's own step
+            else:
+                self.after.append(loss if finite else math.nan)
         if math.isfinite(loss):
             self.losses.append(loss)
             if not math.isfinite(self.first_loss):
@@ -157,9 +194,32 @@ class IncidentTracker:
         if math.isfinite(scale):
             self.scale = scale
             self.scales.append(scale)
-        cur = self.current
+            self.scaled = True
         if cur is not None and cur.severity == ALARM and not self.harmed:
             self.harmed = self._unrecovered()
+        self._judge()
+
+    def _judge(self) -> None:
+        """Names the open incident's likely cause from its evidence so far (``causes.py``)."""
+        cur = self.current
+        if cur is None:
+            return
+        level = self.baseline[0]
+        if level is None and math.isfinite(self.first_loss):
+            level = self.first_loss
+        cur.cause, cur.why = judge(cur, self.after, level, self.scaled, self.config.causes)
+        cur.check_first = CHECK_FIRST[cur.cause]
+
+    def broken(self) -> bool:
+        """Whether the run is broken at the last step: its loss or gradients non-finite, or
+        its loss ``broken`` times its level before the open incident (the module docstring)."""
+        loss, finite = self.last
+        if not finite:
+            return True
+        level = self.baseline[0]
+        if level is None:
+            level = self.first_loss
+        return math.isfinite(level) and level > 0 and loss > self.config.broken * level
 
     def take_closed(self) -> list[Incident]:
         """The incidents ``add`` closed early since the last call."""
@@ -185,6 +245,8 @@ class IncidentTracker:
         cur = self.current
         if cur is None:
             return False
+        if cur.severity == ALARM and self.broken():
+            return False  # the run is still broken: it closes only on recovery
         if self.skipped_only:
             limit = self.skipped_quiet
         elif cur.severity == ALARM:
@@ -227,7 +289,8 @@ class IncidentTracker:
         delayed = any(KINDS[k].delayed for k in held if k in KINDS)
         waits = delayed and not self.harmed  # its harm is still to come
         if new_alarm and cur.severity == ALARM and not waits and self.settle is not None \
-                and step - self.last_new >= self.settle and not self._unrecovered():
+                and step - self.last_new >= self.settle and not self._unrecovered() \
+                and not self.broken():
             return False  # the run got over it: a new kind of alarm is a new fault
         return True
 
@@ -265,13 +328,15 @@ class IncidentTracker:
         if opened:
             first = next((e for e in events if e.severity == ALARM), events[0])
             self.current = Incident(id=len(self.incidents), start=step, end=step, kinds=[],
-                                    cause=first.kind, severity=NOTICE)
+                                    cause=cause_of(first.kind), severity=NOTICE,
+                                    trigger=first.kind)
             self.incidents.append(self.current)
             level = statistics.median(self.losses) if len(self.losses) >= self.recent else None
             self.baseline = (level, max(self.scales) if self.scales else math.nan)
             self.harmed = False
             self.peak_norm = 0.0
             self.skipped_only = True
+            self.after = None
         cur = self.current
         assert cur is not None
         was_alarm = cur.severity == ALARM
@@ -292,8 +357,10 @@ class IncidentTracker:
             if e.kind not in cur.kinds:
                 cur.kinds.append(e.kind)
             if e.severity == ALARM and cur.severity != ALARM:
-                cur.severity, cur.cause = ALARM, e.kind
+                cur.severity, cur.trigger = ALARM, e.kind
+                self.after = None
         cur.end = step
+        self._judge()
         return cur, opened, cur.severity == ALARM and not was_alarm, kept
 
     def close_all(self) -> list[Incident]:

@@ -15,18 +15,21 @@ in ``errors``, never raised.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .events import Event, Incident, NonFiniteError
-from .incidents import IncidentTracker, dump_due
+from .incidents import IncidentTracker, dump_due, step_finite
 from .kinds import fatal_kinds
 from .record import HostStep
 from .rules import Rule, as_finding
 from .schedule import ScheduleView
-from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
+from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
+
+RECENT_LR = 64  # steps whose learning rate a dump keeps: an earlier level to compare with
 
 
 class Journal:
@@ -48,6 +51,11 @@ class Journal:
         self.errors: list[str] = self.jsonl.errors if self.jsonl is not None else []
         # called once per incident, when it becomes an alarm (Monitor.on_alarm)
         self.alarm_listeners: list[Callable[[Incident], None]] = []
+        # for the dumps (fh.replay's verdict): the learning rates of the last steps, and what
+        # the latest optimizer scan found
+        self.recent_lr: deque[tuple[int, float | None]] = deque(maxlen=RECENT_LR)
+        self.optimizer: dict | None = None
+        self.previous: HostStep | None = None  # the step before, its batch a dump's control
 
     def flush(self, steps: list[HostStep],
               snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
@@ -71,6 +79,8 @@ class Journal:
                                             for inc, state in s.info["incidents"]])
             if self.tb is not None:
                 self.tb.write(s)
+            if s.info.get("batch") is not None:
+                self.previous = s
             self.backlog.pop(0)
         if self.jsonl is not None:
             self.jsonl.drain()
@@ -95,12 +105,13 @@ class Journal:
                 if callable(rearm):
                     rearm()
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
+        self._remember(s)
         found = [Event(s.step, f.kind, f.message, dict(f.details, **details),
                        severity=f.severity or "")
                  for rule in self.detectors for f in map(as_finding, rule.observe(s))]
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
-                             s.values["grad_norm"])
+                             s.values["grad_norm"], step_finite(s.values))
         ended = ([closed] if closed else []) + self.tracker.take_closed()
         s.info["incidents"] = [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened else [])
@@ -111,12 +122,27 @@ class Journal:
             for listener in self.alarm_listeners:
                 listener(incident)
 
+    def _remember(self, s: HostStep) -> None:
+        """Keeps the step's learning rate and, at an optimizer scan, what it found."""
+        self.recent_lr.append((s.step, s.info["lr"]))
+        count = s.values["optimizer_nonfinite"]
+        if count == count:  # scanned at this step
+            stats = s.info.get("opt_stats")
+            self.optimizer = {"step": s.step, "nonfinite": int(count), "tensors": (
+                stats.nonfinite() if count and stats is not None else [])}
+
     def _save_dump(self, s: HostStep, events: list[Event],
                    snapshots: list[list[torch.Tensor]] | None) -> str | None:
         assert self.jsonl is not None and self.log_dir is not None
         params = snapshots[s.info["slot"]] if snapshots is not None else None
         try:
-            dump = write_dump(self.log_dir, s, self.names, events, params)
+            prev = self.previous
+            control = None if prev is None or prev.step >= s.step else {
+                "step": prev.step, "batch": map_tensors(lambda t: t.detach().cpu(),
+                                                        prev.info["batch"])}
+            dump = write_dump(self.log_dir, s, self.names, events, params, {
+                "recent_lr": list(self.recent_lr), "optimizer": self.optimizer,
+                "control": control})
         except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
             self.jsonl.fail(exc)
             return None

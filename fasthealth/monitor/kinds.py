@@ -4,8 +4,9 @@ A ``Kind`` says what a finding of that kind is (its one-line ``doc``), how grave
 default (``severity``), which open incidents can be its cause (``explained_by``), the colour the
 report draws it in, and what to check first (``advice``). The rules (``rules/``) declare the
 kinds they raise; events take their severity from here, the incident tracker what explains what,
-the report its colours, and the tables in the README and docs/spec.md are printed from here
-(``python -m fasthealth.monitor.kinds``) and checked against it by a test.
+the report its colours, an incident its default likely ``cause``, and the tables in the README
+and docs/spec.md are printed from here (``python -m fasthealth.monitor.kinds``) and checked
+against it by a test.
 
 A new rule adds its kinds with ``register``; nothing else has to know about it.
 """
@@ -17,6 +18,12 @@ from dataclasses import dataclass
 
 ALARM, NOTICE = "alarm", "notice"
 SEVERITIES = (ALARM, NOTICE)
+
+# The likely causes an incident names (``Incident.cause``, ``ReplayResult.cause``): the data,
+# damaged model state, the learning rate or its schedule, the optimizer's state, the numeric
+# range (overflow, fp16, loss scale), or something outside all of them (it does not reproduce:
+# the loss code, a transient hardware fault).
+CAUSES = ("batch", "weights", "learning_rate", "optimizer_state", "numeric_range", "outside")
 
 # what groups of kinds are called in ``explained_by``
 NONFINITE = frozenset({"nonfinite_loss", "nonfinite_grad"})
@@ -33,7 +40,8 @@ class Kind:
     only by an incident that already holds it or one of the set: a learning rate far above its
     peak is a change of configuration, never the aftermath of a bad batch. ``delayed``: a cause
     whose harm shows only some steps later (the incident keeps explaining until the harm has
-    come and gone)."""
+    come and gone). ``cause``: the likely cause (``CAUSES``) of an incident this kind
+    triggers when no other evidence names one (``causes.py``)."""
 
     name: str
     doc: str
@@ -43,8 +51,12 @@ class Kind:
     explained_by: frozenset[str] | None = None
     delayed: bool = False
     fatal: bool = False  # a non-finite loss or gradient: what on_nonfinite acts on
+    cause: str = "outside"
 
     def __post_init__(self) -> None:
+        if self.cause not in CAUSES:
+            raise ValueError(f"fasthealth: kind {self.name!r}: cause must be one of {CAUSES}, "
+                             f"got {self.cause!r}")
         if self.severity not in SEVERITIES:
             raise ValueError(f"fasthealth: kind {self.name!r}: severity must be 'alarm' or "
                              f"'notice', got {self.severity!r}")
@@ -86,6 +98,13 @@ def colour_of(name: str) -> str:
     return "#" + "".join(f"{64 + b % 160:02x}" for b in h[:3])
 
 
+def cause_of(name: str) -> str:
+    """The default likely cause of an incident that ``name`` triggers; an unknown kind:
+    "outside" (nothing known points inside the run)."""
+    k = KINDS.get(name)
+    return k.cause if k is not None else "outside"
+
+
 def fatal_kinds() -> frozenset[str]:
     return frozenset(k.name for k in KINDS.values() if k.fatal)
 
@@ -116,78 +135,79 @@ register(
          "`on_nonfinite=\"skip\"`)",
          "replay the dump: the batch (`r.source == \"batch\"`, `r.culprit_ids`) or a module "
          "(`r.first_nonfinite`); then the loss's divisions, logs and masks",
-         "#d62728", fatal=True),
+         "#d62728", fatal=True, cause="batch"),
     Kind("nonfinite_grad", "NaN/Inf in gradients; the details name the tensors",
          "if the loss was finite, the backward of the first tensor named (replay names the "
-         "module); then fp16 ranges", "#ff7f0e", fatal=True),
+         "module); then fp16 ranges", "#ff7f0e", fatal=True, cause="numeric_range"),
     Kind("loss_spike", "the loss jumped far above its recent level",
          "that step's batch (replay it): corrupt, mislabelled, out-of-distribution samples",
-         "#9467bd"),
+         "#9467bd", cause="batch"),
     Kind("grad_norm_spike", "the global gradient norm jumped; an alarm when the loss jumped "
          "with it", "that batch, then the learning rate; `max_grad_norm` bounds the damage",
-         "#8c564b", severity=NOTICE),
+         "#8c564b", severity=NOTICE, cause="batch"),
     Kind("divergence", "the loss has been rising steadily",
          "the learning rate (schedule, end of warm-up), then a shift in the data, then the "
-         "optimizer state", "#e377c2"),
+         "optimizer state", "#e377c2", cause="learning_rate"),
     Kind("exploding_grad", "a tensor's gradient far above its own level, or the global norm "
          "climbing for many steps; an alarm once the loss confirms it",
          "those weights (`fh.check_params`), their learning rate and weight decay, clipping",
-         "#393b79", severity=NOTICE),
+         "#393b79", severity=NOTICE, cause="learning_rate"),
     Kind("lr_jump", "the learning rate more than 3x the highest it has been, at once or over "
          "one climb", "the scheduler (stepped per batch instead of per epoch? resumed state? "
          "a growth factor above 1?), then the run's configuration", "#637939",
-         explained_by=frozenset(), delayed=True),
+         explained_by=frozenset(), delayed=True, cause="learning_rate"),
     Kind("oscillation", "large alternating swings of the loss, no downward trend",
          "lower the learning rate or lengthen warm-up; then alternating, unshuffled data",
-         "#17becf"),
+         "#17becf", cause="learning_rate"),
     Kind("vanishing_grad", "gradients collapsed to ~0, globally or in named tensors",
          "a constant or masked-out loss; dead ReLUs, saturated sigmoid/tanh; parameters "
-         "frozen by mistake", "#7f7f7f"),
+         "frozen by mistake", "#7f7f7f", cause="weights"),
     Kind("stall", "a run that has not learned from the start, with tensors whose gradients "
          "never reach them (named)", "whether gradients reach every layer (saturating "
          "activations, depth without residuals or normalisation), then the learning rate",
-         "#c49c94"),
+         "#c49c94", cause="weights"),
     Kind("optimizer_state_nonfinite", "NaN/Inf in the optimizer's state (e.g. Adam's moments)",
          "a checkpoint loaded into the optimizer; a step let through with "
-         "`on_nonfinite=\"warn\"`", "#bcbd22", explained_by=NONFINITE),
+         "`on_nonfinite=\"warn\"`", "#bcbd22", explained_by=NONFINITE, cause="optimizer_state"),
     Kind("loss_scale_collapse", "a GradScaler's scale fell below `min_loss_scale` (1.0), "
          "became NaN, or dropped 8x in 10 steps", "activations beyond float16's range "
          "(`fh.ActivationMonitor(model, range_dtype=torch.float16)`), or train in bfloat16",
-         "#1f77b4", explained_by=NONFINITE | GRADIENT),
+         "#1f77b4", explained_by=NONFINITE | GRADIENT, cause="numeric_range"),
     Kind("replica_divergence", "ranks that should hold the same gradients do not (named)",
          "those ranks' hardware (ECC errors, a failing GPU), then whether every rank runs the "
-         "same code and data order", "#e7ba52"),
+         "same code and data order", "#e7ba52", cause="outside"),
     Kind("precursor_update_ratio", "an update that is a large share of the weights it "
          "changed (update-to-weight ratio far above its level)", "the learning rate and its "
-         "warm-up, then that layer's gradients", "#aec7e8", severity=NOTICE),
+         "warm-up, then that layer's gradients", "#aec7e8", severity=NOTICE,
+         cause="learning_rate"),
     Kind("precursor_adam_eps", "tensors whose gradient RMS fell below Adam's eps: eps, not "
          "the gradient, sets their update", "a smaller `eps` (1e-15 to 1e-8)", "#98df8a",
-         severity=NOTICE),
+         severity=NOTICE, cause="optimizer_state"),
     Kind("precursor_logit_growth", "the LM head's logits (largest, or log Z) far above their "
          "level early in the run", "a z-loss, or weight decay on the head", "#ff9896",
-         severity=NOTICE),
+         severity=NOTICE, cause="weights"),
     Kind("precursor_attention_logits", "attention logits growing without bound (watched with "
          "`attention=`)", "qk-layernorm, or a lower learning rate for attention",
-         "#c5b0d5", severity=NOTICE),
+         "#c5b0d5", severity=NOTICE, cause="weights"),
     Kind("no_grad", "no parameter has a gradient (every `.grad` is None)",
          "whether `loss.backward()` is called before the step, and whether the optimizer's "
          "parameters are the model's; then a loss detached from the model", "#7b4173",
-         explained_by=frozenset()),
+         explained_by=frozenset(), cause="outside"),
     Kind("weight_corruption", "a parameter turned non-finite, or its largest magnitude jumped "
          "by orders of magnitude, between two weight scans (named, with the old and new "
          "magnitude)",
          "a checkpoint or state_dict loaded into the model, code writing to the weights, then "
          "the hardware (ECC errors: silent data corruption)", "#843c39",
-         explained_by=NONFINITE | GRADIENT),
+         explained_by=NONFINITE | GRADIENT, cause="weights"),
     Kind("repeated_batch", "the same batch (by sample ids, else a fingerprint) several steps "
          "in a row after the run had shown different ones", "the data loader: an iterator "
          "re-created each step, a batch variable not reassigned, a stuck sampler", "#5254a3",
-         explained_by=frozenset()),
+         explained_by=frozenset(), cause="batch"),
     Kind("overflow_streak", "under a GradScaler, every step skipped for a float16 overflow "
          "for many steps in a row: the run has stopped learning", "a loss scale forced high "
          "(init_scale, backoff_factor, growth_interval), activations beyond float16's range, "
          "or train in bfloat16", "#de9ed6",
-         explained_by=NONFINITE | GRADIENT | {"loss_scale_collapse"}),
+         explained_by=NONFINITE | GRADIENT | {"loss_scale_collapse"}, cause="numeric_range"),
 )
 
 

@@ -12,8 +12,29 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   value in that pass, None when the step does not reproduce.
 - ``first_nonfinite``: the innermost module, leaf or not, whose inputs were finite and whose
   output was not (a masked softmax inside an attention block names the block).
-- ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, the
-  batch is bisected: the sample ids of the smallest part found that alone reproduces the event.
+- ``culprit_ids``: with sample ids and a batch whose tensors share their first dimension, a
+  group test finds every sample that alone reproduces the event: halves are replayed, and
+  every half that reproduces is split again (at most ``max_replays``, by default ``4 x`` the
+  batch size: ``capped`` says the search stopped there). A part of ``m`` samples reproduces
+  a spike when its excess over the window's median is at least half the recorded excess
+  divided by ``m`` (a mean over ``m`` samples dilutes one bad sample ``m``-fold), and it is
+  judged on its non-finite values and spikes only (its loss is not the batch's). When no
+  single sample reproduces but the batch does, ``culprit_ids`` is the smallest part found that
+  does.
+- ``cause`` (``kinds.CAUSES``), the first that applies: non-finite optimizer state in the
+  dump: "optimizer_state"; reproduced with dumped parameters that hold NaN/Inf or a value of
+  1e10 or more: "weights", whichever samples reproduce it (they only read the broken weights:
+  a NaN row of an embedding, a 1e30 weight that only some inputs reach); not reproduced:
+  "numeric_range" under a GradScaler with non-finite gradients (replay runs unscaled), else
+  "outside" (the loss code first: a loss computed differently at that step; then a transient
+  hardware fault); reproduced by the batch's own NaN/Inf: "batch"; when the dump's learning
+  rate (the last 8 steps) is 3x or more its earlier median: "learning_rate" (whichever samples
+  reproduce it: the model it damaged fails on some of them); by some samples only: "batch";
+  by every sample alone, only by the whole batch, or without a search: the batch of the step
+  before (the dump's ``control``), replayed on the same weights, tells: it reproduces too, the
+  model state, "weights"; it does not, "batch" (a batch that is junk throughout). Without a
+  control: "weights" when every sample reproduces, "batch" without a search (the verdict says
+  the model state may be).
 
 What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
 reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
@@ -44,6 +65,7 @@ from .sinks import map_tensors
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 RESULT_SUFFIX = ".replay.json"  # what replay found, beside the dump: "<dump>.replay.json"
+SPIKES = ("loss_spike", "grad_norm_spike")  # judged by their excess; samples can cause them
 
 
 @dataclass
@@ -57,8 +79,10 @@ class ReplayResult:
     kinds: list[str] = field(default_factory=list)
     recorded: dict = field(default_factory=dict)
     source: str | None = None  # "batch", "forward", "backward", or None (did not reproduce)
-    culprit_ids: list | None = None  # sample ids of the smallest part that alone reproduces
-    replays: int = 1  # forward + backward passes run, the bisection's included
+    culprit_ids: list | None = None  # sample ids of every sample that alone reproduces
+    replays: int = 1  # forward + backward passes run, the group test's included
+    cause: str | None = None  # the likely cause, one of kinds.CAUSES
+    capped: bool = False  # the group test stopped at its cap of replays
 
 
 def _bare(name: str) -> str:
@@ -148,28 +172,35 @@ class _Pass:
         self.loss = float(loss.detach().float())
 
 
-def _reproduces(p: _Pass, events: list[dict], record: dict) -> bool:
+def _reproduces(p: _Pass, events: list[dict], record: dict, part: int | None = None) -> bool:
+    """Whether pass ``p`` reproduces ``events``; ``part``: the samples of a part of the batch
+    replayed (a spike's excess diluted that many times counts, and only the non-finite values
+    and spikes are judged: a part's loss is not the batch's)."""
     checks = []
+    if part is not None:
+        judged = [e for e in events if e["kind"] in fatal_kinds() or e["kind"] in SPIKES]
+        events = judged or events
     for e in events:
         if e["kind"] in fatal_kinds():
             checks.append(not math.isfinite(p.loss) or not p.grads.ok)
-        elif e["kind"] in ("loss_spike", "grad_norm_spike"):
+        elif e["kind"] in SPIKES:
             value = p.loss if e["kind"] == "loss_spike" else float(p.grads.total.norm)
-            checks.append(_spike_reproduced(value, e["details"]))
+            checks.append(_spike_reproduced(value, e["details"], part or 1))
         else:  # trends and state problems: the step itself replays to the same loss
             rec = record.get("loss")
             checks.append(rec is not None and math.isclose(p.loss, rec, rel_tol=1e-3))
     return bool(checks) and all(checks)
 
 
-def _spike_reproduced(value: float, details: dict) -> bool:
-    """At least half of the recorded excess over the window's median comes back."""
+def _spike_reproduced(value: float, details: dict, part: int = 1) -> bool:
+    """At least half of the recorded excess over the window's median comes back (divided by
+    ``part``, the samples of a part: one bad sample among them shows diluted that much)."""
     if not math.isfinite(value):
         return True
     median, recorded = details.get("window_median"), details.get("value")
     if median is None or recorded is None:
         return False
-    return value - median >= 0.5 * (recorded - median)
+    return value - median >= 0.5 * (recorded - median) / part
 
 
 def _split(batch: Any, n: int, idx: torch.Tensor) -> Any:
@@ -186,21 +217,101 @@ def _shares_first_dim(batch: Any, n: int) -> bool:
     return bool(batched) and all(t.shape[0] == n for t in batched)
 
 
-def _bisect(m, loss_fn, batch, d: dict, n: int) -> tuple[list[int], int]:
-    """Halves the batch while one half alone still reproduces the events: (the indices of the
-    smallest part found, the replays it took)."""
-    current, replays = torch.arange(n), 0
-    while len(current) > 1:
+CAP = 4  # the group test's replays, at most this many times the batch size
+
+
+def _group_test(m, loss_fn, batch, d: dict, n: int, cap: int
+                ) -> tuple[list[int], list[int], int, bool]:
+    """Replays halves of the batch, splitting again every half that reproduces the events:
+    (the samples that alone reproduce them, the smallest part found that does, the replays
+    run, whether the search stopped at ``cap`` replays)."""
+    singles: list[int] = []
+    smallest, replays, capped = torch.arange(n), 0, False
+    stack = [torch.arange(n)]
+    while stack and not capped:
+        current = stack.pop()
+        if len(current) == 1:
+            singles.append(int(current[0]))
+            continue
         half = len(current) // 2
         for part in (current[:half], current[half:]):
+            if replays >= cap:
+                capped = True
+                break
             replays += 1
             p = _Pass(m, loss_fn, _split(batch, n, part), d.get("rng") or {})
-            if _reproduces(p, d.get("events", []), d.get("record", {})):
-                current = part
-                break
-        else:
-            break  # neither half alone: it takes samples from both
-    return current.tolist(), replays
+            if _reproduces(p, d.get("events", []), d.get("record", {}), len(part)):
+                stack.append(part)
+                if len(part) < len(smallest):
+                    smallest = part
+    return sorted(singles), smallest.tolist(), replays, capped
+
+
+LR_RECENT, LR_FAR = 8, 3.0  # the lr of the last 8 steps 3x its earlier median: far above
+
+
+def _lr_far_above(d: dict) -> bool:
+    """Whether the dump's learning rate (the highest of its last ``LR_RECENT`` steps) is
+    ``LR_FAR`` times or more the median of the earlier ones it recorded (lr_jump's 3x)."""
+    lrs = [lr for _, lr in d.get("recent_lr") or [] if isinstance(lr, (int, float))]
+    if len(lrs) <= LR_RECENT:
+        return False
+    earlier = sorted(lrs[:-LR_RECENT])[len(lrs[:-LR_RECENT]) // 2]
+    return earlier > 0 and max(lrs[-LR_RECENT:]) >= LR_FAR * earlier
+
+
+HUGE_WEIGHT = 1e10  # no trained weight comes near: a parameter this large is corrupt
+
+
+def _params_broken(d: dict) -> list[str]:
+    """The dumped parameters that hold NaN/Inf or a value of ``HUGE_WEIGHT`` or more."""
+    params = d.get("params") or {}
+    return [n for n, t in params.items()
+            if t.is_floating_point() and not bool((t.abs() < HUGE_WEIGHT).all())]
+
+
+def _control(m, loss_fn, d: dict, dev: torch.device) -> bool | None:
+    """Whether the batch of the step before (the dump's ``control``), replayed on the same
+    weights, reproduces the events too (then the model state causes them, not this batch);
+    None without one or when it cannot be replayed."""
+    control = d.get("control")
+    if not isinstance(control, dict) or control.get("batch") is None:
+        return None
+    ours: list[torch.Tensor] = []
+    theirs: list[torch.Tensor] = []
+    map_tensors(ours.append, d["batch"])
+    map_tensors(theirs.append, control["batch"])
+    if len(ours) == len(theirs) and all(a.shape == b.shape and torch.equal(a, b)
+                                        for a, b in zip(ours, theirs)):
+        return None  # the same values (a loader that refills one buffer): no control
+    try:
+        p = _Pass(m, loss_fn, map_tensors(lambda t: t.to(dev), control["batch"]),
+                  d.get("rng") or {})
+    except Exception:  # a loss_fn that cannot take that batch: no control
+        return None
+    return _reproduces(p, d.get("events", []), d.get("record", {}), 1)
+
+
+def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
+           singles: list | None, n: int, control: bool | None) -> str:
+    """The likely cause (see the module docstring)."""
+    if (d.get("optimizer") or {}).get("nonfinite"):
+        return "optimizer_state"
+    if reproduced and _params_broken(d):
+        return "weights"  # the samples that reproduce it only read the broken weights
+    if not reproduced:
+        scaled = d.get("record", {}).get("loss_scale") is not None
+        ranged = {"nonfinite_grad", "loss_scale_collapse", "overflow_streak"} & set(kinds)
+        return "numeric_range" if scaled and ranged else "outside"
+    if source == "batch":
+        return "batch"
+    if _lr_far_above(d):
+        return "learning_rate"  # the samples that reproduce it are the ones it hurts most
+    if singles and len(singles) < n:
+        return "batch"
+    if control is not None:  # every sample (or no search): the batch before tells
+        return "weights" if control else "batch"
+    return "batch" if singles is None else "weights"
 
 
 def result_path(dump: str | os.PathLike) -> Path:
@@ -222,7 +333,8 @@ def save_result(dump: str | os.PathLike, d: dict, r: ReplayResult) -> Path | Non
            "reproduced": r.reproduced, "source": r.source, "first_nonfinite": r.first_nonfinite,
            "culprit_ids": None if r.culprit_ids is None else [_jsonable_id(i)
                                                                for i in r.culprit_ids],
-           "kinds": r.kinds, "exact": r.exact, "replays": r.replays,
+           "kinds": r.kinds, "exact": r.exact, "replays": r.replays, "cause": r.cause,
+           "capped": r.capped,
            "loss": r.loss if math.isfinite(r.loss) else None, "verdict": r.verdict}
     tmp = None
     try:
@@ -244,11 +356,16 @@ def save_result(dump: str | os.PathLike, d: dict, r: ReplayResult) -> Path | Non
 
 def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
            device: torch.device | str | None = None,
-           find_samples: bool | None = None, save: bool = True) -> ReplayResult:
+           find_samples: bool | None = None, save: bool = True,
+           max_replays: int | None = None) -> ReplayResult:
     """Re-run the captured step on a copy of ``model``; see the module docstring.
-    ``find_samples``: bisect the batch to the samples that cause the event (default: when the
-    dump has sample ids and the batch's tensors all have a first dimension of that length).
-    ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``."""
+    ``find_samples``: search the batch for the samples that cause the event (default: when
+    the dump has sample ids, the batch's tensors all have a first dimension of that length,
+    and the event is a non-finite value or a spike: a trend has no samples to find); False
+    also skips the control replay of the batch before.
+    ``save``: write the result beside the dump (``result_path``) for ``fasthealth report``.
+    ``max_replays``: the group test's cap (default ``4 x`` the batch size; halving needs at
+    most twice the batch size: the cap bounds the cost on a large batch)."""
     if dump is None:
         raise ValueError("fasthealth: this event has no dump (was the Monitor given log_dir?)")
     path = str(dump)
@@ -270,19 +387,33 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
     id_list = ids if isinstance(ids, (list, tuple)) else []
     n = len(id_list)
-    if find_samples is None:
-        find_samples = n > 1 and _shares_first_dim(batch, n)
-    culprits, replays = None, 1
+    searches = find_samples is not False  # False: the one replay only, no control either
+    if find_samples is None:  # a trend or a state problem has no samples to find
+        find_samples = n > 1 and _shares_first_dim(batch, n) and any(
+            e["kind"] in fatal_kinds() or e["kind"] in SPIKES for e in events)
+    culprits, singles, replays, capped = None, None, 1, False
     if reproduced and find_samples:
         if not (n > 1 and _shares_first_dim(batch, n)):
             raise ValueError("fasthealth: find_samples needs sample ids in the dump and a batch "
                              "whose tensors all have that many rows")
-        found, k = _bisect(m, loss_fn, batch, d, n)
-        culprits, replays = [id_list[i] for i in found], 1 + k
+        cap = CAP * n if max_replays is None else max_replays
+        singles, smallest, k, capped = _group_test(m, loss_fn, batch, d, n, cap)
+        culprits, replays = [id_list[i] for i in singles or smallest], 1 + k
     kinds = [e["kind"] for e in events]
-    verdict = _verdict(d, kinds, reproduced, source, p, culprits, replays, exact)
+    whole = reproduced and source != "batch" and not (singles and len(singles) < n)
+    control = _control(m, loss_fn, d, dev) if whole and searches else None
+    cause = _cause(d, kinds, reproduced, source, singles, n, control)
+    verdict = _verdict(d, kinds, reproduced, source, p, culprits if singles else None,
+                       replays, exact)
+    verdict += _cause_text(cause, singles, [] if singles else culprits or [], n,
+                           capped and replays - 1, control, d)
+    replays += control is not None
+    broken = _params_broken(d)
+    if broken:
+        verdict += (f"; the weights before this step hold NaN/Inf or values of {HUGE_WEIGHT:g} "
+                    f"or more: {', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}")
     result = ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
-                          d.get("record", {}), source, culprits, replays)
+                          d.get("record", {}), source, culprits, replays, cause, capped)
     if save:
         save_result(path, d, result)
     return result
@@ -292,8 +423,10 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
              culprits: list | None, replays: int, exact: bool) -> str:
     what = ", ".join(dict.fromkeys(kinds)) or "the step"
     if not reproduced:
-        text = (f"{what} does not reproduce on replay of step {d['step']}: a transient fault "
-                "(hardware, communication, a race), not this batch")
+        text = (f"{what} does not reproduce on replay of step {d['step']}: not this batch nor "
+                "the model state; the loss code first (a loss computed differently at that "
+                "step: a scaling, a mask, a division), then a transient fault (hardware, "
+                "communication, a race)")
     else:
         text = f"{what} reproduces on replay of step {d['step']}"
         if source == "batch":
@@ -304,11 +437,37 @@ def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p:
         elif source:
             text += (f": the first non-finite value was made in the {source} pass outside the "
                      "model's modules (the loss function?)")
-        else:
-            text += ": the batch itself (or the model state) causes it"
         if culprits is not None:
             text += (f"; samples {culprits[:10]}{' ...' if len(culprits) > 10 else ''} alone "
-                     f"reproduce it ({replays} replays)")
+                     f"reproduce it ({len(culprits)} samples, {replays} replays)")
     if not exact:
         text += " [parameters were not captured: replayed with the model's current ones]"
     return text
+
+
+def _cause_text(cause: str, singles: list | None, smallest: list, n: int, capped: int,
+                control: bool | None, d: dict) -> str:
+    """What the verdict adds about the samples and the likely cause."""
+    text = ""
+    if capped:
+        text += (f"; the search stopped at its cap of {capped} replays" + (
+            ": more samples may reproduce it" if singles else
+            f" before reaching single samples: samples {smallest[:10]}"
+            f"{' ...' if len(smallest) > 10 else ''} reproduce it together, the smallest part "
+            "found"))
+    elif singles is not None and not singles:
+        text += (f"; no single sample alone reproduces it: samples {smallest[:10]}"
+                 f"{' ...' if len(smallest) > 10 else ''} do together, the smallest part found")
+    elif singles is not None and len(singles) == n:
+        text += "; every sample alone reproduces it"
+    if control is not None:
+        step = (d.get("control") or {}).get("step")
+        text += (f"; the batch of step {step}, replayed on the same weights, reproduces it too: "
+                 "not this batch but the model state" if control else
+                 f"; the batch of step {step}, replayed on the same weights, does not: this "
+                 "batch causes it")
+    elif cause == "batch" and singles is None:
+        text += "; the batch itself (or the model state) causes it"
+    if cause == "learning_rate":
+        text += "; the learning rate of the last steps is 3x or more its earlier level"
+    return text + f". Likely cause: {cause}"

@@ -260,11 +260,15 @@ class TensorBoardSink:
 
 
 def write_dump(log_dir: Path, s: HostStep, names: list[str], events: list[Event],
-               params: list[torch.Tensor] | None) -> str:
+               params: list[torch.Tensor] | None, context: dict | None = None) -> str:
     """Saves what ``fh.replay`` needs to re-run step ``s``: the batch and sample ids, the RNG
     state its forward started from, its record and, when captured, the parameters as they were
-    before its update. Written to a temporary file and renamed (a failure leaves no half
-    dump); a name already taken (a reopened run) gets a suffix. Returns the file's path."""
+    before its update; ``context``: what the host knows of the steps before it (the journal's
+    ``recent_lr``: [(step, lr)], ``optimizer``: the latest scan's non-finite count and
+    tensors, ``control``: the step and batch of the step before, replayed by ``fh.replay`` as
+    a control), for replay's verdict. Written to a temporary file and renamed (a failure leaves
+    no half dump); a name already taken (a reopened run) gets a suffix. Returns the file's
+    path."""
     folder = log_dir / "dumps"
     folder.mkdir(parents=True, exist_ok=True)
     path, k = folder / f"step_{s.step:08d}.pt", 1
@@ -284,6 +288,7 @@ def write_dump(log_dir: Path, s: HostStep, names: list[str], events: list[Event]
             "lr": s.info.get("lr"),
             "params": (None if params is None
                        else {n: t.cpu().clone() for n, t in zip(names, params)}),
+            **(context or {}),
         }, tmp)
         os.replace(tmp, path)
     finally:

@@ -94,7 +94,7 @@ def _incident_rows(incidents: list[dict] | None, log_dir: str | Path) -> str:
         rows.append(
             f"<tr style='color:{LABEL_COLORS[sev]}'><td>#{e(str(inc['id']))}</td>"
             f"<td>{inc['start']}-{inc['end']}{' (open)' if inc['state'] != 'closed' else ''}"
-            f"</td><td>{e(sev)}</td><td>{e(inc['cause'])}</td>"
+            f"</td><td>{e(sev)}</td><td>{e(inc['cause'])} ({e(inc.get('trigger', '?'))})</td>"
             f"<td>{e(', '.join(with_counts(inc['kinds'], inc.get('counts'))))}"
             f"</td><td>{inc['events']}</td><td>{e(more)}</td></tr>")
     return "\n".join(rows) or "<tr><td colspan=7>none</td></tr>"

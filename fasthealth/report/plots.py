@@ -326,8 +326,10 @@ def _label_incidents(ax, incidents: list[dict], rows: int = 3) -> None:
             continue
         # from its start rightwards, else (at the right edge) leftwards from its end
         brief = replay_brief(inc.get("replay"))
-        texts = ([f"#{inc['id']} {inc['cause']}: {brief}"] if brief else []) + [
-            f"#{inc['id']} {inc['cause']}", f"#{inc['id']}"]
+        cause = inc.get("cause") or "?"  # (a log from before causes: its trigger)
+        label = cause if cause in kinds.CAUSES else inc.get("trigger") or cause
+        texts = ([f"#{inc['id']} {label}: {brief}"] if brief else []) + [
+            f"#{inc['id']} {label}", f"#{inc['id']}"]
         tries = [(text, row, ha) for text in texts for ha in ("left", "right")
                  for row in range(rows)]
         for text, row, ha in tries:

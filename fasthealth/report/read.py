@@ -199,7 +199,9 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
                           "\"opened\" or \"closed\"", "opened") or "opened",
            "kinds": check("kinds", lambda v: isinstance(v, list)
                           and all(isinstance(k, str) for k in v), "a list of kinds"),
-           "cause": check("cause", lambda v: isinstance(v, str), "a kind"),
+           "cause": check("cause", lambda v: isinstance(v, str), "a cause or a kind"),
+           "trigger": check("trigger", lambda v: isinstance(v, str), "a kind"),
+           "check_first": check("check_first", lambda v: isinstance(v, str), "a string"),
            "severity": check("severity", lambda v: v in SEVERITIES, "\"alarm\" or \"notice\""),
            "events": check("events", lambda v: is_step(v) and v >= 0, "a count"),
            "counts": check("counts", lambda v: isinstance(v, dict) and all(
@@ -211,7 +213,8 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
     return out
 
 
-REPLAY_KEYS = ("reproduced", "first_nonfinite", "culprit_ids", "source", "verdict")
+REPLAY_KEYS = ("reproduced", "first_nonfinite", "culprit_ids", "source", "verdict", "cause",
+               "capped")
 
 
 def _replay_of(rec: dict) -> dict | None:
@@ -221,7 +224,9 @@ def _replay_of(rec: dict) -> dict | None:
     beside the dump (``_replay_beside``); a tool that logs its findings can also add them to
     the incident's record."""
     src: dict = rec["replay"] if isinstance(rec.get("replay"), dict) else rec
-    found = {k: src[k] for k in REPLAY_KEYS if src.get(k) is not None}
+    own = src is not rec or rec.get("record") == "replay"  # an incident's cause is its own
+    found = {k: src[k] for k in REPLAY_KEYS if src.get(k) is not None
+             and (own or k not in ("cause", "capped"))}
     found = {k: v for k, v in found.items() if isinstance(v, (str, list, int, float))}
     return found or None
 
@@ -374,6 +379,11 @@ def _incidents(records: list[dict], events: list[dict]) -> list[dict]:
     for key, r in by_key.items():
         r["kinds"] = r.get("kinds") or []
         r["cause"] = r.get("cause") or (r["kinds"][0] if r["kinds"] else "?")
+        if r["cause"] not in kinds.CAUSES:  # a log from before causes: its cause is a kind
+            r["trigger"] = r.get("trigger") or r["cause"]
+            r["cause"] = "?"
+        r["trigger"] = r.get("trigger") or (r["kinds"][0] if r["kinds"] else "?")
+        r["check_first"] = r.get("check_first") or ""
         r["severity"] = r.get("severity") or (
             ALARM if any(kinds.severity_of(k) == ALARM for k in r["kinds"]) else kinds.NOTICE)
         r["end"] = r.get("end", r["start"])

@@ -58,6 +58,9 @@ def replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
         ids = r["culprit_ids"] if isinstance(r["culprit_ids"], list) else [r["culprit_ids"]]
         found.append("samples " + ", ".join(map(str, ids[:10]))
                      + (f" (and {len(ids) - 10} more)" if len(ids) > 10 else ""))
+    if r.get("cause"):
+        found.append(f"likely cause {r['cause']}" + (" (search capped)" if r.get("capped")
+                                                      else ""))
     if r.get("verdict") and not found:
         found.append(str(r["verdict"]))
     return f"dump {path}; replay: " + "; ".join(found)
@@ -112,14 +115,18 @@ def incident_table(incidents: list[dict] | None, log_dir: str | Path | None = No
         return ["  incidents: none"]
     lines = [f"  incidents: {len(incidents)} ({_plural(len(alarms), 'alarm')}, "
              f"{_plural(len(notices), 'notice')})",
-             f"    {'id':<5} {'steps':<13} {'severity':<9} {'events':>6}  {'cause':<26} kinds"]
+             f"    {'id':<5} {'steps':<13} {'severity':<9} {'events':>6}  {'cause':<15} "
+             f"{'trigger':<26} kinds"]
     for group in (alarms, notices):
         for inc in group[:LISTED]:
             span = f"{inc['start']}-{inc['end']}" + (" open" if inc["state"] != "closed"
                                                     else "")
             kinds = _kinds_shown(with_counts(inc["kinds"], inc.get("counts")))
             lines.append(f"    {'#' + str(inc['id']):<5} {span:<13} {inc['severity']:<9} "
-                         f"{inc['events']:>6}  {inc['cause']:<26} {kinds}")
+                         f"{inc['events']:>6}  {inc['cause']:<15} {inc.get('trigger', '?'):<26} "
+                         f"{kinds}")
+            if inc.get("check_first"):
+                lines.append(f"          check first: {inc['check_first']}")
             more = replay_line(inc, log_dir)
             if more:
                 lines.append(f"          {more}")
