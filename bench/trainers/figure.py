@@ -1,6 +1,8 @@
 """The figure of a trainer evaluation: one row per run (its family and fault), the steps on x,
 the fault's step as a black bar and the window it may be caught in shaded, every alarm as a
-dot coloured by its kind (notices as small grey ticks), a run that raised marked in red.
+dot coloured by its kind (notices as small grey ticks), a run that raised marked in red; on
+the right, the run's score (caught or missed, its alarm incidents, the cause when it is not
+the expected one, its steps without a loss).
 A healthy row with a dot is a false alarm; a faulted row without a dot in its window a miss.
 """
 
@@ -19,7 +21,7 @@ def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
     kinds = sorted({a["kind"] for r in rows for a in r.get("alarms", [])})
     cmap = plt.get_cmap("tab10" if len(kinds) <= 10 else "tab20")
     colour = {k: cmap(i % cmap.N) for i, k in enumerate(kinds)}
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.19 * len(rows)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.19 * len(rows)), layout="constrained")
     labels = []
     for y, r in enumerate(rows):
         labels.append(f"{r['family']}  {r['fault'] or 'healthy'}"
@@ -42,6 +44,8 @@ def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
         mark = ""
         if r["fault"]:
             mark = ("caught" if r["caught"] else "MISSED") + f", {r['alarm_incidents']} inc"
+            if r["caught"]:
+                mark += ", cause ok" if r["right_cause"] else f", cause {r['cause']}"
         elif r["n_alarms"]:
             mark = f"{r['n_alarms']} false"
         if r["null_loss_steps"]:
@@ -54,9 +58,8 @@ def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
     handles = [plt.Line2D([], [], marker="o", ls="", color=colour[k], label=k) for k in kinds]
     handles += [plt.Line2D([], [], color="black", lw=1.4, label="fault's step (grey: its delay)"),
                 plt.Line2D([], [], marker="|", ls="", color="0.55", label="notice")]
-    ax.legend(handles=handles, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.4 /
-              max(len(rows), 1) - 0.02), ncol=4, frameon=False)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
+    ax.legend(handles=handles, fontsize=6, loc="lower left", bbox_to_anchor=(0.0, 1.0),
+              ncol=6, frameon=False)
+    fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=130)
     plt.close(fig)
