@@ -23,8 +23,10 @@ How they are planted (never through the monitor's internals):
 - the loss fault by the training code: the Trainer's ``compute_loss`` or the module's
   ``training_step`` returns the loss times 100 at one step.
 
-fp16 is not planted: on CPU, accelerate accepts ``fp16=True`` but trains in float32 without a
-GradScaler (its ``native_amp`` stays off), so there is no loss scale to break.
+fp16 is not planted (no loss-scale fault): on CPU, accelerate 1.15 accepts ``fp16=True`` but
+trains in float32 without a GradScaler (its ``native_amp`` stays off), and Lightning 2.6 turns
+``precision="16-mixed"`` on CPU into ``"bf16-mixed"``, so neither trainer has a loss scale to
+break here.
 """
 
 from __future__ import annotations
