@@ -1,7 +1,7 @@
 """The families split into TUNING and HELD_OUT, and the jobs a run of the evaluation does.
 
-TUNING (9 families: six HF Trainer, three Lightning) is what the monitor may be tuned on;
-HELD_OUT (5: about 36%) differs from it in kind, not only in seed: the fused AdamW
+TUNING (10 families: seven HF Trainer, three Lightning) is what the monitor may be tuned on;
+HELD_OUT (5: a third) differs from it in kind, not only in seed: the fused AdamW
 (``optim="adamw_torch_fused"``, which skips on the device), RMSprop and Adafactor optimizers,
 OneCycleLR, a BERT under bf16 with Adafactor's factored moments, and Lightning's manual
 optimization. ``bench/bench_trainers.py`` runs the held-out set only under ``--final``,

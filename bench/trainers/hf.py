@@ -106,6 +106,15 @@ def adamw_warm_restarts(first: int, lr: float = 3e-3):
     return make
 
 
+def sgd_warm_restarts(first: int, lr: float = 0.2):
+    """The user's own SGD (momentum 0.9) and a torch CosineAnnealingWarmRestarts: every restart
+    puts the learning rate back at ``lr``, and the loss rises for a while, as it should."""
+    def make(model: nn.Module, steps: int) -> tuple:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=first)
+    return make
+
+
 def _lm(source: str, tokens: str):
     return lambda seed, n: sets.TokenWindows(seed, n, source, tokens)
 
@@ -142,6 +151,11 @@ FAMILIES: dict[str, HFFamily] = {f.name: f for f in (
              "AdamW, cosine, bf16, gradient accumulation 4", _lm("pydoc", "chars"), llama,
              dict(learning_rate=3e-3, warmup_steps=20, lr_scheduler_type="cosine", bf16=True,
                   gradient_accumulation_steps=4), tags=LM_TAGS + ("bf16",), batch=4),
+    HFFamily("hf_mlp_digits_sgd_warm_restarts", "a two-layer classifier of the digits; the "
+             "user's SGD (momentum 0.9, lr 0.2) with a torch CosineAnnealingWarmRestarts "
+             "(T_0=100) via optimizers=", lambda seed, n: sets.Rows(seed, n, "digits"),
+             table_net, {}, optimizers=sgd_warm_restarts(100), tags=("float_input",),
+             batch=16),
     # ---- held out ---------------------------------------------------------------------------
     HFFamily("hf_gpt2_chars_fused_cosine_smoothing", "GPT-2 on stdlib source by characters; "
              "optim=adamw_torch_fused, cosine, label smoothing 0.1", _lm("stdlib", "chars"),
