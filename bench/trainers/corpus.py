@@ -21,7 +21,8 @@ from .runner import FAMILIES
 TUNING = tuple(n for n, f in FAMILIES.items() if not f.held_out)
 HELD_OUT = tuple(n for n, f in FAMILIES.items() if f.held_out)
 
-FULL = {"steps": 300, "seeds": (0, 1), "faults": tuple(FAULTS), "log_checks": "all"}
+# steps None: each family's own (``steps``: 300, 400 for the warm restarts of T_0=100)
+FULL = {"steps": None, "seeds": (0, 1), "faults": tuple(FAULTS), "log_checks": "all"}
 QUICK = {"steps": 100, "seeds": (0,), "faults": ("garbage_batch", "bit_flip", "lr_x20"),
          "log_checks": "one per trainer"}
 
@@ -34,8 +35,9 @@ def faults_for(family: str, names: tuple[str, ...] = tuple(FAULTS)) -> list[str]
 def jobs(families: tuple[str, ...], cfg: dict) -> tuple[list[dict], list[dict]]:
     """(runs, log checks) for ``families`` under ``cfg`` (FULL or QUICK, possibly narrowed)."""
     runs, checks = [], []
-    steps, seeds = cfg["steps"], cfg["seeds"]
+    seeds = cfg["seeds"]
     for fam in families:
+        steps = cfg["steps"] or FAMILIES[fam].steps
         for seed in seeds:
             runs.append({"family": fam, "fault": None, "seed": seed, "steps": steps})
         for fault in faults_for(fam, cfg["faults"]):
@@ -44,6 +46,7 @@ def jobs(families: tuple[str, ...], cfg: dict) -> tuple[list[dict], list[dict]]:
     for fam in families:
         trainer = FAMILIES[fam].trainer
         if cfg["log_checks"] == "all" or trainer not in seen:
-            checks.append({"family": fam, "seed": seeds[0], "steps": steps})
+            checks.append({"family": fam, "seed": seeds[0],
+                           "steps": cfg["steps"] or FAMILIES[fam].steps})
             seen.add(trainer)
     return runs, checks

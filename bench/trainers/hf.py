@@ -153,9 +153,9 @@ FAMILIES: dict[str, HFFamily] = {f.name: f for f in (
                   gradient_accumulation_steps=4), tags=LM_TAGS + ("bf16",), batch=4),
     HFFamily("hf_mlp_digits_sgd_warm_restarts", "a two-layer classifier of the digits; the "
              "user's SGD (momentum 0.9, lr 0.2) with a torch CosineAnnealingWarmRestarts "
-             "(T_0=100) via optimizers=", lambda seed, n: sets.Rows(seed, n, "digits"),
-             table_net, {}, optimizers=sgd_warm_restarts(100), tags=("float_input",),
-             batch=16),
+             "(T_0=100: restarts at 100, 200, 300) via optimizers=",
+             lambda seed, n: sets.Rows(seed, n, "digits"), table_net, {},
+             optimizers=sgd_warm_restarts(100), tags=("float_input",), batch=16, steps=400),
     # ---- held out ---------------------------------------------------------------------------
     HFFamily("hf_gpt2_chars_fused_cosine_smoothing", "GPT-2 on stdlib source by characters; "
              "optim=adamw_torch_fused, cosine, label smoothing 0.1", _lm("stdlib", "chars"),
