@@ -162,7 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "trainers.json"))
     ap.add_argument("--figure", default=str(HERE / "results" / "trainers.png"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--redraw", action="store_true",
+                    help="only draw --figure again from --out's --label (no training)")
     a = ap.parse_args(argv)
+    if a.redraw:
+        stored = json.loads(Path(a.out).read_text())[a.label]
+        figure.draw(stored["runs"], a.figure, title=f"{a.label} ({', '.join(stored['splits'])}"
+                    f"{', quick' if stored['quick'] else ''})")
+        return 0
     cfg = dict(corpus.QUICK if a.quick else corpus.FULL)
     if a.faults:
         cfg["faults"] = tuple(a.faults.split(","))

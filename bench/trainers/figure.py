@@ -49,7 +49,7 @@ def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
         elif r["n_alarms"]:
             mark = f"{r['n_alarms']} false"
         if r["null_loss_steps"]:
-            mark += f", {r['null_loss_steps']} null loss"
+            mark += (", " if mark else "") + f"{r['null_loss_steps']} null loss"
         ax.text(1.005, y, mark, transform=ax.get_yaxis_transform(), fontsize=6, va="center",
                 color="black" if mark.startswith("caught") or not mark else "firebrick")
     ax.set_yticks(range(len(rows)), labels, fontsize=6)
