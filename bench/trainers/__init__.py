@@ -14,7 +14,9 @@ by the Hugging Face ``Trainer`` and by Lightning, each with ``HealthCallback()``
   expected cause;
 - ``runner.py``: one run (train, read the monitor and its ``steps.jsonl``, score it) and the
   check that the callback leaves the trainer's own logs alone;
-- ``corpus.py``: which families are tuned on and which are held out, and the jobs.
+- ``corpus.py``: which families are tuned on and which are held out, and the jobs;
+- ``figure.py``: one row per run, the fault's step, the alarms coloured by kind.
 
-``bench/bench_trainers.py`` runs them (see bench/README.md).
+``bench/bench_trainers.py`` runs them (its docstring says how); the scores so far are in
+docs/performance.md ("Through the real trainers") and bench/results/trainers.json.
 """
