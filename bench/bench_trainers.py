@@ -1,0 +1,216 @@
+"""Evaluates the monitor through the real trainers (bench/trainers/): healthy runs and planted
+faults trained by the Hugging Face Trainer and by Lightning with ``HealthCallback()`` at its
+defaults.
+
+    python bench/bench_trainers.py                 # the tuning families: ~15 min on 2 cores
+    python bench/bench_trainers.py --quick         # a smoke run (100 steps, three faults)
+    python bench/bench_trainers.py --final         # the held-out families too: once, at the end
+
+Scores per run (bench/trainers/runner.py): a healthy run's alarms (each a false alarm); a
+faulted run's ``caught`` (an alarm at or after the fault's step within its delay), its alarm
+incidents (1 is right), ``right_cause`` (the cause of the incident that caught it equals the
+fault's expected cause); every run's steps recorded without a loss (0 is right). The log checks
+compare the trainer's own logs with and without the callback. Totals per split (tuning,
+held_out).
+
+Writes bench/results/trainers.json (or --out) under ``--label`` (other labels in the file are
+kept: "before" and "after" side by side), with ``final`` saying whether the held-out set ran,
+and the figure bench/results/trainers.png (or --figure): one row per run, the fault's step, the
+alarms coloured by kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from trainers import corpus, figure  # noqa: E402
+from trainers.runner import FAMILIES, log_check, run  # noqa: E402
+
+
+def _init() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    import lightning  # noqa: F401  (its loggers get their levels on import)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    for name in ("lightning", "lightning.pytorch", "lightning.pytorch.utilities.rank_zero",
+                 "lightning.fabric", "fasthealth", "fasthealth.integrations.log"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _do(kind_job: tuple[str, dict]) -> tuple[str, dict]:
+    kind, job = kind_job
+    return kind, (run(job) if kind == "run" else log_check(job))
+
+
+def evaluate(families: tuple[str, ...], cfg: dict, workers: int = 2,
+             progress: bool = True) -> dict:
+    """Runs the jobs of ``families`` under ``cfg``; returns {"runs", "log_checks"} in job
+    order."""
+    runs, checks = corpus.jobs(families, cfg)
+    todo = [("run", j) for j in runs] + [("log", j) for j in checks]
+    # the log checks (two trainings each) first, so the pool ends on short jobs
+    todo.sort(key=lambda kj: kj[0] != "log")
+    out: dict[str, list] = {"run": [None] * len(runs), "log": [None] * len(checks)}
+    index = {id(j): i for i, j in enumerate(runs)} | {id(j): i for i, j in enumerate(checks)}
+    t0 = time.perf_counter()
+    if workers <= 1:
+        _init()
+        done = (_do(kj) for kj in todo)
+        pairs = zip(todo, done)
+    else:
+        import multiprocessing
+
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init)
+        futures = {pool.submit(_do, kj): kj for kj in todo}
+        pairs = ((futures[f], f.result()) for f in as_completed(futures))
+    for n, ((kind, job), (_, res)) in enumerate(pairs, 1):
+        out[kind][index[id(job)]] = res
+        if progress:
+            what = "log check" if kind == "log" else (job["fault"] or "healthy")
+            mark = res.get("error") or (
+                f"identical={res.get('identical')}" if kind == "log" else
+                f"alarms={res['n_alarms']}" + (f" caught={res['caught']}" if job.get("fault")
+                                               else ""))
+            print(f"[{n}/{len(todo)} {time.perf_counter() - t0:6.0f}s] {job['family']} {what} "
+                  f"seed {job['seed']}: {mark} ({res['seconds']}s)", flush=True)
+    if workers > 1:
+        pool.shutdown()
+    return {"runs": out["run"], "log_checks": out["log"]}
+
+
+def totals(runs: list[dict], checks: list[dict]) -> dict:
+    healthy = [r for r in runs if not r["fault"] and "error" not in r]
+    faulted = [r for r in runs if r["fault"] and "error" not in r]
+    return {
+        "runs": len(runs), "errors": sum("error" in r for r in runs),
+        "healthy_runs": len(healthy),
+        "healthy_runs_with_alarms": sum(r["n_alarms"] > 0 for r in healthy),
+        "false_alarms": sum(r["n_alarms"] for r in healthy),
+        "faulted_runs": len(faulted), "caught": sum(r["caught"] for r in faulted),
+        "one_incident": sum(r["alarm_incidents"] == 1 for r in faulted),
+        "right_cause": sum(r["right_cause"] for r in faulted),
+        "runs_with_null_loss": sum(r["null_loss_steps"] > 0 for r in healthy + faulted),
+        "null_loss_steps": sum(r["null_loss_steps"] for r in healthy + faulted),
+        "log_checks": len(checks),
+        "log_checks_identical": sum(bool(c.get("identical")) for c in checks),
+        "log_check_errors": sum("error" in c for c in checks),
+    }
+
+
+def table(runs: list[dict], checks: list[dict]) -> str:
+    lines = [f"{'family':40s} {'fault':16s} seed  alarms  caught delay  inc cause"
+             f"{'':16s} null"]
+    for r in runs:
+        if "error" in r:
+            lines.append(f"{r['family']:40s} {r['fault'] or 'healthy':16s} {r['seed']:4d}  "
+                         f"ERROR {r['error'][:80]}")
+            continue
+        kinds = ",".join(sorted({a["kind"] for a in r["alarms"]})) or "-"
+        if r["fault"]:
+            c = f"{'yes' if r['caught'] else 'NO':6s} {r['delay'] if r['caught'] else '-':>5} "
+            c += f"{r['alarm_incidents']:4d} {str(r['cause']):>14s}/{r['expected_cause']:<13s}"
+        else:
+            c = f"{'':6s} {'':5s} {r['alarm_incidents']:4d} {'':28s}"
+        lines.append(f"{r['family']:40s} {r['fault'] or 'healthy':16s} {r['seed']:4d} "
+                     f"{r['n_alarms']:6d}  {c} {r['null_loss_steps']:4d}   {kinds}")
+    for c in checks:
+        state = c.get("error") or ("identical" if c["identical"] else c["first_difference"])
+        lines.append(f"log check {c['family']}: {state}")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                              capture_output=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 100 steps, 3 faults")
+    ap.add_argument("--final", action="store_true", help="the held-out families too (once)")
+    ap.add_argument("--only", help="comma-separated family names (of the sets being run)")
+    ap.add_argument("--faults", help="comma-separated fault names")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seeds", type=int, help="healthy seeds per family")
+    ap.add_argument("--label", default="current", help="key of the results in --out")
+    ap.add_argument("--note", help="a line kept with the results")
+    ap.add_argument("--out", default=str(HERE / "results" / "trainers.json"))
+    ap.add_argument("--figure", default=str(HERE / "results" / "trainers.png"))
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--redraw", action="store_true",
+                    help="only draw --figure again from --out's --label (no training)")
+    a = ap.parse_args(argv)
+    if a.redraw:
+        stored = json.loads(Path(a.out).read_text())[a.label]
+        figure.draw(stored["runs"], a.figure, title=f"{a.label} ({', '.join(stored['splits'])}"
+                    f"{', quick' if stored['quick'] else ''})")
+        return 0
+    cfg = dict(corpus.QUICK if a.quick else corpus.FULL)
+    if a.faults:
+        cfg["faults"] = tuple(a.faults.split(","))
+    if a.steps:
+        cfg["steps"] = a.steps
+    if a.seeds:
+        cfg["seeds"] = tuple(range(a.seeds))
+    splits = {"tuning": corpus.TUNING} | ({"held_out": corpus.HELD_OUT} if a.final else {})
+    if a.only:
+        keep = set(a.only.split(","))
+        unknown = keep - set(FAMILIES)
+        if unknown:
+            ap.error(f"unknown families {sorted(unknown)}")
+        splits = {k: tuple(f for f in v if f in keep) for k, v in splits.items()}
+    t0 = time.perf_counter()
+    families = tuple(f for v in splits.values() for f in v)
+    res = evaluate(families, cfg, workers=a.workers)
+    split_of = {f: k for k, v in splits.items() for f in v}
+    result = {
+        "final": a.final, "quick": a.quick, "config": {**cfg, "seeds": list(cfg["seeds"])},
+        "splits": {k: list(v) for k, v in splits.items()}, "note": a.note,
+        "commit": _commit(), "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "totals": {k: totals([r for r in res["runs"] if split_of[r["family"]] == k],
+                             [c for c in res["log_checks"] if split_of[c["family"]] == k])
+                   for k in splits},
+        "runs": res["runs"], "log_checks": res["log_checks"],
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stored = json.loads(out.read_text()) if out.exists() else {}
+    stored[a.label] = result
+    out.write_text(json.dumps(stored, indent=1, default=str) + "\n")
+    print(table(res["runs"], res["log_checks"]))
+    print(json.dumps(result["totals"], indent=1))
+    if a.figure:
+        figure.draw(res["runs"], a.figure, title=f"{a.label} ({', '.join(splits)}"
+                    f"{', quick' if a.quick else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

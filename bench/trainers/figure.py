@@ -1,0 +1,65 @@
+"""The figure of a trainer evaluation: one row per run (its family and fault), the steps on x,
+the fault's step as a black bar and the window it may be caught in shaded, every alarm as a
+dot coloured by its kind (notices as small grey ticks), a run that raised marked in red; on
+the right, the run's score (caught or missed, its alarm incidents, the cause when it is not
+the expected one, its steps without a loss).
+A healthy row with a dot is a false alarm; a faulted row without a dot in its window a miss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(runs, key=lambda r: (r["family"], r["fault"] or "", r["seed"]))
+    kinds = sorted({a["kind"] for r in rows for a in r.get("alarms", [])})
+    cmap = plt.get_cmap("tab10" if len(kinds) <= 10 else "tab20")
+    colour = {k: cmap(i % cmap.N) for i, k in enumerate(kinds)}
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.19 * len(rows)), layout="constrained")
+    labels = []
+    for y, r in enumerate(rows):
+        labels.append(f"{r['family']}  {r['fault'] or 'healthy'}"
+                      + (f" s{r['seed']}" if not r["fault"] else ""))
+        steps = r.get("trained_steps") or r["steps"]
+        ax.plot([0, steps], [y, y], color="0.85", lw=0.8, zorder=1)
+        if "error" in r:
+            ax.text(2, y, "ERROR " + r["error"][:70], color="red", fontsize=6, va="center")
+            continue
+        if r["fault"]:
+            k = r["fault_step"]
+            ax.fill_betweenx([y - 0.4, y + 0.4], k, k + max(r["max_delay"], 1),
+                             color="0.75", zorder=1)
+            ax.plot([k, k], [y - 0.42, y + 0.42], color="black", lw=1.4, zorder=2)
+        for n in r.get("notices", []):
+            ax.plot([n["step"]], [y], marker="|", color="0.55", ms=4, zorder=2)
+        for a in r.get("alarms", []):
+            ax.scatter([a["step"]], [y], color=colour[a["kind"]], s=18, zorder=3,
+                       edgecolors="black", linewidths=0.3)
+        mark = ""
+        if r["fault"]:
+            mark = ("caught" if r["caught"] else "MISSED") + f", {r['alarm_incidents']} inc"
+            if r["caught"]:
+                mark += ", cause ok" if r["right_cause"] else f", cause {r['cause']}"
+        elif r["n_alarms"]:
+            mark = f"{r['n_alarms']} false"
+        if r["null_loss_steps"]:
+            mark += (", " if mark else "") + f"{r['null_loss_steps']} null loss"
+        ax.text(1.005, y, mark, transform=ax.get_yaxis_transform(), fontsize=6, va="center",
+                color="black" if mark.startswith("caught") or not mark else "firebrick")
+    ax.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("optimizer step")
+    handles = [plt.Line2D([], [], marker="o", ls="", color=colour[k], label=k) for k in kinds]
+    handles += [plt.Line2D([], [], color="black", lw=1.4, label="fault's step (grey: its delay)"),
+                plt.Line2D([], [], marker="|", ls="", color="0.55", label="notice")]
+    ax.legend(handles=handles, fontsize=6, loc="lower left", bbox_to_anchor=(0.0, 1.0),
+              ncol=6, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -1,0 +1,185 @@
+"""One run of the trainer evaluation, and its score; the check that the callback leaves the
+trainer's own logs alone.
+
+A run is ``(family, fault or None, seed, steps)``. It trains through the family's trainer
+(``hf.train`` / ``lit.train``) with ``HealthCallback()`` at its defaults, then reads what the
+callback's monitor returns (``callback.monitor.events`` and ``.incidents``) and the
+``steps.jsonl`` it wrote, and scores:
+
+- every run: its alarms (``severity == "alarm"`` events: step and kind), its alarm incidents
+  (start, end, kinds, ``cause``), the steps whose record has no loss (``loss`` null in
+  steps.jsonl while ``loss_finite`` is not false: the callback did not get the loss; should be
+  0 everywhere; a non-finite loss, also written null, is counted apart as
+  ``nonfinite_loss_steps``) and how many steps were recorded against how many the trainer
+  took;
+- a healthy run: every alarm is a false alarm;
+- a faulted run: ``caught`` (an alarm at or after the fault's step, at most its delay after),
+  ``delay`` (the first such alarm's steps after the fault's step), ``alarm_incidents`` (should
+  be exactly 1), ``right_cause`` (the ``cause`` of the incident of that first alarm equals the
+  fault's expected cause; false when not caught). ``planted`` lists the steps the harness
+  planted something at, the harness's own check that the fault went in where it says.
+
+``log_check`` runs a healthy family twice with the same seed, with and without the callback,
+and compares the trainer's own record (the HF Trainer's ``state.log_history``, ``logging_steps``
+10 so that it has one; for Lightning the harness's per-batch record of the training step's loss,
+what the module logged and the learning rate) up to the first step the monitor skipped. Timing
+entries (``train_runtime``, ``*_per_second``) are left out; numbers must agree to 1e-6
+relative (the monitor's clipping may round differently from the Trainer's) and keys exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from . import hf, lit
+from .faults import FAULTS, Plan
+
+FAMILIES: dict[str, Any] = {**hf.FAMILIES, **lit.FAMILIES}
+TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def _train(family, plan, seed, steps, out_dir, **kw) -> dict:
+    mod = hf if family.trainer == "hf" else lit
+    return mod.train(family, plan, seed, steps, out_dir, **kw)
+
+
+def read_steps(log_dir: str) -> list[dict]:
+    path = Path(log_dir) / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: int,
+          trained_steps: int) -> dict:
+    """The score of one run from its monitor (``events``, ``incidents``) and its steps.jsonl
+    rows; ``fault_step`` -1 for a healthy run."""
+    events = list(getattr(monitor, "events", []) or [])
+    incidents = list(getattr(monitor, "incidents", []) or [])
+    alarms = [{"step": int(e.step), "kind": e.kind, "incident": getattr(e, "incident", None)}
+              for e in events if getattr(e, "severity", "alarm") == "alarm"]
+    notices = [{"step": int(e.step), "kind": e.kind} for e in events
+               if getattr(e, "severity", "alarm") != "alarm"]
+    alarm_incidents = [{"id": i.id, "start": int(i.start), "end": int(i.end),
+                        "kinds": list(i.kinds), "cause": getattr(i, "cause", None),
+                        "trigger": getattr(i, "trigger", None),
+                        "check_first": getattr(i, "check_first", None)}
+                       for i in incidents if getattr(i, "severity", "alarm") == "alarm"]
+    out: dict[str, Any] = {
+        "alarms": alarms, "n_alarms": len(alarms), "notices": notices,
+        "incidents": alarm_incidents, "alarm_incidents": len(alarm_incidents),
+        "null_loss_steps": sum(1 for r in rows
+                               if r.get("loss") is None and r.get("loss_finite") is not False),
+        "nonfinite_loss_steps": sum(1 for r in rows if r.get("loss_finite") is False),
+        "recorded_steps": len(rows), "trained_steps": trained_steps,
+        "skipped_steps": [int(r["step"]) for r in rows if r.get("skipped")],
+    }
+    if fault_name is None:
+        return out
+    fault = FAULTS[fault_name]
+    hits = [a for a in alarms if fault_step <= a["step"] <= fault_step + fault.delay]
+    first = hits[0] if hits else None
+    incident = next((i for i in alarm_incidents if first and i["id"] == first["incident"]), None)
+    if first is not None and incident is None:  # an alarm outside any listed incident
+        incident = next((i for i in alarm_incidents
+                         if i["start"] <= first["step"] <= i["end"]), None)
+    out.update({
+        "fault_step": fault_step, "max_delay": fault.delay, "expected_cause": fault.cause,
+        "caught": first is not None,
+        "delay": None if first is None else first["step"] - fault_step,
+        "caught_by": None if first is None else first["kind"],
+        "cause": None if incident is None else incident["cause"],
+        "right_cause": incident is not None and incident["cause"] == fault.cause,
+    })
+    return out
+
+
+def run(job: dict) -> dict:
+    """``job``: family, fault (None: healthy), seed, steps. Returns the job with its score, or
+    with ``error`` when the run raised."""
+    family = FAMILIES[job["family"]]
+    fault = FAULTS[job["fault"]] if job.get("fault") else None
+    res: dict[str, Any] = {**job, "trainer": family.trainer, "held_out": family.held_out}
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="fh-eval-") as tmp:
+            plan = Plan(fault, job["steps"], job["seed"])
+            out = _train(family, plan, job["seed"], job["steps"], tmp)
+            rows = read_steps(out["log_dir"])
+            res.update(score(out["callback"].monitor, rows, job.get("fault"), plan.step,
+                             out["steps"]))
+            res.update(planted=plan.planted[:5], hit=plan.hit)
+    except Exception as exc:  # a run that breaks is a result too
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc(limit=8)
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def _clean(log: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in log]
+
+
+def compare_logs(a: list[dict], b: list[dict], before: float = math.inf,
+                 rtol: float = 1e-6) -> dict:
+    """Compares two trainer records row by row up to (not including) step ``before``: the
+    keys each row has, and its numbers to ``rtol``. Returns identical (bool), exact (bool),
+    the rows compared, the first difference and the largest relative difference."""
+    a = [r for r in _clean(a) if r.get("step", -1) < before]
+    b = [r for r in _clean(b) if r.get("step", -1) < before]
+    first, worst, exact = None, 0.0, True
+    if len(a) != len(b):
+        first = f"{len(a)} rows with the callback, {len(b)} without"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if set(x) != set(y):
+            first = first or (f"row {i} (step {x.get('step')}): keys only with the callback "
+                              f"{sorted(set(x) - set(y))}, only without {sorted(set(y) - set(x))}")
+        for k in set(x) & set(y):
+            u, v = x[k], y[k]
+            if u == v:
+                continue
+            exact = False
+            if isinstance(u, (int, float)) and isinstance(v, (int, float)):
+                rel = abs(u - v) / max(abs(v), 1e-12)
+                worst = max(worst, rel)
+                if rel > rtol:
+                    first = first or f"row {i} (step {x.get('step')}): {k} {u!r} != {v!r}"
+            else:
+                first = first or f"row {i} (step {x.get('step')}): {k} {u!r} != {v!r}"
+    return {"identical": first is None, "exact": exact and first is None, "rows": len(a),
+            "first_difference": first, "max_rel_diff": worst}
+
+
+def log_check(job: dict) -> dict:
+    """The trainer's own record with and without the callback (one healthy family, one seed;
+    ``job["callbacks"]``, default (True, False), says which two runs are compared)."""
+    family = FAMILIES[job["family"]]
+    res: dict[str, Any] = {**job, "trainer": family.trainer, "held_out": family.held_out}
+    t0 = time.perf_counter()
+    try:
+        logs = []
+        skipped: list[int] = []
+        for callback in job.get("callbacks", (True, False)):
+            with tempfile.TemporaryDirectory(prefix="fh-eval-") as tmp:
+                out = _train(family, None, job["seed"], job["steps"], tmp, callback=callback,
+                             logging_steps=10)
+                logs.append(out["log"])
+                if callback:
+                    skipped = [int(r["step"]) for r in read_steps(out["log_dir"])
+                               if r.get("skipped")]
+        before = min(skipped) if skipped else math.inf
+        res.update(compare_logs(logs[0], logs[1], before))
+        res["first_skipped"] = None if not skipped else before
+        res["with_callback"] = _clean(logs[0])[:3]
+        res["without_callback"] = _clean(logs[1])[:3]
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc(limit=8)
+    res["seconds"] = round(time.perf_counter() - t0, 2)
+    return res
