@@ -55,7 +55,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("nonfinite_input", "batch", 1, "one sample of one batch with Inf features and a NaN",
           needs=("float_input",)),
     Fault("stuck_loader", "batch", 60, "the loader repeats the same batch from the step on"),
-    Fault("bit_flip", "weights", 1, "one float32 weight's top exponent bit flipped"),
+    # a flip the loss does not show is found by the weight scan, which runs at least once per
+    # flush (flush_every, 50 by default: docs/spec.md section 6), not at the step
+    Fault("bit_flip", "weights", 50, "one float32 weight's top exponent bit flipped"),
     Fault("huge_weight", "weights", 1, "one weight set to 1e30 (a bf16 run)", needs=("bf16",)),
     Fault("nan_embedding", "weights", 1, "a NaN in the embedding of the commonest token",
           needs=("embedding",)),

@@ -139,7 +139,7 @@ FAMILIES: dict[str, HFFamily] = {f.name: f for f in (
     HFFamily("hf_bert_digits_sgd_smoothing", "BERT classifier on digits' pixels as tokens; "
              "optim=sgd, constant_with_warmup, label smoothing 0.1",
              lambda seed, n: sets.DigitTokens(seed, n), bert,
-             dict(optim="sgd", learning_rate=0.05, warmup_steps=20,
+             dict(optim="adamw_torch", learning_rate=1e-3, warmup_steps=20,
                   lr_scheduler_type="constant_with_warmup", label_smoothing_factor=0.1),
              tags=LM_TAGS, batch=16),
     HFFamily("hf_mlp_wine_adagrad_poly_bf16", "a two-layer classifier of the wine table; "
@@ -247,5 +247,8 @@ def train(family: HFFamily, plan: Plan | None, seed: int, steps: int, out_dir: s
     trainer.train()
     return {"callback": health, "log": trainer.state.log_history,
             "steps": trainer.state.global_step, "log_dir": f"{out_dir}/fasthealth",
-            "plan": plan}
+            "plan": plan, "model": model,
+            # replay's loss: the Trainer's own (label smoothing, compute_loss_func), after the
+            # run, so the harness's planted loss factor is 1
+            "loss_fn": lambda m, b: trainer.compute_loss(m, dict(b))}
 

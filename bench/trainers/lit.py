@@ -204,4 +204,5 @@ def train(family: LitFamily, plan: Plan | None, seed: int, steps: int, out_dir: 
                         enable_model_summary=False)
     trainer.fit(module, loader)
     return {"callback": health, "log": harness.record, "steps": trainer.global_step,
-            "log_dir": f"{out_dir}/fasthealth", "plan": plan}
+            "log_dir": f"{out_dir}/fasthealth", "plan": plan, "model": module,
+            "loss_fn": lambda m, b: m.loss_of(b)}

@@ -69,7 +69,8 @@ def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: in
     alarm_incidents = [{"id": i.id, "start": int(i.start), "end": int(i.end),
                         "kinds": list(i.kinds), "cause": getattr(i, "cause", None),
                         "trigger": getattr(i, "trigger", None),
-                        "check_first": getattr(i, "check_first", None)}
+                        "check_first": getattr(i, "check_first", None),
+                        "dump": getattr(i, "dump", None)}
                        for i in incidents if getattr(i, "severity", "alarm") == "alarm"]
     out: dict[str, Any] = {
         "alarms": alarms, "n_alarms": len(alarms), "notices": notices,
@@ -96,8 +97,43 @@ def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: in
         "caught_by": None if first is None else first["kind"],
         "cause": None if incident is None else incident["cause"],
         "right_cause": incident is not None and incident["cause"] == fault.cause,
+        "dump": None if incident is None else incident["dump"],
+        "trigger": None if incident is None else incident["trigger"],
     })
     return out
+
+
+REPLAYED = ("loss_spike", "grad_norm_spike", "nonfinite_loss", "nonfinite_grad", "divergence")
+
+
+def replay_cause(res: dict, out: dict) -> None:
+    """What a user who follows the incident's advice gets: ``fh.replay`` of the caught
+    incident's dump, with the trainer's own loss (``out["loss_fn"]``). ``host_cause`` is the
+    incident's cause as the monitor named it; ``cause`` and ``right_cause`` become replay's
+    where it names one (its verdict uses the dump: the batch, the weights, the rates), for the
+    incidents a loss or gradient value opened (``REPLAYED``): those whose cause the monitor
+    can only guess from how the loss went on, and whose advice is to replay. An incident
+    opened by direct evidence (a weight scan, a repeated batch, a rate no schedule explains,
+    broken optimizer state, the loss scale) keeps the monitor's cause."""
+    res["host_cause"], res["host_right_cause"] = res.get("cause"), res.get("right_cause")
+    dump = res.pop("dump", None)
+    if (not res.get("caught") or not dump or out.get("loss_fn") is None
+            or res.get("trigger") not in REPLAYED):
+        return
+    import fasthealth as fh
+
+    model = out["model"]
+    if getattr(model, "_trainer", None) is not None:  # a LightningModule: copied without it
+        model._trainer = None
+    try:
+        r = fh.replay(dump, model, out["loss_fn"], save=False)
+    except Exception as exc:  # a replay that fails is a result too: the host cause stands
+        res["replay_error"] = f"{type(exc).__name__}: {exc}"
+        return
+    res["replay_cause"], res["replay_verdict"] = r.cause, r.verdict[:400]
+    if r.cause is not None:
+        res["cause"] = r.cause
+        res["right_cause"] = r.cause == res["expected_cause"]
 
 
 def run(job: dict) -> dict:
@@ -114,6 +150,9 @@ def run(job: dict) -> dict:
             rows = read_steps(out["log_dir"])
             res.update(score(out["callback"].monitor, rows, job.get("fault"), plan.step,
                              out["steps"]))
+            if job.get("fault"):
+                replay_cause(res, out)
+            res.pop("dump", None)
             res.update(planted=plan.planted[:5], hit=plan.hit)
     except Exception as exc:  # a run that breaks is a result too
         res["error"] = f"{type(exc).__name__}: {exc}"

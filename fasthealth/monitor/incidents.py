@@ -208,7 +208,11 @@ class IncidentTracker:
         if level is None and math.isfinite(self.first_loss):
             level = self.first_loss
         cur.cause, cur.why = judge(cur, self.after, level, self.scaled, self.config.causes)
-        cur.check_first = CHECK_FIRST[cur.cause]
+        # a cause that is only the trigger's default: the kind's own advice is more specific
+        # (a stall from the start: whether gradients reach every layer, then the rate) than
+        # the cause's
+        kind = KINDS.get(cur.trigger or "") if cur.why.startswith("the default cause") else None
+        cur.check_first = kind.advice if kind is not None else CHECK_FIRST[cur.cause]
 
     def broken(self) -> bool:
         """Whether the run is broken at the last step: its loss or gradients non-finite, or

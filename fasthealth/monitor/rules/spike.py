@@ -59,6 +59,20 @@ class SpikeConfig:
     first: int = 5
     """First values the early ratios are taken against (their largest): all a run has before
     its window is armed."""
+    above_max: float = 5.0
+    """A value this many times the largest in its window, and past ``zscore`` on the linear
+    scale, is a spike whatever the log scale says. At a noisy loss floor (a classifier of
+    batch 16 whose healthy losses swing 30x from one batch to the next) the log-scale noise
+    unit is so wide that a loss 28x the window's largest (shuffled labels, 0.85 -> 24.4)
+    scored 1.7 there (bench/trainers: hf_mlp_digits_sgd_warm_restarts). The largest of 128
+    healthy values is the tail already: 5x beyond it is not noise."""
+    restart_loss: float = 10.0
+    """At a warm restart of the schedule (``rearm``), until the new window is armed: a loss
+    this many times the largest of the last ``first`` values before the restart. The climb a
+    restart causes stays under 5x (the SGDR runs of tests/test_schedule.py); a loss x100 at
+    the restart's own step is then still seen (bench/trainers:
+    hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm
+    keeps ``early_grad_norm``."""
 
 
 class _Series:
@@ -70,6 +84,7 @@ class _Series:
         self.values: deque[float] = deque(maxlen=window)
         self.first: list[float] = []
         self.run = 0
+        self.restarted = False  # the window started again at a warm restart (Spike.rearm)
 
     def score(self, value: float, warmup: int) -> tuple[float, float] | None:
         """The linear and log spike scores of ``value``; None while the window is not armed (or
@@ -130,10 +145,13 @@ class Spike(Rule[SpikeConfig]):
         new rate's), and the early ratios stay off: they catch a rate far too high from the
         start, and this rate is the schedule's."""
         c = self.config
-        for ser in self.series.values():
+        for key, ser in self.series.items():
+            before = list(ser.values)[-c.first:]
             ser.values.clear()
             ser.run = 0
-            ser.first = [math.inf] * c.first
+            ser.first = [max(before)] * c.first if before else [math.inf] * c.first
+            ser.early_ratio = c.restart_loss if key == "loss" else c.early_grad_norm
+            ser.restarted = True
 
     def _host(self, s: HostStep) -> list[Finding]:
         c = self.config
@@ -151,8 +169,10 @@ class Spike(Rule[SpikeConfig]):
                     ser.values.append(v)
                 continue
             z = min(pair)
-            if ser.settle(v, z > c.zscore, c.max_run):
-                found.append(self._spike(ser, v, z))
+            top = max(ser.values)
+            beyond = pair[0] > c.zscore and top > 0 and v > c.above_max * top
+            if ser.settle(v, z > c.zscore or beyond, c.max_run):
+                found.append(self._spike(ser, v, max(z, pair[0]) if beyond else z))
         return found
 
     def _device_skips(self, s: HostStep, found: list[Finding]) -> list[Finding]:
@@ -187,6 +207,13 @@ class Spike(Rule[SpikeConfig]):
              "threshold": self.config.zscore})
 
     def _early(self, ser: _Series, value: float, ratio: float) -> Finding:
+        if ser.restarted:
+            return Finding(
+                KIND[ser.key],
+                f"{ser.label} {value:.4g} is {ratio:.3g}x its level before the learning "
+                f"rate's warm restart, beyond what a restart causes. {ADVICE[ser.key]}",
+                {"value": value, "ratio": ratio, "threshold": ser.early_ratio,
+                 "restart": True})
         return Finding(
             KIND[ser.key],
             f"{ser.label} {value:.4g} is {ratio:.3g}x its first values early in training. "

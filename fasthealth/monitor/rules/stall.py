@@ -37,6 +37,13 @@ class StallConfig:
     10 orders below."""
     half: float = 0.5
     """The loss having fallen by this share is learning, whatever the gradients."""
+    matrices_only: bool = True
+    """Only tensors of two or more dimensions count as vanished: some vectors get no gradient
+    by construction in healthy models (an attention key's bias: softmax ignores what it adds
+    to every score; a bias just before a normalisation, whose mean it removes). A BERT has
+    both: its key biases' gradients sit below 1e-5 of the largest from the first step, and a
+    BERT on its initial plateau (100 steps under AdamW, bench/trainers) raised a false stall
+    without this."""
 
 
 class Stall(Rule[StallConfig]):
@@ -82,7 +89,13 @@ class Stall(Rule[StallConfig]):
     def _vanishing(self, norms: list[float]) -> frozenset[int]:
         top = max((n for n in norms if n == n), default=0.0)
         return frozenset(i for i, n in enumerate(norms)
-                         if n == n and top > 0 and n < self.config.vanish_ratio * top)
+                         if n == n and top > 0 and n < self.config.vanish_ratio * top
+                         and self._counts(i))
+
+    def _counts(self, i: int) -> bool:
+        if not self.config.matrices_only or i >= len(self.ctx.params):
+            return True  # no tensors known (a rule fed recorded steps): every one counts
+        return getattr(self.ctx.params[i][1], "ndim", 2) >= 2
 
     def _finding(self, fell: float, vanished: list[int]) -> Finding:
         names = [self.ctx.names[i] for i in vanished]

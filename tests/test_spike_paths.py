@@ -1,0 +1,79 @@
+"""The spike rule's paths added with issue 31 (fasthealth/monitor/rules/spike.py): a value far
+beyond its window's largest at a noisy loss floor, and the first steps after a warm restart;
+and the stall rule's matrices-only evidence (rules/stall.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from fasthealth.monitor.record import HostStep
+from fasthealth.monitor.rules import Context
+from fasthealth.monitor.rules.spike import Spike
+from fasthealth.monitor.rules.stall import Stall
+
+
+def _step(t, loss, grad_norm=1.0, per_norm=()):
+    return HostStep(t, {"loss": loss, "grad_norm": grad_norm, "grads_finite": 1.0,
+                        "skipped": 0.0}, list(per_norm), [0.0] * len(per_norm), {})
+
+
+def _floor(n, seed=0):
+    """Losses of a small-batch classifier that started at 2.3 and reached its floor:
+    log-uniform over 0.02..0.8 (40x) from one batch to the next."""
+    rng = random.Random(seed)
+    return [2.3] * 5 + [math.exp(rng.uniform(math.log(0.02), math.log(0.8)))
+                        for _ in range(n - 5)]
+
+
+def _kinds(rule, losses, start=0):
+    return [(start + t, f.kind) for t, v in enumerate(losses) for f in rule.observe(
+        _step(start + t, v))]
+
+
+def test_a_loss_far_beyond_the_windows_largest_is_a_spike_at_a_noisy_floor():
+    rule = Spike()
+    healthy = _floor(200)
+    assert _kinds(rule, healthy) == []
+    top = max(healthy[-128:])  # the window
+    assert _kinds(rule, [6 * top], start=200) == [(200, "loss_spike")]
+    assert top < 1  # the window's largest is the floor's tail, not the start
+    # the log scale alone would not have said so: the path is what catches it
+    rule = Spike()
+    _kinds(rule, healthy)
+    rule.config = type(rule.config)(above_max=math.inf)
+    assert _kinds(rule, [6 * top], start=200) == []
+
+
+def test_healthy_noisy_floors_raise_nothing_through_that_path():
+    for seed in range(20):
+        assert _kinds(Spike(), _floor(600, seed)) == [], seed
+
+
+def test_after_a_restart_the_early_ratio_is_against_the_level_before_it():
+    base = [2.0 + 0.05 * math.sin(t) for t in range(60)]
+    rule = Spike()
+    assert _kinds(rule, base) == []
+    rule.rearm()
+    # the climb a restart causes (3x) is not a spike; a loss 100x is, at once
+    assert _kinds(rule, [6.0, 5.5, 5.0], start=60) == []
+    found = rule.observe(_step(63, 200.0))
+    assert [f.kind for f in found] == ["loss_spike"]
+    assert found[0].details["restart"] and "warm restart" in found[0].message
+
+
+def test_stall_counts_only_matrices_as_vanished():
+    """A flat loss with only a vector's gradient vanished (an attention key's bias, a bias
+    before a normalisation) is not a stall; with a matrix's, it is."""
+    params = [("w", torch.zeros(4, 4)), ("key_bias", torch.zeros(4)), ("w2", torch.zeros(4, 4))]
+    ctx = Context(names=[n for n, _ in params], params=params)
+
+    def run(per_norm):
+        rule = Stall(None, ctx)
+        return [f.kind for t in range(120)
+                for f in rule.observe(_step(t, 2.30 + 0.001 * (t % 3), per_norm=per_norm))]
+
+    assert run([1.0, 1e-9, 1.0]) == []
+    assert run([1.0, 1e-9, 1e-9]) == ["stall"]
