@@ -58,7 +58,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     # a flip the loss does not show is found by the weight scan, which runs at least once per
     # flush (flush_every, 50 by default: docs/spec.md section 6), not at the step
     Fault("bit_flip", "weights", 50, "one float32 weight's top exponent bit flipped"),
-    Fault("huge_weight", "weights", 1, "one weight set to 1e30 (a bf16 run)", needs=("bf16",)),
+    Fault("huge_weight", "weights", 50, "one weight set to 1e30 (a bf16 run); where the loss "
+          "does not show it at once, the weight scan finds it, as bit_flip", needs=("bf16",)),
     Fault("nan_embedding", "weights", 1, "a NaN in the embedding of the commonest token",
           needs=("embedding",)),
     Fault("lr_x20", "learning_rate", 10, "the learning rate times 20 from the step on, in the "
@@ -214,3 +215,11 @@ class Planted:
         i = self.calls
         self.calls += 1
         return self.plan.batch(self.collate(samples), i // self.accum, i % self.accum)
+
+
+def replay_loss(loss_of: Any, batch: Any) -> Any:
+    """The step's loss for ``fh.replay``: under gradient accumulation the dump holds the list
+    of micro-batches, and the step's loss is the mean of theirs (as the callbacks record it)."""
+    if isinstance(batch, list):
+        return sum(loss_of(b) for b in batch) / len(batch)
+    return loss_of(batch)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import sets
-from .faults import Plan, Planted
+from .faults import Plan, Planted, replay_loss
 
 
 def sgd_warm_restarts(params, steps):
@@ -205,4 +205,4 @@ def train(family: LitFamily, plan: Plan | None, seed: int, steps: int, out_dir: 
     trainer.fit(module, loader)
     return {"callback": health, "log": harness.record, "steps": trainer.global_step,
             "log_dir": f"{out_dir}/fasthealth", "plan": plan, "model": module,
-            "loss_fn": lambda m, b: m.loss_of(b)}
+            "loss_fn": lambda m, b: replay_loss(m.loss_of, b)}

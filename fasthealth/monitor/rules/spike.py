@@ -65,13 +65,17 @@ class SpikeConfig:
     batch 16 whose healthy losses swing 30x from one batch to the next) the log-scale noise
     unit is so wide that a loss 28x the window's largest (shuffled labels, 0.85 -> 24.4)
     scored 1.7 there (bench/trainers: hf_mlp_digits_sgd_warm_restarts). The largest of 128
-    healthy values is the tail already: 5x beyond it is not noise."""
+    healthy values is the tail already: 5x beyond it is not noise. Only with the window at
+    least half full (its largest is then a tail), or after a restart against the larger of
+    the new window's and the old one's largest: the loss climbing after a restart outgrew a
+    20-value window 5x and alarmed."""
     restart_loss: float = 10.0
     """At a warm restart of the schedule (``rearm``), until the new window is armed: a loss
-    this many times the largest of the last ``first`` values before the restart. The climb a
-    restart causes stays under 5x (the SGDR runs of tests/test_schedule.py); a loss x100 at
-    the restart's own step is then still seen (bench/trainers:
-    hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm
+    this many times the largest of the window before the restart (which spans the cycle's
+    higher losses, not only its low end at a rate near 0: against the last few values, the
+    climb after a restart from a floor of 0.01 reached 10x and alarmed, bench/trainers
+    hf_mlp_digits_sgd_warm_restarts). A loss x100 at the restart's own step is still seen
+    (hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm
     keeps ``early_grad_norm``."""
 
 
@@ -85,6 +89,7 @@ class _Series:
         self.first: list[float] = []
         self.run = 0
         self.restarted = False  # the window started again at a warm restart (Spike.rearm)
+        self.before = math.inf  # then: the largest value of the window before the restart
 
     def score(self, value: float, warmup: int) -> tuple[float, float] | None:
         """The linear and log spike scores of ``value``; None while the window is not armed (or
@@ -146,10 +151,10 @@ class Spike(Rule[SpikeConfig]):
         start, and this rate is the schedule's."""
         c = self.config
         for key, ser in self.series.items():
-            before = list(ser.values)[-c.first:]
+            ser.before = max(ser.values) if ser.values else math.inf
             ser.values.clear()
             ser.run = 0
-            ser.first = [max(before)] * c.first if before else [math.inf] * c.first
+            ser.first = [ser.before] * c.first
             ser.early_ratio = c.restart_loss if key == "loss" else c.early_grad_norm
             ser.restarted = True
 
@@ -170,6 +175,8 @@ class Spike(Rule[SpikeConfig]):
                 continue
             z = min(pair)
             top = max(ser.values)
+            if len(ser.values) < c.window // 2:  # too few values for their largest to be a tail
+                top = max(top, ser.before) if ser.restarted else math.inf
             beyond = pair[0] > c.zscore and top > 0 and v > c.above_max * top
             if ser.settle(v, z > c.zscore or beyond, c.max_run):
                 found.append(self._spike(ser, v, max(z, pair[0]) if beyond else z))
