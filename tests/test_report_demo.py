@@ -43,7 +43,10 @@ def test_report_from_a_monitor_log(tmp_path):
 
 
 NOT_PLANTED = {"replica_divergence", "stall", "precursor_adam_eps", "precursor_logit_growth",
-               "precursor_attention_logits"}
+               "precursor_attention_logits",
+               # issue 31's alarms: not planted in the demo yet (tests/test_new_alarms.py and
+               # bench/trainers plant them); the demo should show them too
+               "no_grad", "weight_corruption", "repeated_batch", "overflow_streak"}
 
 
 @pytest.mark.slow
