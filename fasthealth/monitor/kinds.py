@@ -153,7 +153,8 @@ register(
          "those weights (`fh.check_params`), their learning rate and weight decay, clipping",
          "#393b79", severity=NOTICE, cause="learning_rate"),
     Kind("lr_jump", "the learning rate more than 3x the highest it has been, at once or over "
-         "one climb", "the scheduler (stepped per batch instead of per epoch? resumed state? "
+         "one climb, or more than 2x the step before's where the known scheduler did not set "
+         "it", "the scheduler (stepped per batch instead of per epoch? resumed state? "
          "a growth factor above 1?), then the run's configuration", "#637939",
          explained_by=frozenset(), delayed=True, cause="learning_rate"),
     Kind("oscillation", "large alternating swings of the loss, no downward trend",

@@ -114,8 +114,8 @@ class ScheduleSource:
         """Looks for a scheduler of the optimizer while none is known: at the first flush, then
         at a flush whose steps raised the rate, ``MAX_SEARCHES`` times in all. A search walks
         the objects that refer to the optimizer, which costs a pass over the interpreter's
-        objects (0.45 s with 3 million of them, measured here): a few times a run, never per
-        flush."""
+        objects, whose cost grows with the program's heap (a large one takes a good part of
+        a second): a few times a run, never per flush."""
         if self.scheduler is not None or self.optimizer is None:
             return
         if self.searches < MAX_SEARCHES and (self.searches == 0 or rose):
