@@ -85,7 +85,7 @@ CUDA_TREE := build/cuda-check
 cuda-check:
 	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_PY) -m pip install -q torch==$(CUDA_TORCH) ninja setuptools wheel numpy pytest \
-		hypothesis matplotlib
+		hypothesis matplotlib $(CORPUS)
 	rm -rf $(CUDA_TREE) && mkdir -p $(CUDA_TREE)
 	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(CUDA_TREE)
 	cd $(CUDA_TREE) && CUDA_HOME=$(CUDA_HOME) PATH=$(CUDA_HOME)/bin:$$PATH \
