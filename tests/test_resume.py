@@ -170,3 +170,40 @@ def test_a_changed_setting_starts_that_rule_cold_with_a_warning():
     with pytest.warns(RuntimeWarning, match="start cold.*spike"):
         mon2.load_state_dict(sd)
     mon2.close()
+
+
+class _Counting:
+    """A user's rule of its own class: counts the steps it saw, raises nothing."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.seen = 0
+
+    def observe(self, s):
+        self.seen += 1
+        return []
+
+
+class _CountingWithState(_Counting):
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, sd):
+        self.seen = sd["seen"]
+
+
+def test_a_users_rule_keeps_its_state_through_its_own_methods_else_starts_cold():
+    m, opt = _model()
+    rules = [_CountingWithState(), _Counting()]
+    mon = fh.Monitor(m, opt, detectors=rules, **OPTIONS)
+    _train(mon, m, opt, range(40), {})
+    sd = mon.state_dict()
+    mon.close()
+    torch.save(sd, io.BytesIO())  # a user's rule's state is saved as it is
+    again = [_CountingWithState(), _Counting()]
+    mon2 = fh.Monitor(m, opt, detectors=again, **OPTIONS)
+    with pytest.warns(RuntimeWarning, match="start cold.*counting"):
+        mon2.load_state_dict(sd)
+    assert (again[0].seen, again[1].seen) == (40, 0)
+    mon2.close()
