@@ -29,6 +29,13 @@
   be had at all, one warning at the first step says so and how to pass one, and the gradient
   rules go on.
 
+- checkpoints (docs/spec.md section 11): while ``Monitor.safe_to_save()`` is False the
+  Trainer writes none (``control.should_save`` turned off in ``on_step_end`` / ``on_epoch_end``,
+  after ``DefaultFlowCallback`` set it; ``_save_checkpoint`` skipped as the backstop for
+  ``save_strategy="best"``), one log line per incident; each checkpoint written gets the
+  Monitor's state (``checkpoint-<step>/fasthealth_monitor.pt``, in ``on_save``, after the
+  rotation), and ``train(resume_from_checkpoint=...)`` loads it before the first step.
+
 Why wrap ``training_step``: callbacks are not given the Trainer, nor any loss before the
 optimizer step (``on_pre_optimizer_step`` comes after the clipping), and the model's output
 holds the Trainer's loss only when the model computes it. ``training_step``'s return value is
