@@ -18,8 +18,13 @@ import fasthealth as fh
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
-from transformers import TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from fasthealth.integrations.transformers import HealthCallback  # noqa: E402
 
@@ -106,9 +111,8 @@ def test_hf_nan_weight_never_reaches_a_checkpoint(tmp_path, caplog):
     assert f"incident {inc.id} (nonfinite_loss" in lines[0] and "cause so far" in lines[0]
     assert "saved again once the incident closes as recovered" in lines[0]
     assert health.guard is not None and health.guard.refused == [15, 20, 25, 30]
-    if hasattr(health.monitor, "state_dict"):
-        for step in (5, 10):
-            assert (out / f"checkpoint-{step}" / "fasthealth_monitor.pt").is_file()
+    for step in (5, 10):
+        assert (out / f"checkpoint-{step}" / "fasthealth_monitor.pt").is_file()
 
 
 def test_hf_saving_resumes_after_recovery(tmp_path, caplog):

@@ -120,9 +120,7 @@ class HealthCallbackMixin:
 
     def state_dict(self) -> dict[str, Any]:
         """The Monitor's state, for Lightning's checkpoint (empty outside a fit)."""
-        mon = self.monitor if self._live else None
-        state_dict = getattr(mon, "state_dict", None)  # TODO(guard): the lead's, once merged
-        return {"monitor": state_dict()} if state_dict is not None else {}
+        return {"monitor": self.monitor.state_dict()} if self._live and self.monitor else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's restore, usually before ``on_fit_start``: held until the Monitor is

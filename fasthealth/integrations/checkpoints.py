@@ -99,10 +99,9 @@ class SaveGuard:
 
 def save_state(monitor: Monitor, folder: str | os.PathLike) -> bool:
     """``monitor.state_dict()`` into ``folder/fasthealth_monitor.pt`` (False: no folder)."""
-    state_dict = getattr(monitor, "state_dict", None)  # TODO(guard): the lead's, once merged
-    if not os.path.isdir(folder) or state_dict is None:
+    if not os.path.isdir(folder):
         return False
-    torch.save(state_dict(), os.path.join(folder, STATE_FILE))
+    torch.save(monitor.state_dict(), os.path.join(folder, STATE_FILE))
     return True
 
 
