@@ -115,6 +115,15 @@ def test_hf_nan_weight_never_reaches_a_checkpoint(tmp_path, caplog):
         assert (out / f"checkpoint-{step}" / "fasthealth_monitor.pt").is_file()
 
 
+def test_hf_epoch_saves_are_guarded_too(tmp_path):
+    # save_strategy="epoch": DefaultFlowCallback sets should_save in on_epoch_end
+    out = tmp_path / "epochs"
+    args = hf_args(out, save_strategy="epoch", max_steps=-1, num_train_epochs=6)
+    Trainer(tiny_gpt2(), args, train_dataset=Counting(n=40),
+            callbacks=[HealthCallback(), Poison(at=12)]).train()
+    assert checkpoints(out) == {5: True, 10: True}  # 5 steps an epoch; 15..30 refused
+
+
 def test_hf_saving_resumes_after_recovery(tmp_path, caplog):
     out = tmp_path / "run"
     health = HealthCallback()

@@ -37,7 +37,7 @@ host: this is the call's one sync (besides the flush's own copy), and it happens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -46,9 +46,7 @@ from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
 from .events import ALARM, Incident
 
-if TYPE_CHECKING:
-    from .monitor import Monitor
-
+# ``mon`` below is a ``Monitor`` (typed Any: monitor.py imports this module, not the reverse)
 DAMAGED_CAUSES = frozenset({"weights", "optimizer_state"})
 """Incident causes that say the model state itself may be damaged."""
 DAMAGE_KINDS = frozenset({"weight_corruption", "optimizer_state_nonfinite"})
@@ -66,7 +64,7 @@ class Verdict:
     incident: Incident | None = None
 
 
-def incident_reason(mon: Monitor) -> tuple[Incident, str] | None:
+def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     """The open alarm incident that says the model state may be damaged, and why (the module
     docstring, case 1); None when there is none."""
     tracker = mon.journal.tracker
@@ -85,7 +83,7 @@ def incident_reason(mon: Monitor) -> tuple[Incident, str] | None:
     return None
 
 
-def nonfinite_state(mon: Monitor) -> tuple[int, int]:
+def nonfinite_state(mon: Any) -> tuple[int, int]:
     """(non-finite values in the parameters, in the optimizer's state): one fused pass over
     both, one host copy."""
     params = [p.detach() for _, p in mon.params]
@@ -99,7 +97,7 @@ def nonfinite_state(mon: Monitor) -> tuple[int, int]:
     return int(p), int(s)
 
 
-def verdict(mon: Monitor) -> Verdict:
+def verdict(mon: Any) -> Verdict:
     """Flushes, then judges (the module docstring)."""
     mon.flush()
     found = incident_reason(mon)
