@@ -31,7 +31,10 @@ one for it. ``verdict`` says no in two cases:
 
 The flush before (so that the incidents are up to date) and the pass's total are read on the
 host: this is the call's one sync (besides the flush's own copy), and it happens only when
-``verdict`` is called, never per step.
+``verdict`` is called, never per step. With the Monitor's ``process_group``, both cases are
+every rank's (one all-reduce of three numbers before that copy): a checkpoint is saved by all
+ranks or by none (a rank's local shard may be the one that is NaN, and a rank that left a
+collective save would leave the others waiting).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checks import multi_tensor_stats
 from ..ops.layout import COL
@@ -83,28 +87,36 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     return None
 
 
-def nonfinite_state(mon: Any) -> tuple[int, int]:
-    """(non-finite values in the parameters, in the optimizer's state): one fused pass over
-    both, one host copy."""
+def nonfinite_state(mon: Any) -> torch.Tensor:
+    """(non-finite values in the parameters, in the optimizer's state), float64 on the
+    device: one fused pass over both, no sync."""
     params = [p.detach() for _, p in mon.params]
     state: list[torch.Tensor] = []
     if mon.optimizer is not None:
         state = optimizer_state_tensors(mon.optimizer, mon.names_by_id)[1]
-    table = multi_tensor_stats(params + state, backend=mon.backend).raw
+    table = multi_tensor_stats(params + state, backend=mon.backend).raw.to(mon.device)
     bad = (table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]).to(torch.float64)
-    sums = torch.stack([bad[:len(params)].sum(), bad[len(params):].sum()])
-    p, s = sums.cpu().tolist()  # the one sync
-    return int(p), int(s)
+    return torch.stack([bad[:len(params)].sum(), bad[len(params):].sum()])
 
 
 def verdict(mon: Any) -> Verdict:
-    """Flushes, then judges (the module docstring)."""
+    """Flushes, then judges (the module docstring). With the Monitor's ``process_group`` the
+    answer is every rank's (one all-reduce): a checkpoint is saved by all ranks or none, and
+    a rank left out of a collective save would hang the others."""
     mon.flush()
     found = incident_reason(mon)
+    flags = torch.cat([nonfinite_state(mon),
+                       torch.tensor([float(found is not None)], dtype=torch.float64,
+                                    device=mon.device)])
+    if mon.process_group is not None:
+        dist.all_reduce(flags, group=mon.process_group)
+    params, state, incidents = (int(x) for x in flags.cpu().tolist())  # the one sync
     if found is not None:
         inc, why = found
         return Verdict(False, why, inc)
-    params, state = nonfinite_state(mon)
+    if incidents:
+        return Verdict(False, f"another rank's open incident ({incidents} of the ranks) says "
+                       "the weights or the optimizer's state may be damaged")
     if params or state:
         where = " and ".join(w for w, n in (("the parameters", params),
                                             ("the optimizer's state", state)) if n)
