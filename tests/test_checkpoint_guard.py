@@ -221,10 +221,10 @@ class PoisonPL(pl.Callback):
                 module.model.transformer.h[0].mlp.c_fc.weight.view(-1)[:3] = float("nan")
 
 
-def lightning_fit(root, callbacks, steps=30):
+def lightning_fit(root, callbacks, steps=30, **ckpt_options):
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_train_steps=5,
                                         save_top_k=2, monitor="step", mode="max",
-                                        filename="{step}")
+                                        filename="{step}", **ckpt_options)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(root), callbacks=[*callbacks, ckpt])
@@ -259,3 +259,17 @@ def test_lightning_nan_weight_never_reaches_a_checkpoint(tmp_path, caplog):
     assert len(refusals(caplog)) == 1
     assert health.guard is not None and health.guard.refused == [15, 20, 25, 30]
     assert not os.path.exists(ckpt.best_model_path)  # what ModelCheckpoint thinks it kept
+
+
+def test_lightning_save_on_exception_is_guarded(tmp_path, caplog):
+    # on_nonfinite="raise": the flush of the guard at step 15 raises; ModelCheckpoint's
+    # save on the exception then gets the guard's last verdict, and writes nothing
+    from fasthealth.integrations.lightning import HealthCallback as PLHealth
+
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="fasthealth"), \
+            pytest.raises(fh.NonFiniteError):
+        lightning_fit(tmp_path, [PLHealth(on_nonfinite="raise"), PoisonPL(at=12)],
+                      save_on_exception=True)
+    assert lightning_files(tmp_path) == {5: True, 10: True}
+    assert any("the run raised" in r.getMessage() for r in caplog.records)

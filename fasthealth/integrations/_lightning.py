@@ -120,17 +120,18 @@ class HealthCallbackMixin:
 
     def state_dict(self) -> dict[str, Any]:
         """The Monitor's state, for Lightning's checkpoint (empty outside a fit)."""
-        return {"monitor": self.monitor.state_dict()} if self._live and self.monitor else {}
+        mon = self.monitor if self._live else None
+        return {"fasthealth_monitor": mon.state_dict()} if mon is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's restore, usually before ``on_fit_start``: held until the Monitor is
         made, then loaded into it."""
-        if "monitor" not in state_dict:
+        if "fasthealth_monitor" not in state_dict:
             return
         if not (self._live and self.monitor is not None):
             self._pending = state_dict
             return
-        self.monitor.load_state_dict(state_dict["monitor"])
+        self.monitor.load_state_dict(state_dict["fasthealth_monitor"])
         self._pending, self._loaded = None, True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -56,6 +56,11 @@ class SaveGuard:
 
     def allow(self, step: int) -> bool:
         if self.final is not None:
+            if not self.final and "final" not in self._told:
+                self._told.add("final")
+                logger.warning("fasthealth: step %d: checkpoint not saved: the run raised "
+                               "while the Monitor said the model may be damaged (steps "
+                               "refused: %s)", step, ", ".join(map(str, self.refused[-5:])))
             return self.final
         if self._last is not None and self._last[0] == step:
             return self._last[1]

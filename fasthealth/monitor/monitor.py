@@ -327,7 +327,8 @@ class Monitor:
     def safe_to_save(self) -> bool:
         """Whether a checkpoint may be written now (docs/spec.md section 11; ``guard.py`` says
         which incidents forbid it): flushes, then one fused pass over the parameters and the
-        optimizer's state for NaN/Inf. Its sync happens only here, when it is called."""
+        optimizer's state for NaN/Inf. Its sync happens only here, when it is called. With
+        ``on_nonfinite="raise"`` its flush raises NonFiniteError as any flush would."""
         return guard.verdict(self).safe
 
     @property
