@@ -124,6 +124,23 @@ def test_hf_epoch_saves_are_guarded_too(tmp_path):
     assert checkpoints(out) == {5: True, 10: True}  # 5 steps an epoch; 15..30 refused
 
 
+class SaveEvery5(TrainerCallback):
+    """A user's callback after ours that asks for a save itself (as ``save_strategy="best"``
+    does after the evaluation): only the backstop on ``_save_checkpoint`` sees it."""
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step % 5 == 0:
+            control.should_save = True
+
+
+def test_hf_saves_asked_for_after_the_callback_are_guarded(tmp_path):
+    out = tmp_path / "late"
+    Trainer(tiny_gpt2(), hf_args(out, save_strategy="no", max_steps=20), train_dataset=Counting(),
+            callbacks=[HealthCallback(), SaveEvery5(), Poison(at=12)]).train()
+    assert checkpoints(out) == {5: True, 10: True}
+    assert not (out / "checkpoint-15").exists()  # nor a folder with only the state in it
+
+
 def test_hf_saving_resumes_after_recovery(tmp_path, caplog):
     out = tmp_path / "run"
     health = HealthCallback()
