@@ -64,6 +64,7 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..monitor import Monitor, gate
 from ..monitor.option_groups import with_default
@@ -111,7 +112,6 @@ def resume_folder(callback: TrainerCallback, args: Any, state: Any) -> str | Non
     for frame in _trainer_frames(callback, 12):
         path = frame.f_locals.get("resume_from_checkpoint")
         if path is True:
-            from transformers.trainer_utils import get_last_checkpoint  # only on a resume
             path = get_last_checkpoint(args.output_dir)
         if isinstance(path, (str, os.PathLike)):
             return os.fspath(path)
