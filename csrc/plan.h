@@ -18,8 +18,8 @@
 //   first[i+1])), whatever order the items run in, and merged in that fixed order: results are
 //   bit for bit the same run to run for the same inputs and the same device.
 // - Two-level merge: a tensor of more than merge_run chunks (a flat 7B-parameter buffer has
-//   over 100,000) would keep one merging warp busy for all of them; its records are merged in
-//   runs of merge_run first (one warp a run, in parallel), then the runs per tensor.
+//   over 100,000) would keep one merging block busy for all of them; its records are merged in
+//   runs of merge_run first (one block a run, in parallel), then the runs per tensor.
 #pragma once
 
 #include <stdint.h>
@@ -141,7 +141,9 @@ inline WorkPlan plan_work(const std::vector<TensorMeta>& metas, const PlanLimits
 #define FH_CUDA_CHUNK (64 * 1024)
 #endif
 constexpr int64_t kCudaChunk = FH_CUDA_CHUNK;  // the largest chunk, in elements
-constexpr int64_t kMergeRun = 256;
+// One merging block of 128 threads takes up to 32 records a thread before its tree: a tensor of
+// up to 4096 chunks (a 7B model's embedding: 4000) is merged in one level.
+constexpr int64_t kMergeRun = 4096;
 
 inline PlanLimits cuda_plan_limits(int64_t resident) {
   return {kCudaChunk, kCudaChunk / 8, resident, kCudaChunk / 32, kMergeRun};

@@ -68,7 +68,7 @@ def test_kernels_are_built_for_the_asked_architectures():
         names = [f for a, f in usage if a == arch]
         assert sum("chunk_stats_cuda" in f for f in names) == 2, names  # with/without range
         assert any("merge_chunks_cuda" in f for f in names)
-        assert any("finalize_cuda" in f for f in names)
+        assert any("merge_finalize_cuda" in f for f in names)
 
 
 def test_no_register_spills():

@@ -382,9 +382,11 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
 // about 24 KB.
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads, 2)
-chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo) {
+chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo,
+                 unsigned int* done) {
   __shared__ Partial shared[kThreads];
   __shared__ Sums smem[kWarps];
+  if (blockIdx.x == 0 && threadIdx.x == 0) *done = 0u;  // merge_finalize_cuda's counter
   int64_t c = blockIdx.x;
   if (c >= n_items) return;
   ChunkItem next = items[c];
@@ -408,10 +410,10 @@ chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double
   }
 }
 
-// One warp per segment merges records [first[i], first[i+1]) in a fixed order: per tensor, or
-// per run and then per tensor for the two-level merge (plan.h). Most tensors have one chunk: a
-// block of 256 threads per tensor would mostly wait at barriers.
-constexpr int kMergeThreads = 32;
+// One block per segment merges records [first[i], first[i+1]) in a fixed order (strided
+// over the threads, then block_merge's fixed tree): the first level of the two-level merge
+// (plan.h), one block a run of chunks.
+constexpr int kMergeThreads = 128;
 
 __global__ void __launch_bounds__(kMergeThreads)
 merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* merged) {
@@ -425,25 +427,40 @@ merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* merged) {
   if (threadIdx.x == 0) merged[i] = r;
 }
 
-// Blocks of the finalize launch: one thread per tensor row, then one block for the total.
-__host__ __device__ inline int64_t finalize_blocks(int64_t n) {
-  return (n + kThreads - 1) / kThreads + 1;
-}
-
-// Threads of the first blocks write one tensor row each; the last block merges all tensors
-// into the total row.
-__global__ void __launch_bounds__(kThreads)
-finalize_cuda(const Partial* per_tensor, int64_t n, double* table) {
-  __shared__ Partial shared[kThreads];
-  if (static_cast<int64_t>(blockIdx.x) + 1 < finalize_blocks(n)) {
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-    if (row < n) partial_finalize(per_tensor[row], table + row * kTableWidth);
-    return;
-  }
+// The last launch: block i merges tensor i's records [first[i], first[i+1]) in a fixed order
+// and writes its row of the table; the last block to finish (counted in `done`, which the
+// chunk kernel zeroed and this block resets) merges the n tensors' records, in index order,
+// into the total row. Deterministic and free of atomics in the results: the counter only
+// picks which block does the total, and any block computes the same bits from the same
+// records. The fences order each block's record before its count, and the count before the
+// last block's reads (the pattern of CUDA's threadFenceReduction sample).
+__global__ void __launch_bounds__(kMergeThreads)
+merge_finalize_cuda(const Partial* parts, const int64_t* first, int64_t n, Partial* per_tensor,
+                    double* table, unsigned int* done) {
+  __shared__ Partial shared[kMergeThreads];
+  __shared__ bool last;
+  const int64_t i = blockIdx.x;
   Partial acc = partial_empty();
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) acc = partial_merge(acc, per_tensor[i]);
-  const Partial total = block_merge<kThreads>(acc, shared);
-  if (threadIdx.x == 0) partial_finalize(total, table + n * kTableWidth);
+  for (int64_t c = first[i] + threadIdx.x; c < first[i + 1]; c += kMergeThreads) {
+    acc = partial_merge(acc, parts[c]);
+  }
+  const Partial r = block_merge<kMergeThreads>(acc, shared);
+  if (threadIdx.x == 0) {
+    per_tensor[i] = r;
+    partial_finalize(r, table + i * kTableWidth);
+    __threadfence();
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  Partial tot = partial_empty();
+  for (int64_t j = threadIdx.x; j < n; j += kMergeThreads) tot = partial_merge(tot, per_tensor[j]);
+  const Partial total = block_merge<kMergeThreads>(tot, shared);
+  if (threadIdx.x == 0) {
+    partial_finalize(total, table + n * kTableWidth);
+    *done = 0u;  // ready for the next call, and for the next replay of a captured graph
+  }
 }
 
 }  // namespace kernels

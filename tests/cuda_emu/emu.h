@@ -6,6 +6,7 @@
 // the reductions, the merges), not their speed, memory model or compilation by nvcc.
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -91,6 +92,14 @@ inline void launch(unsigned grid, unsigned block, const std::function<void()>& k
 }  // namespace emu
 
 inline void __syncthreads() { emu::block_barrier->arrive_and_wait(); }
+
+// Device-wide fence and counter: blocks run one after another here, so a fence orders nothing
+// more than program order does; the count is atomic all the same (threads of one block may
+// call it).
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+  return std::atomic_ref<unsigned int>(*p).fetch_add(v);
+}
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
