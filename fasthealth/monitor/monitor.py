@@ -54,6 +54,7 @@ from .record import (
 )
 from .rules import Context, Rule
 from .rules import build as build_rules
+from .runs import writer_root
 from .scans import Scans
 from .schedule import ScheduleSource, ScheduleView
 from .sinks import map_tensors
@@ -176,6 +177,8 @@ class Monitor:
         if me.activations is not None and me.activations is not False:
             self.activations = ActivationMonitor(
                 model, modules=None if me.activations is True else me.activations)
+        if not isinstance(lg.all_ranks, bool):
+            raise TypeError(f"fasthealth: all_ranks must be True or False, got {lg.all_ranks!r}")
         self.log_dir = Path(lg.log_dir) if lg.log_dir is not None else None
         self._snapshots: list[list[torch.Tensor]] | None = None
         self._open_journal(lg.tensorboard, lg.dumps, lg.snapshot_max_bytes,
@@ -191,7 +194,9 @@ class Monitor:
                 "on_nonfinite": self.on_nonfinite, **options,
                 "max_grad_norm": self.max_grad_norm, "per_tensor_every": self.per_tensor_every,
                 "started": time.time(), "param_bytes": param_bytes}
-        self.journal = Journal(self.names, self.detectors, log_dir=self.log_dir, meta=meta,
+        root = (None if self.log_dir is None else  # under torch.distributed: one rank writes
+                writer_root(self.log_dir, self.process_group, self.options.log.all_ranks))
+        self.journal = Journal(self.names, self.detectors, log_dir=root, meta=meta,
                                tensorboard=tensorboard, dumps=dumps,
                                per_tensor_every=self.per_tensor_every,
                                on_nonfinite=self.on_nonfinite)
@@ -199,8 +204,6 @@ class Monitor:
         if jsonl is None:
             return
         atexit.register(self._close_at_exit)  # the last steps reach the log even on a crash
-        if jsonl.last_step is not None:  # a reopened log_dir: the run goes on
-            self._next_step = jsonl.last_step + 1
         if param_bytes * self.flush_every <= snapshot_max_bytes:
             self._snapshots = [[torch.empty_like(p.detach()) for _, p in self.params]
                                for _ in range(self.flush_every)]
@@ -230,6 +233,8 @@ class Monitor:
     def _run(self, loss: Any, batch: Any, sample_ids: Any, step: int | None,
              take_step: bool) -> Observation:
         loss_d, loss_ok = loss_value(loss, self.device)  # a bad loss raises before anything
+        if self.journal.jsonl is not None and self.journal.jsonl.run is None:
+            self.journal.open_run()  # a new run, unless _continue_run opened one
         t = self._next_step if step is None else int(step)
         self._next_step = t + 1
         if self.scaler is not None and self.optimizer is not None:
@@ -300,7 +305,7 @@ class Monitor:
         """What the flush needs of this step on the host: references to the batch (no copy,
         kept until the flush), the RNG state its forward started from, the learning rate and
         the rate the scheduler set (``schedule.py``)."""
-        keep = self.log_dir is not None
+        keep = self.journal.jsonl is not None
         info = {
             "step": t, "lr": rates[0], "lr_scheduled": rates[1],
             "slot": self.record.fill,
@@ -336,6 +341,29 @@ class Monitor:
         """Calls ``listener(incident)`` once per incident, at the flush where it becomes an
         alarm (notices never call it): how the trainer callbacks log one line per fault."""
         self.journal.alarm_listeners.append(listener)
+
+    @property
+    def run_id(self) -> str | None:
+        """The run this Monitor writes (``run-NNN``); None until its first step, or with no
+        ``log_dir`` (or on a rank that does not write)."""
+        run = self.journal.run
+        return run.id if run is not None else None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The folder of that run (``LOG_DIR/run-NNN``), None as ``run_id``."""
+        return self.journal.log_dir
+
+    def _continue_run(self, run_id: str | None, step: int | None) -> None:
+        """Writes on into run ``run_id`` of the log_dir (made when it is not there: a
+        checkpoint moved to a new log_dir) instead of a new run; records it holds for steps
+        after ``step`` become an abandoned branch (kept, marked in its meta.json: ``runs.py``).
+        Called by ``load_state_dict``; nothing to do without a log_dir, on a rank that does not
+        write, or for a state with no run. RuntimeError when another live Monitor writes it
+        (the message names it) or this one has already opened its run."""
+        if run_id is None or self.journal.jsonl is None:
+            return
+        self.journal.continue_run(run_id, step)
 
     @property
     def write_errors(self) -> list[str]:
