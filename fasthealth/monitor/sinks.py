@@ -165,8 +165,8 @@ class JsonlSink:
         self.errors.append(f"{type(exc).__name__}: {exc}")
         if len(self.errors) == 1:
             warnings.warn(
-                f"fasthealth: cannot write to {self.log_dir or self.root} ({exc}); training goes on, "
-                "events stay in Monitor.events, and the logs are written when it can "
+                f"fasthealth: cannot write to {self.log_dir or self.root} ({exc}); training "
+                "goes on, events stay in Monitor.events, and the logs are written when it can "
                 "(Monitor.write_errors lists the failures)", RuntimeWarning, stacklevel=4)
 
     def close(self) -> None:

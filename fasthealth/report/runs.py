@@ -85,10 +85,12 @@ def choose(log_dir: str | Path, run: str | None) -> tuple[RunInfo, list[RunInfo]
                                  "a Monitor wrote (Monitor(..., log_dir=...))")
     runs = find_runs(d)
     if not runs:
+        empty = [p.name for p in run_dirs(d)]
         raise FileNotFoundError(
-            f"fasthealth report: no run in {d}: is it a Monitor's log_dir? (a Monitor given "
-            "log_dir= writes its run into LOG_DIR/run-NNN/: steps.jsonl, events.jsonl, "
-            "meta.json)")
+            f"fasthealth report: no run with a steps.jsonl in {d}: is {d} a Monitor's "
+            "log_dir? (a Monitor given log_dir= writes each run into LOG_DIR/run-NNN/: "
+            "steps.jsonl, events.jsonl, meta.json)"
+            + (f"; {', '.join(empty)} logged no step" if empty else ""))
     if run is None:
         return latest(runs), runs
     for r in runs:
