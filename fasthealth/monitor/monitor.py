@@ -32,7 +32,7 @@ from ..checks import grad_values, grads_stats
 from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
-from . import gate
+from . import gate, state
 from .events import Event, Incident, Observation
 from .journal import Journal
 from .option_groups import (
@@ -169,6 +169,7 @@ class Monitor:
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
         self._rose = False  # a step since the last flush raised the rate (schedule.search)
         self.steps_seen = self._next_step = 0
+        self._stepped = self._resumed = False  # load_state_dict: once, before the first step
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
@@ -233,6 +234,7 @@ class Monitor:
     def _run(self, loss: Any, batch: Any, sample_ids: Any, step: int | None,
              take_step: bool) -> Observation:
         loss_d, loss_ok = loss_value(loss, self.device)  # a bad loss raises before anything
+        self._stepped = True
         if self.journal.jsonl is not None and self.journal.jsonl.run is None:
             self.journal.open_run()  # a new run, unless _continue_run opened one
         t = self._next_step if step is None else int(step)
@@ -369,6 +371,21 @@ class Monitor:
     def write_errors(self) -> list[str]:
         """What could not be written to ``log_dir`` (the first one was also warned)."""
         return list(self.journal.errors)
+
+    # ---- state: resume a stopped run (state.py) ----------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the rules and incidents need to go on as if the run had never stopped
+        (docs/spec.md section 11): flushes first (one sync), then returns CPU tensors and
+        Python values, small (never the model), loadable with ``torch.load(...,
+        weights_only=True)``. Save it beside the model and the optimizer."""
+        return state.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores what ``state_dict()`` returned, before the first step: the run goes on with
+        its windows, open incidents, step count and run (with a ``log_dir``, its records go on
+        in that run). A state of another model's parameters is a ValueError."""
+        state.load_state_dict(self, state_dict)
 
     # ---- lifecycle --------------------------------------------------------------------------
 

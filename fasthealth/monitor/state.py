@@ -1,0 +1,266 @@
+"""The Monitor's state, to resume a stopped run as if it had never stopped (docs/spec.md
+section 11): ``Monitor.state_dict()`` and ``Monitor.load_state_dict(sd)``.
+
+What a run's verdicts depend on lives in a handful of host objects: each rule's windows
+(``rules/``), the device skip rule's rings (``skip_rule.py``), the incident tracker with its
+open incident and every event so far (``incidents.py``), the schedule's view of the learning
+rate (``schedule.py``), the step counter and the run id. The state is those objects' fields,
+encoded as plain containers (dicts, lists, numbers, strings) and CPU tensors, so that
+``torch.load(..., weights_only=True)`` reads it without running code. What is not state stays
+out: the rules' configs (a resumed Monitor's options decide them; a rule whose config changed
+starts cold, with a warning), references to the model, the optimizer and the precursor probe's
+copies of the weights (the probe copies them again at its next due step), the batches kept for
+the next dump.
+
+Encoding is generic, by field, so that a new rule needs nothing here: an object of a
+fasthealth class becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}``
+(the same object twice becomes a reference to its ``id``: an incident's events are the
+Monitor's events), a deque, tuple, set or dict a tagged list. Decoding makes objects only of
+classes defined in fasthealth's own modules; anything else in a state is refused with the
+path to it. A user's rule (``DetectOptions(detectors=...)``) of its own class keeps its state
+through its own ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a
+warning) otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import importlib
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+FORMAT = 1  # the layout of the state; a state of another format is refused with its number
+
+# fields that are not state: options (the resumed Monitor's own), references to what the
+# Monitor watches, and caches made again from them
+NOT_STATE = frozenset({"config", "ctx", "optimizer", "scheduler", "probe", "params", "device",
+                       "alarm_listeners", "detectors", "jsonl", "tb", "errors", "previous",
+                       "backlog", "log_dir", "_constants", "_ring"})
+
+
+class StateError(ValueError):
+    """A state that cannot be saved or loaded; the message names the field."""
+
+
+def _ours(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "fasthealth"
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {k: v for k, v in vars(obj).items() if k not in NOT_STATE}
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.memo: dict[int, int] = {}
+        self.keep: list[Any] = []  # the encoded objects stay alive: their ids stay unique
+
+    def __call__(self, v: Any, path: str) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.nn.Parameter):
+                raise StateError(f"fasthealth: the Monitor's state would hold a model "
+                                 f"parameter at {path}")
+            return v.detach().to("cpu", copy=True)
+        if isinstance(v, (torch.device, torch.dtype)):
+            return {"__t": type(v).__name__, "v": str(v)}
+        if isinstance(v, collections.deque):
+            return {"__t": "deque", "maxlen": v.maxlen,
+                    "v": [self(x, f"{path}[{i}]") for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [self(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, (tuple, set, frozenset)) and not hasattr(v, "_fields"):
+            return {"__t": type(v).__name__, "v": [self(x, f"{path}[{i}]")
+                                                   for i, x in enumerate(v)]}
+        if isinstance(v, dict):
+            return {"__t": "dict", "k": [self(k, f"{path}.keys") for k in v],
+                    "v": [self(x, f"{path}[{k!r}]") for k, x in v.items()]}
+        if isinstance(v, enum.Enum) and _ours(type(v)):
+            return {"__t": "enum", "cls": _name(type(v)), "v": v.name}
+        if hasattr(v, "__dict__") and _ours(type(v)) and not isinstance(
+                v, (torch.nn.Module, torch.optim.Optimizer)):
+            if id(v) in self.memo:
+                return {"__t": "ref", "id": self.memo[id(v)]}
+            n = self.memo[id(v)] = len(self.memo)
+            self.keep.append(v)
+            return {"__t": "obj", "cls": _name(type(v)), "id": n,
+                    "state": {k: self(x, f"{path}.{k}") for k, x in _fields(v).items()}}
+        if type(v).__module__ == "numpy" and hasattr(v, "item"):
+            return v.item()
+        raise StateError(f"fasthealth: cannot keep {type(v).__qualname__} (at {path}) in the "
+                         "Monitor's state")
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _class(name: str, path: str) -> Any:
+    module, _, qual = name.partition(":")
+    if module.split(".")[0] != "fasthealth":
+        raise StateError(f"fasthealth: the state names a class outside fasthealth ({name}, at "
+                         f"{path}): refused")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise StateError(f"fasthealth: {name} (at {path}) is not a class")
+    return obj
+
+
+class _Decoder:
+    def __init__(self) -> None:
+        self.memo: dict[int, Any] = {}
+
+    def __call__(self, v: Any, path: str) -> Any:
+        if isinstance(v, list):
+            return [self(x, f"{path}[{i}]") for i, x in enumerate(v)]
+        if not isinstance(v, dict):
+            return v
+        tag = v.get("__t")
+        items = [self(x, f"{path}[{i}]") for i, x in enumerate(v.get("v", ()))] if tag in (
+            "deque", "tuple", "set", "frozenset") else None
+        if tag == "deque":
+            return collections.deque(items or [], maxlen=v["maxlen"])
+        if tag in ("tuple", "set", "frozenset"):
+            return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](items or [])
+        if tag == "dict":
+            return {self(k, path): self(x, f"{path}[{k!r}]") for k, x in zip(v["k"], v["v"])}
+        if tag == "device":
+            return torch.device(v["v"])
+        if tag == "dtype":
+            return getattr(torch, v["v"].removeprefix("torch."))
+        if tag == "enum":
+            return _class(v["cls"], path)[v["v"]]
+        if tag == "ref":
+            return self.memo[v["id"]]
+        if tag == "obj":
+            cls = _class(v["cls"], path)
+            obj = cls.__new__(cls)
+            self.memo[v["id"]] = obj
+            obj.__dict__.update({k: self(x, f"{path}.{k}") for k, x in v["state"].items()})
+            return obj
+        raise StateError(f"fasthealth: unreadable entry at {path} of the Monitor's state")
+
+
+def _restore(target: Any, fields: Any) -> None:
+    """Sets ``target``'s fields; a tensor goes to the device of the one it replaces (the skip
+    rule's rings live on the model's device)."""
+    for k, v in fields.items():
+        old = getattr(target, k, None)
+        if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor):
+            v = v.to(old.device)
+        setattr(target, k, v)
+
+
+def _rule_key(rule: Any, i: int) -> str:
+    return f"{i}:{getattr(rule, 'name', '') or type(rule).__qualname__}"
+
+
+def _config(obj: Any) -> str:
+    c = getattr(obj, "config", None)
+    return repr(c) if dataclasses.is_dataclass(c) else ""
+
+
+def _host_state(mon: Monitor) -> dict[str, Any]:
+    """The objects whose fields are state, by name."""
+    j = mon.journal
+    return {"tracker": j.tracker, "schedule": j.schedule, "restarts": mon._restarts,
+            "skip_rule": mon.skip_rule}
+
+
+def state_dict(mon: Monitor) -> dict[str, Any]:
+    """``Monitor.state_dict``: flushes (one sync), then the state as plain values."""
+    mon.flush()
+    enc = _Encoder()
+    rules: dict[str, Any] = {}
+    for i, rule in enumerate(mon.detectors):
+        key = _rule_key(rule, i)
+        if not _ours(type(rule)):
+            own = getattr(rule, "state_dict", None)
+            rules[key] = {"own": own()} if callable(own) else None
+            continue
+        rules[key] = {"config": _config(rule),
+                      "fields": enc(_fields(rule), f"rules[{key}]")}
+    objects = {name: None if obj is None else {"config": _config(obj),
+                                               "fields": enc(_fields(obj), name)}
+               for name, obj in _host_state(mon).items()}
+    j = mon.journal
+    last = mon._next_step - 1 if mon.steps_seen else None
+    return {
+        "format": FORMAT, "names": list(mon.names),
+        "run": {"id": getattr(mon, "run_id", None), "step": last},
+        "next_step": mon._next_step, "steps_seen": mon.steps_seen,
+        "rules": rules, "objects": objects,
+        "journal": enc({"events": j.events, "recent_lr": j.recent_lr,
+                        "optimizer": j.optimizer}, "journal"),
+    }
+
+
+def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
+    """``Monitor.load_state_dict``; see the module docstring."""
+    if mon._stepped or mon._resumed:
+        raise RuntimeError("fasthealth: load_state_dict must come once, before the Monitor's "
+                           "first step" + (" (this one has stepped)" if mon._stepped else
+                                           " (this one has loaded a state already)"))
+    if not isinstance(sd, dict) or "format" not in sd:
+        raise StateError("fasthealth: load_state_dict expects what Monitor.state_dict() "
+                         f"returned, got {type(sd).__name__}")
+    if sd["format"] != FORMAT:
+        raise StateError(f"fasthealth: a Monitor state of format {sd['format']} (this "
+                         f"fasthealth reads format {FORMAT})")
+    if list(sd["names"]) != list(mon.names):
+        gone = sorted(set(sd["names"]) - set(mon.names))
+        new = sorted(set(mon.names) - set(sd["names"]))
+        raise StateError("fasthealth: the state is of a Monitor of other parameters "
+                         f"(missing here: {gone[:3]}, new here: {new[:3]}, or in another "
+                         "order): load it into a Monitor of the same model")
+    # decoded whole, in the order it was encoded (a reference names an object decoded before)
+    dec = _Decoder()
+    rules = {key: None if saved is None or "own" in saved
+             else dec(saved["fields"], f"rules[{key}]") for key, saved in sd["rules"].items()}
+    objects = {name: None if saved is None else dec(saved["fields"], name)
+               for name, saved in sd["objects"].items()}
+    journal = dec(sd["journal"], "journal")
+    cold: list[str] = []
+    for name, obj in _host_state(mon).items():
+        saved = sd["objects"].get(name)
+        if obj is None or saved is None:
+            continue
+        if saved["config"] != _config(obj):
+            cold.append(name)
+            continue
+        _restore(obj, objects[name])
+    for i, rule in enumerate(mon.detectors):
+        key = _rule_key(rule, i)
+        saved = sd["rules"].get(key)
+        if saved is None:
+            cold.append(key.split(":", 1)[1])
+        elif "own" in saved:
+            own: Any = rule  # a user's rule of its own class, with its own state
+            own.load_state_dict(saved["own"])
+        elif saved["config"] != _config(rule):
+            cold.append(key.split(":", 1)[1])
+        else:
+            _restore(rule, rules[key])
+    j = mon.journal
+    j.events[:] = journal["events"]
+    j.recent_lr.extend(journal["recent_lr"])
+    j.optimizer = journal["optimizer"]
+    mon._next_step, mon.steps_seen, mon._resumed = sd["next_step"], sd["steps_seen"], True
+    if cold:
+        warnings.warn("fasthealth: these rules start cold (their settings differ from the "
+                      f"saved run's, or they keep no state): {', '.join(cold)}", RuntimeWarning,
+                      stacklevel=3)
+    run = sd.get("run") or {}
+    step = run.get("step")
+    mon._continue_run(run.get("id"), -1 if step is None or not math.isfinite(step) else step)
