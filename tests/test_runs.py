@@ -55,6 +55,8 @@ SCRIPT = textwrap.dedent("""
         loss = ((m(x) - x.sum(1, keepdim=True)) ** 2).mean()
         loss.backward()
         mon.step(loss, batch=(x,))
+        if t == int(os.environ.get("FH_SAVE_AT", -1)):  # a checkpoint of the Monitor's state
+            torch.save(mon.state_dict(), os.environ["FH_STATE"])
         if wait and wait != "hold" and t == 4:
             print(mon.run_id, flush=True)
             while not os.path.exists(wait):
@@ -176,7 +178,9 @@ def test_a_rerun_starts_a_new_run_and_the_report_shows_the_latest(tmp_path, scri
 def test_a_killed_writer_is_taken_over_and_its_branch_after_the_resume_abandoned(
         tmp_path, script, capsys):
     log_dir = tmp_path / "logs"
-    p = start(script, log_dir, 100, nan_at=33, env={"FH_KILL_IN_WRITE": "42"})
+    state = tmp_path / "state.pt"
+    p = start(script, log_dir, 100, nan_at=33, env={"FH_KILL_IN_WRITE": "42", "FH_SAVE_AT": "29",
+                                                     "FH_STATE": str(state)})
     out, err = p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL, err
     d = log_dir / "run-000"
@@ -188,8 +192,9 @@ def test_a_killed_writer_is_taken_over_and_its_branch_after_the_resume_abandoned
 
     m, opt = model_and_opt()
     mon = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5)
-    mon._continue_run("run-000", 29)  # what load_state_dict does with a step-29 checkpoint
-    mon._next_step = 30
+    sd = torch.load(state, weights_only=True)
+    assert sd["run"] == {"id": "run-000", "step": 29}
+    mon.load_state_dict(sd)  # the run goes on in run-000, from step 30
     assert (mon.run_id, mon.run_dir) == ("run-000", d)
     train(mon, m, opt, 20, nan_at=(37,), start=30)
     mon.close()
@@ -224,38 +229,44 @@ def test_a_killed_writer_is_taken_over_and_its_branch_after_the_resume_abandoned
 
 
 def test_a_second_live_writer_of_a_run_is_refused_naming_the_holder(tmp_path, script):
-    log_dir = tmp_path / "logs"
-    p = start(script, log_dir, 10, wait="hold", stdin=subprocess.PIPE)
+    log_dir, state = tmp_path / "logs", tmp_path / "state.pt"
+    p = start(script, log_dir, 10, wait="hold", stdin=subprocess.PIPE,
+              env={"FH_SAVE_AT": "9", "FH_STATE": str(state)})
     try:
         assert p.stdout.readline().strip() == "run-000"
         assert p.stdout.readline().strip() == "holding"
+        sd = torch.load(state, weights_only=True)  # the live writer's own checkpoint
         m, opt = model_and_opt()
         mon = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5)
         with pytest.raises(RuntimeError) as exc:
-            mon._continue_run("run-000", 9)
+            mon.load_state_dict(sd)
         msg = str(exc.value)
         assert f"pid {p.pid}" in msg and socket.gethostname() in msg and str(script) in msg
         assert mon.run_id is None
-        train(mon, m, opt, 5)  # refused: it writes a run of its own
-        mon.close()
-        assert mon.run_id == "run-001"
     finally:
         p.stdin.close()
         p.wait(timeout=60)
+    assert p.returncode == 0, p.stderr.read()
     assert [r["step"] for r in records(log_dir / "run-000" / "steps.jsonl")] == list(range(10))
     assert "resumes" not in json.loads((log_dir / "run-000" / "meta.json").read_text())
-    # the holder gone, the run is taken over; twice in one process is refused too
+    # the holder gone, the run is taken over; two Monitors of one process resuming the same
+    # state: the second is refused until the first is closed
     m, opt = model_and_opt()
     first = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5)
-    first._continue_run("run-000", 9)
+    first.load_state_dict(sd)
     second = fh.Monitor(m, opt, log_dir=log_dir, flush_every=5)
     with pytest.raises(RuntimeError, match=f"pid {os.getpid()}"):
         second._continue_run("run-000", 9)
+    train(first, m, opt, 3, start=10)
     first.close()
-    second._continue_run("run-000", 9)  # released at close()
+    second._continue_run("run-000", 12)  # released at close()
+    second._next_step = 13
+    train(second, m, opt, 2, start=13)
     second.close()
+    steps = records(log_dir / "run-000" / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(15))
     meta = json.loads((log_dir / "run-000" / "meta.json").read_text())
-    assert [r["abandons"] for r in meta["resumes"]] == [False, False]
+    assert [(r["step"], r["abandons"]) for r in meta["resumes"]] == [(9, False), (12, False)]
     with pytest.raises(ValueError, match="not a run's name"):
         fh.Monitor(m, opt, log_dir=log_dir)._continue_run("../elsewhere", 3)
 
