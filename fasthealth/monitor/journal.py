@@ -76,9 +76,14 @@ class Journal:
         if self.jsonl is not None and self.jsonl.run is None and self.jsonl.open_new():
             self._open_tb()
 
-    def continue_run(self, run_id: str, step: int | None) -> None:
-        """Continues run ``run_id`` from ``step`` instead (``JsonlSink.open_existing``)."""
-        if self.jsonl is not None:
+    def continue_run(self, run_id: str | None, step: int | None) -> None:
+        """Continues run ``run_id`` from ``step`` instead of a new run (made when it is not
+        there: a checkpoint moved to a new log_dir); records it holds for steps after ``step``
+        become an abandoned branch (kept, marked in its meta.json: ``runs.py``). Nothing to do
+        without a log_dir, on a rank that does not write, or for a state with no run.
+        RuntimeError when another live Monitor writes it (the message names it) or this one
+        has opened its run already."""
+        if run_id is not None and self.jsonl is not None:
             self.jsonl.open_existing(run_id, step)
             self._open_tb()
 

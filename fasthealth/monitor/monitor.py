@@ -178,8 +178,6 @@ class Monitor:
         if me.activations is not None and me.activations is not False:
             self.activations = ActivationMonitor(
                 model, modules=None if me.activations is True else me.activations)
-        if not isinstance(lg.all_ranks, bool):
-            raise TypeError(f"fasthealth: all_ranks must be True or False, got {lg.all_ranks!r}")
         self.log_dir = Path(lg.log_dir) if lg.log_dir is not None else None
         self._snapshots: list[list[torch.Tensor]] | None = None
         self._open_journal(lg.tensorboard, lg.dumps, lg.snapshot_max_bytes,
@@ -346,25 +344,16 @@ class Monitor:
 
     @property
     def run_id(self) -> str | None:
-        """The run this Monitor writes (``run-NNN``); None until its first step, or with no
-        ``log_dir`` (or on a rank that does not write)."""
-        run = self.journal.run
-        return run.id if run is not None else None
+        """The run written (``run-NNN``, ``runs.py``); None before the first step, else too."""
+        return self.journal.run.id if self.journal.run is not None else None
 
     @property
     def run_dir(self) -> Path | None:
-        """The folder of that run (``LOG_DIR/run-NNN``), None as ``run_id``."""
+        """That run's folder (``LOG_DIR/run-NNN``); None as ``run_id``."""
         return self.journal.log_dir
 
     def _continue_run(self, run_id: str | None, step: int | None) -> None:
-        """Writes on into run ``run_id`` of the log_dir (made when it is not there: a
-        checkpoint moved to a new log_dir) instead of a new run; records it holds for steps
-        after ``step`` become an abandoned branch (kept, marked in its meta.json: ``runs.py``).
-        Called by ``load_state_dict``; nothing to do without a log_dir, on a rank that does not
-        write, or for a state with no run. RuntimeError when another live Monitor writes it
-        (the message names it) or this one has already opened its run."""
-        if run_id is None or self.journal.jsonl is None:
-            return
+        """``load_state_dict``'s: write on into run ``run_id`` after ``step`` (``runs.py``)."""
         self.journal.continue_run(run_id, step)
 
     @property

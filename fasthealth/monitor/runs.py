@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 JSONL = ("steps.jsonl", "events.jsonl", "incidents.jsonl")
 RUN_NAME = re.compile(r"run-(\d{3,})")
 CUT_SHOWN = 4096  # characters of a cut partial line kept in meta.json
@@ -44,8 +46,6 @@ def writer_root(log_dir: Path, process_group: Any, all_ranks: bool) -> Path | No
     """Where this process writes its runs: ``log_dir``; under torch.distributed (a process
     group given, or a default group of more than one process) rank 0 alone, unless
     ``all_ranks`` (then rank k > 0 under ``log_dir/rank-k``). None: this rank writes nothing."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return log_dir
     if process_group is None and dist.get_world_size() <= 1:

@@ -62,7 +62,7 @@ def find_runs(log_dir: Path) -> list[RunInfo]:
     runs = []
     if (log_dir / "steps.jsonl").is_file():  # the old layout, or a run directory itself
         meta = _meta(log_dir)
-        own = meta.get("run") if is_run_name(str(meta.get("run"))) else OLD_LAYOUT
+        own = str(meta["run"]) if is_run_name(str(meta.get("run"))) else OLD_LAYOUT
         runs.append(RunInfo(own, log_dir, meta))
     return runs + [RunInfo(d.name, d, _meta(d)) for d in run_dirs(log_dir)
                    if (d / "steps.jsonl").is_file()]
