@@ -167,7 +167,7 @@ BAD_ARGUMENTS = [
     (dict(log_dir=""), ValueError, "fasthealth: log_dir is an empty path"),
     (dict(tensorboard=True), ValueError,
      "fasthealth: tensorboard=True needs log_dir= (TensorBoard's files go to "
-     "LOG_DIR/tensorboard), got log_dir=None"),
+     "the run's tensorboard/), got log_dir=None"),
     (dict(tensorboard="yes"), TypeError,
      "fasthealth: tensorboard must be True or False, got 'yes'"),
     (dict(min_loss_scale=-1), ValueError,

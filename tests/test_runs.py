@@ -107,6 +107,7 @@ def train(mon, m, opt, steps, nan_at=(), start=0):
         mon.step(loss, batch=(x,))
 
 
+@pytest.mark.slow  # processes of their own (torch's import each)
 def test_two_live_monitors_on_one_log_dir_write_two_runs(tmp_path, script):
     log_dir, go = tmp_path / "logs", tmp_path / "go"
     procs = [start(script, log_dir, 20, nan_at=12 + i, wait=str(go)) for i in range(2)]
@@ -131,6 +132,7 @@ def test_two_live_monitors_on_one_log_dir_write_two_runs(tmp_path, script):
     assert sorted(os.listdir(log_dir)) == ["run-000", "run-001"]  # nothing at the top
 
 
+@pytest.mark.slow  # processes of their own (torch's import each)
 def test_a_rerun_starts_a_new_run_and_the_report_shows_the_latest(tmp_path, script, capsys):
     log_dir = tmp_path / "logs"
     for nan_at in (7, 13):
@@ -175,6 +177,7 @@ def test_a_rerun_starts_a_new_run_and_the_report_shows_the_latest(tmp_path, scri
     assert (old / "report.html").exists()
 
 
+@pytest.mark.slow  # processes of their own (torch's import each)
 def test_a_killed_writer_is_taken_over_and_its_branch_after_the_resume_abandoned(
         tmp_path, script, capsys):
     log_dir = tmp_path / "logs"
@@ -228,6 +231,7 @@ def test_a_killed_writer_is_taken_over_and_its_branch_after_the_resume_abandoned
     assert [e["step"] for e in log.events if e["kind"] == "nonfinite_loss"] == [37]
 
 
+@pytest.mark.slow  # processes of their own (torch's import each)
 def test_a_second_live_writer_of_a_run_is_refused_naming_the_holder(tmp_path, script):
     log_dir, state = tmp_path / "logs", tmp_path / "state.pt"
     p = start(script, log_dir, 10, wait="hold", stdin=subprocess.PIPE,
@@ -314,6 +318,7 @@ def _ranks(rank, world, init_file, log_dir, all_ranks):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two gloo ranks
 @pytest.mark.parametrize("all_ranks", [False, True])
 def test_one_rank_writes_under_a_process_group(tmp_path, all_ranks):
     fd, init_file = tempfile.mkstemp(prefix="fh-runs-")
