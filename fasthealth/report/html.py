@@ -20,7 +20,7 @@ from ..monitor import kinds
 from ..monitor.kinds import ALARM
 from .plots import LABEL_COLORS, figure
 from .read import Log
-from .runs import read_run
+from .runs import mark_figure, read_run
 from .summary import replay_line, summary, with_counts
 
 HTML_MARK = "<!-- written by fasthealth report: a later report may replace this file -->"
@@ -127,6 +127,7 @@ def write_report(log_dir: str | Path, log: Log, out: str | Path | None = None
     out.mkdir(parents=True, exist_ok=True)
     page_path, png_path = report_paths(out)
     fig = figure(log.meta, log.steps, log.events, log.incidents)
+    mark_figure(fig, log.meta)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, metadata={PNG_KEY: PNG_TEXT})
     import matplotlib.pyplot as plt  # optional, as in plots.py; figure() imported it already

@@ -154,3 +154,24 @@ def read_run(log_dir: str | Path, run: str | None = None) -> tuple[RunInfo, Log]
         log.footer.append(f"  other runs in {Path(log_dir)} (fasthealth report --run ID):")
         log.footer += [f"    {brief(r)}" for r in others]
     return chosen, log
+
+
+def mark_figure(fig, meta: dict) -> None:
+    """The run's id in the figure's corner, and a dotted line after each step a resume went
+    back to (what lies right of it was written after the resume)."""
+    run = meta.get("run")
+    if isinstance(run, str):
+        fig.text(0.01, 1 - 0.1 / fig.get_figheight(), f"run {run}", fontsize=10, va="top")
+    resumes = meta.get("resumes")
+    at = sorted({r["step"] for r in (resumes if isinstance(resumes, list) else [])
+                 if isinstance(r, dict)
+                 and isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)})
+    if not at or not fig.axes:
+        return
+    first = fig.axes[0]
+    for ax in fig.axes:
+        if ax is first or first.get_shared_x_axes().joined(first, ax):  # not a colorbar
+            for k in at:
+                ax.axvline(k + 0.5, color="#555", ls=":", lw=1.2,
+                           label="resumed after this step" if ax is first and k == at[0]
+                           else None)
