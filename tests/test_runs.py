@@ -275,6 +275,29 @@ def test_a_second_live_writer_of_a_run_is_refused_naming_the_holder(tmp_path, sc
         fh.Monitor(m, opt, log_dir=log_dir)._continue_run("../elsewhere", 3)
 
 
+def test_the_latest_run_is_the_one_resumed_last(tmp_path, capsys):
+    """run-000 resumed after run-001 started: the report shows run-000 and lists run-001."""
+    m, opt = model_and_opt()
+    states = []
+    for nan_at in (3, 6):
+        with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+            train(mon, m, opt, 10, nan_at=(nan_at,))
+            states.append(mon.state_dict())
+    sd = states[0]  # run-000's, at its step 9
+    time.sleep(0.01)
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+        mon.load_state_dict(sd)
+        train(mon, m, opt, 4, start=10)
+    assert mon.run_id == "run-000"
+    chosen, log = report.read_run(tmp_path)
+    assert chosen.id == "run-000" and [r["step"] for r in log.steps] == list(range(14))
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "run run-000" in out and "first at step 3" in out and "abandoned" not in out
+    (listed,) = [s for s in out.splitlines() if s.strip().startswith("run-001")]
+    assert "steps 0..9 (10 logged)" in listed and "incidents 1" in listed
+
+
 def test_continue_run_makes_a_missing_run(tmp_path):
     """A checkpoint moved to a new log_dir: its run is made there."""
     m, opt = model_and_opt()

@@ -13,7 +13,9 @@ that did not continue a run, each with its own ``steps.jsonl``, ``events.jsonl``
   Limits: ``flock`` is advisory and per host; on NFS (v4, or v3 with a lock manager) it is
   emulated with POSIX locks by Linux and may not be seen across clients on other setups, and a
   network file system may keep a dead client's lock until its lease expires. Two machines
-  writing the same run through a file system without working locks are not detected.
+  writing the same run through a file system without working locks are not detected. A
+  process forked from the writer (a DataLoader worker) shares its lock: a killed writer's run
+  can be taken over once those children are gone too.
 - ``continue_run`` opens an existing run again (a Monitor that loaded a run's state). When the
   run's files already hold steps after the step resumed from, those records are an *abandoned
   branch*: they stay as they are (nothing is rewritten) and meta.json's ``resumes`` list gets

@@ -4,6 +4,8 @@ A log directory holds runs (``LOG_DIR/run-NNN/``, one per Monitor that did not c
 the report is of the latest (the one started or resumed last), ``--run ID`` picks another, and
 the summary lists the others (id, steps, start, incidents). A directory in the layout from before
 runs (``steps.jsonl`` directly in LOG_DIR), or a run's own directory, is reported as one run.
+Under torch.distributed with ``all_ranks=True``, rank k's runs are in ``LOG_DIR/rank-k/``: give
+that folder to report them.
 Records of an abandoned branch (written before a resume from an earlier step, for the steps after
 it) are left out of the summary and the plots, and the summary says how many.
 
