@@ -25,8 +25,21 @@ two copies so that the L2 does not flatter. GB/s count the gradient bytes read o
 
 Cases (most telling first, so that a run cut short keeps them): GPT-2 small (148 tensors,
 124M), a 7B-like set of LLaMA shapes (291 tensors, 6.7B: 13.5 GB in bfloat16), 5000 small
-tensors, GPT-2 XL (1.56B), in bfloat16 and float32. The results file (bench/gpu_results.py:
-rows, machine, goals) is merged into and rewritten atomically after every case.
+tensors, GPT-2 XL (1.56B), in bfloat16 and float32; and the gradients of the step that matters,
+GPT-2 small and 7B-like in bfloat16 holding NaN/Inf (case names ending in ``/nan-one``: one
+NaN in every tensor; ``/nan-all``: nothing finite; ``/inf-mix``: 1% NaN and +-Inf spread out).
+
+Every fused result is checked against the float64 reference on the same inputs in the same
+run (``reference_check``: the count, min/max and range columns exactly, the norms within
+1e-5 and the std within 1e-4 relative, as docs/spec.md section 2 promises); the row keeps the
+largest errors and ``ref_ok``. A host sync is counted only when torch's sync debug mode
+reports one; any other failure of the call is the provider's error. The clocks are warmed up
+by a few seconds of matrix products before the first case (an idle GPU starts at low clocks),
+and the fused providers' rows carry ``kernels``: the GPU time per call of each kernel they
+launch (torch.profiler), so that a miss says which kernel it is.
+
+The results file (bench/gpu_results.py: rows, machine, goals) is merged into and rewritten
+atomically after every case.
 
     python bench/bench_gpu.py [--results bench/results/h200.json] [--reps 5] [--quick]
         [--backends cuda,triton] [--no-baselines] [--plot bench/results/h200.png]
@@ -55,6 +68,7 @@ from harness import small_shapes  # noqa: E402
 
 import fasthealth as fh  # noqa: E402
 from fasthealth.ops import reference, validation  # noqa: E402
+from fasthealth.ops.layout import COL, COUNT_FIELDS, RANGE_FIELDS  # noqa: E402
 from fasthealth.selftest import GPT2_SMALL, gpt2_shapes  # noqa: E402
 
 BASELINES = ("foreach_norm", "total_norm_isfinite", "clip_grad_norm", "foreach_isfinite",
@@ -72,24 +86,51 @@ def llama7b_shapes() -> list[tuple[int, ...]]:
 
 
 def cases(quick: bool) -> list[tuple[str, str, list[tuple[int, ...]]]]:
-    """(case, dtype, shapes), the ones the goals read first."""
+    """(case, dtype, shapes), the ones the goals read first; a case name with ``/fill``
+    (``FILLS``) times gradients that hold NaN/Inf."""
     shapes = {"gpt2-small": gpt2_shapes(**GPT2_SMALL), "7b-like": llama7b_shapes(),
               "5000-small": small_shapes(5000, 1024, 32768),
               "gpt2-xl": gpt2_shapes(50257, 1024, 1600, 48)}
-    order = [("gpt2-small", "bfloat16"), ("7b-like", "bfloat16"), ("5000-small", "bfloat16"),
-             ("gpt2-small", "float32"), ("7b-like", "float32"), ("gpt2-xl", "bfloat16"),
+    order = [("gpt2-small", "bfloat16"), ("7b-like", "bfloat16"),
+             ("gpt2-small/nan-all", "bfloat16"), ("gpt2-small/nan-one", "bfloat16"),
+             ("7b-like/nan-all", "bfloat16"), ("5000-small", "bfloat16"),
+             ("gpt2-small/inf-mix", "bfloat16"), ("gpt2-small", "float32"),
+             ("gpt2-small/nan-all", "float32"), ("7b-like", "float32"), ("gpt2-xl", "bfloat16"),
              ("5000-small", "float32"), ("gpt2-xl", "float32")]
     if quick:
-        order = order[:1] + order[2:3]
-    return [(c, d, shapes[c]) for c, d in order]
+        order = order[:1] + order[2:3] + order[5:6]
+    return [(c, d, shapes[c.split("/")[0]]) for c, d in order]
+
+
+FILLS = ("nan-one", "nan-all", "inf-mix")
+
+
+def plant(t: torch.Tensor, fill: str | None, seed: int) -> torch.Tensor:
+    """``t`` with the non-finite values of ``fill`` written in (in place): one NaN at a random
+    element, every element NaN, or 1% of the elements NaN, +Inf and -Inf by turns."""
+    if fill is None:
+        return t
+    flat = t.view(-1)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if fill == "nan-all":
+        return t.fill_(math.nan)
+    if fill == "nan-one":
+        flat[int(torch.randint(flat.numel(), (1,), generator=g))] = math.nan
+        return t
+    k = max(1, flat.numel() // 100)
+    idx = torch.randperm(flat.numel(), generator=g)[:k].to(t.device)
+    vals = torch.tensor([math.nan, math.inf, -math.inf], device=t.device, dtype=t.dtype)
+    flat[idx] = vals[torch.arange(k, device=t.device) % 3]
+    return t
 
 
 class Inputs:
     """One copy of a case's gradients, and what the baselines read instead."""
 
-    def __init__(self, shapes, dtype, flat: bool, holders: bool):
+    def __init__(self, shapes, dtype, flat: bool, holders: bool, fill: str | None = None):
         dev = torch.device("cuda")
-        self.tensors = [torch.randn(s, device=dev, dtype=dtype).mul_(0.02) for s in shapes]
+        self.tensors = [plant(torch.randn(s, device=dev, dtype=dtype).mul_(0.02), fill, i)
+                        for i, s in enumerate(shapes)]
         self.flat = torch.cat([t.flatten() for t in self.tensors]) if flat else None
         self.out = torch.empty_like(self.flat) if flat else None
         self.params = baselines.grad_holders(self.tensors) if holders else None
@@ -116,15 +157,86 @@ def provider(name: str, x: Inputs) -> Callable[[], object]:
 
 
 def host_syncs(fn: Callable[[], object]) -> bool:
+    """Whether ``fn`` synchronizes with the device, by torch's sync debug mode: only its own
+    error counts; any other error is the provider's, raised."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         fn()
         return False
-    except RuntimeError:
-        return True
+    except RuntimeError as exc:
+        if "synchroniz" in str(exc):  # "called a synchronizing CUDA operation"
+            return True
+        raise
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+EXACT = [i for name, i in COL.items() if name in COUNT_FIELDS or name in RANGE_FIELDS
+         or name in ("min", "max", "finite_min", "finite_max", "amax", "all_finite")]
+NORMS = [i for name, i in COL.items() if "norm" in name]
+STDS = [i for name, i in COL.items() if "std" in name]
+MEANS = [i for name, i in COL.items() if "mean" in name]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest relative error where both are finite (0 when none is); a NaN or Inf in
+    one place and not the other counts as an error of 1."""
+    finite = got.isfinite() & want.isfinite()
+    same = (got == want) | (got.isnan() & want.isnan())
+    err = torch.where(finite, (got - want).abs() / want.abs().clamp_min(1e-300),
+                      torch.where(same, 0.0, 1.0))
+    return float(err.max()) if err.numel() else 0.0
+
+
+def reference_check(table: torch.Tensor, tensors: list[torch.Tensor]) -> dict:
+    """A fused table (one row a tensor and the total) against the float64 reference of the
+    same tensors, on the device: exact columns must match, norms within 1e-5 and std within
+    1e-4 relative; the means' error is kept, judged by the tests (it is absolute, scaled)."""
+    got = table.detach().double()
+    want = reference.multi_tensor_stats(tensors).to(got.device, torch.float64)
+    ex = got[:, EXACT]
+    mismatches = int((~((ex == want[:, EXACT]) | (ex.isnan() & want[:, EXACT].isnan())))
+                     .sum())
+    norm, std, mean = (_rel(got[:, c], want[:, c]) for c in (NORMS, STDS, MEANS))
+    return {"ref_exact_mismatches": mismatches, "ref_norm_rel": norm, "ref_std_rel": std,
+            "ref_mean_rel": mean, "ref_ok": mismatches == 0 and norm <= 1e-5 and std <= 1e-4}
+
+
+def kernel_times(fn: Callable[[], object], calls: int = 20) -> dict:
+    """GPU microseconds per call of each kernel ``fn`` launches (torch.profiler), or the
+    error that kept them from being measured."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        out = {}
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None)
+            if us is None:
+                us = getattr(e, "cuda_time_total", 0.0)
+            if us and str(getattr(e, "device_type", "")).endswith("CUDA"):
+                out[e.key[:80]] = round(us / calls, 2)
+        return out
+    except Exception as exc:  # the profiler is a diagnosis: its failure is not the row's
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def warm_clocks(seconds: float = 3.0) -> float:
+    """Matrix products for ``seconds``: an idle GPU runs at low clocks and the first case
+    would pay for its ramp. Returns the TFLOP/s of the last second (a sanity figure)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+        n += 10
+    return round(2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12, 1)
 
 
 def wall_ms(fns: list[Callable[[], object]], calls: int) -> float:
@@ -169,7 +281,9 @@ def measure(case: str, dtype_name: str, shapes, names: list[str], reps: int,
     nbytes = numel * dtype.itemsize
     copies = 2 if nbytes < 8 * l2 else 1
     flat = bool({"read_sum", "copy"} & set(names))
-    sets = [Inputs(shapes, dtype, flat, "clip_grad_norm" in names) for _ in range(copies)]
+    fill = case.split("/")[1] if "/" in case else None
+    sets = [Inputs(shapes, dtype, flat, "clip_grad_norm" in names, fill)
+            for _ in range(copies)]
     base = {"case": case, "dtype": dtype_name, "tensors": len(shapes), "mb": round(nbytes / 1e6, 1)}
     fns, graphs, info, errors = {}, {}, {}, {}
     for p in names:
@@ -183,6 +297,9 @@ def measure(case: str, dtype_name: str, shapes, names: list[str], reps: int,
             torch.cuda.synchronize()
             one = (time.perf_counter() - t0) * 1e3
             info[p] = {"host_sync": host_syncs(fs[0]), "calls": batch(one)}
+            if p in gpu_results.FUSED:
+                info[p].update(reference_check(fs[0](), sets[0].tensors))
+                info[p]["kernels"] = kernel_times(fs[0])
             fns[p] = fs
         except Exception as exc:  # a provider's failure is a result; the others go on
             errors[p] = f"{type(exc).__name__}: {exc}"[:300]
@@ -262,7 +379,9 @@ METHOD = ("gpu_ms: the call captured in a CUDA graph, median over rounds of (eve
           "at the end) / N; N sized to about 20 ms; providers interleaved in a rotating order; "
           "inputs under 8x L2 alternate between two copies; GB/s: gradient bytes read once "
           "(copy: read and written); host_sync: the call under "
-          "torch.cuda.set_sync_debug_mode('error')")
+          "torch.cuda.set_sync_debug_mode('error'), its own error only; ref_*: the fused "
+          "table against the float64 reference of the same inputs; kernels: torch.profiler's "
+          "GPU us per call of each kernel; clocks warmed up by matrix products first")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     run = fake_measure if args.fake else measure
     l2 = 0 if args.fake else getattr(torch.cuda.get_device_properties(0), "L2_cache_size",
                                      50 << 20)
-    gpu_results.update(paths, machine=machine(args.fake), method=METHOD)
+    mach = machine(args.fake)
+    if not args.fake:
+        mach["warm_up_tflops"] = warm_clocks()
+    gpu_results.update(paths, machine=mach, method=METHOD)
     for case, dtype, shapes in cases(args.quick):
         try:
             rows = run(case, dtype, shapes, names, args.reps, l2)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 GOAL_READ_SHARE = 0.85  # of the read limit (torch.sum over one flat buffer of the same bytes)
 GOAL_OVER_NAIVE = 50.0
+GOAL_NONFINITE_SHARE = 0.8  # of the same case's healthy speed, gradients holding NaN/Inf
 READ_SHARE_CASES = (("gpt2-small", "bfloat16"), ("7b-like", "bfloat16"))
 FUSED = ("cuda", "triton")
 
@@ -134,6 +135,18 @@ def goals(rows: list[dict]) -> list[dict]:
         synced = [f"{r['case']} {r['dtype']}" for r in mine if r.get("host_sync") is not False]
         out.append({"goal": f"{b}: no host sync", "met": (not synced) if mine else None,
                     "value": f"{len(mine) - len(synced)}/{len(mine)} cases", "in": synced})
+        faulty = [(c, d) for (c, d, p) in gpu if p == b and "/" in c]
+        slow = {f"{c} {d}": round(gpu[(c.split('/')[0], d, b)] / gpu[(c, d, b)], 3)
+                for c, d in faulty if (c.split("/")[0], d, b) in gpu}
+        out.append({"goal": f"{b}: gradients with NaN/Inf at >= {GOAL_NONFINITE_SHARE:.0%} of "
+                            "the healthy speed (GPU time)",
+                    "met": all(v >= GOAL_NONFINITE_SHARE for v in slow.values())
+                    if slow else None, "value": slow})
+        checked = [r for r in mine if "ref_ok" in r]
+        wrong = [f"{r['case']} {r['dtype']}" for r in checked if not r["ref_ok"]]
+        out.append({"goal": f"{b}: every result equal to the float64 reference within "
+                            "docs/spec.md's tolerances", "met": (not wrong) if checked else None,
+                    "value": f"{len(checked) - len(wrong)}/{len(checked)} cases", "in": wrong})
         uncaptured = [f"{r['case']} {r['dtype']}" for r in mine if not r.get("gpu_ms")]
         out.append({"goal": f"{b}: CUDA-graph capture and replay",
                     "met": (not uncaptured) if mine else None,

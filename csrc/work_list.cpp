@@ -90,9 +90,14 @@ struct ListEntry {
   std::vector<double> params;
   std::vector<TensorMeta> metas;
   DeviceWorkList list;
-  std::shared_ptr<c10::Event> ready;  // recorded after the copy (none on the host)
+  std::shared_ptr<c10::Event> ready;  // recorded after the copy (none on the host, none in capture)
   std::optional<c10::Stream> stream;  // the copy's
   bool pinned;
+  // Built inside capture: the copy is a node of the graph that reads `host` at every replay,
+  // so `host` lives as long as the entry (pinned: forever); the device buffer holds the list
+  // only once a graph has replayed, so eager calls never use this entry.
+  bool in_capture = false;
+  at::Tensor host;
 };
 
 bool same_limits(const PlanLimits& a, const PlanLimits& b) {
@@ -178,7 +183,8 @@ DeviceWorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devic
       on_host(device) ? std::nullopt : std::optional<c10::Stream>(current_stream(device));
   const std::lock_guard<std::mutex> lock(list_mu);
   for (auto it = list_cache.begin(); it != list_cache.end(); ++it) {
-    if (it->hash != hash || it->device != device || it->metas.size() != metas.size() ||
+    if ((it->in_capture && !capturing) || it->hash != hash || it->device != device ||
+        it->metas.size() != metas.size() ||
         !same_limits(it->limits, limits) || it->params != params ||
         std::memcmp(it->metas.data(), metas.data(), metas.size() * sizeof(TensorMeta)) != 0) {
       continue;
@@ -186,16 +192,17 @@ DeviceWorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devic
     list_cache.splice(list_cache.begin(), list_cache, it);
     ListEntry& e = list_cache.front();
     e.pinned = e.pinned || capturing;
+    if (e.in_capture && !on_host(device)) {
+      // another graph: its own copy node, so that it holds the list whichever graph replays
+      // first
+      e.list.buffer.copy_(e.host, /*non_blocking=*/true);
+    }
     if (stream && *stream != *e.stream && !capturing) {
       e.ready->block(*stream);  // ordered after the copy, on the device
       if (!e.pinned) e.list.buffer.record_stream(*stream);  // and freed after this stream
     }
     return e.list;
   }
-  TORCH_CHECK(!capturing,
-              "fasthealth: first call with these tensors is inside CUDA-graph capture; call it "
-              "once with the same tensors before capturing (the warm-up builds the device work "
-              "list that the graph then reuses)");
   const WorkPlan plan = plan_work(metas, limits);
   DeviceWorkList wl;
   wl.n_tensors = static_cast<int64_t>(metas.size());
@@ -219,14 +226,20 @@ DeviceWorkList work_list(const std::vector<TensorMeta>& metas, c10::Device devic
   std::memcpy(h + item_bytes + first_bytes + plan.runs.size() * 8, plan.run_first.data(),
               plan.run_first.size() * 8);
   std::memcpy(h + item_bytes + first_bytes + run_bytes, params.data(), param_bytes);
-  ListEntry e{hash, device, limits, params, metas, wl, nullptr, stream, false};
+  ListEntry e{hash, device, limits, params, metas, wl, nullptr, stream, capturing};
   if (on_host(device)) {
     e.list.buffer = host;
   } else {
+    // in capture: the copy becomes a node of the graph (from pinned memory, kept in `host`),
+    // and the buffer comes from the graph's pool; no event (the graph orders its own nodes)
     e.list.buffer = host.to(device, /*non_blocking=*/true);
-    e.ready = std::make_shared<c10::Event>(device.type());
-    e.ready->record(*stream);
+    if (!capturing) {
+      e.ready = std::make_shared<c10::Event>(device.type());
+      e.ready->record(*stream);
+    }
   }
+  e.in_capture = capturing;
+  if (capturing) e.host = host;
   list_cache.push_front(std::move(e));
   evict_unpinned(&list_cache);
   return list_cache.front().list;

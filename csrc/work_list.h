@@ -15,8 +15,12 @@
 // - Pinning under capture: a work list or staging buffer found or used while the current
 //   stream is capturing is pinned, never evicted or freed: the graph reads it (and writes the
 //   staging buffer) at every replay, for as long as the graph lives.
-// - A new work list is refused inside capture: its host-to-device copy would be captured and
-//   replayed from a host buffer that is gone by then (one warm-up call builds it).
+// - A new work list inside capture (gradients allocated in the captured step, as PyTorch's
+//   whole-network capture does: zero_grad(set_to_none=True), forward, backward, check, step):
+//   its host-to-device copy becomes a node of the graph, replayed at every replay from a pinned
+//   host buffer that the entry keeps (pinned: never evicted). Its device buffer holds the list
+//   only after a replay, so eager calls never use that entry (they build their own), and a
+//   later capture that finds it adds its own copy node.
 // - Stream order: a new work list is copied on the current stream, and an event is recorded
 //   after the copy. A call on another stream first makes that stream wait for the event (a
 //   device-side wait, no host sync), then records the buffer on it (so that it is freed only

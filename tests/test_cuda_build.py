@@ -74,3 +74,55 @@ def test_kernels_are_built_for_the_asked_architectures():
 def test_no_register_spills():
     spills = {k: v for k, v in resource_usage().items() if v.get("LOCAL", 0) or v.get("STACK", 0)}
     assert not spills, spills
+
+
+def _sass() -> str:
+    return subprocess.run([_cuobjdump(), "-sass", "-arch", "sm_90", C.__file__],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def loads_in_flight(sass: str) -> dict[str, list[int]]:
+    """For each chunk kernel, for each four-load iteration of its main loops (a 16-byte load
+    at [R.64] followed by ones at +0x1000, +0x2000 and +0x3000 from the same address register:
+    256 threads x 16 bytes apart), how many of the four are issued before the first one's
+    registers are read or written again."""
+    out: dict[str, list[int]] = {}
+    for func in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = func.split("\n", 1)[0].strip()
+        if "chunk_stats_cuda" not in name:
+            continue
+        ins = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", line.split(";")[0]).strip()
+               for line in func.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+        groups = []
+        for i, line in enumerate(ins):
+            m = re.match(r"(@!?P\d )?LDG\.E\.128\.CONSTANT R(\d+), desc\[\w+\]\[(R\d+)\.64\]$",
+                         line)
+            if not m:
+                continue
+            base, window = m.group(3), ins[i + 1:i + 600]
+            if not any(f"[{base}.64+0x3000]" in w for w in window):
+                continue  # a single load (a loop's remainder), not an iteration of four
+            first = {f"R{int(m.group(2)) + k}" for k in range(4)}
+            n = 1
+            for w in window:
+                if re.search(rf"LDG\.E\.128\.CONSTANT R\d+, desc\[\w+\]\[{base}\.64\+0x[123]000\]",
+                             w):
+                    n += 1
+                    if n == 4:
+                        break
+                elif first & set(re.findall(r"R\d+", w)):
+                    break
+            groups.append(n)
+        out[name] = groups
+    return out
+
+
+def test_every_load_of_an_iteration_is_in_flight_before_the_first_use():
+    """issue 33 item 1: the main loops (float32, bfloat16, float16; plain and shifted passes)
+    issue all four 16-byte loads of an iteration before using the first, in both
+    instantiations, on sm_90."""
+    groups = loads_in_flight(_sass())
+    assert len(groups) == 2, list(groups)
+    for name, g in groups.items():
+        assert len(g) >= 6, (name, g)  # three element types, two passes (one for F32 alone)
+        assert all(n == 4 for n in g), (name, g)

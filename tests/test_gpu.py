@@ -177,23 +177,60 @@ def test_first_call_does_not_sync(gbackend):
                 range_dtype=torch.bfloat16)
 
 
-def test_capture_without_warm_up_is_refused(gbackend):
+def test_capture_without_warm_up_works(gbackend):
+    """Tensors never seen before, first seen inside capture: the work list's copy is a node
+    of the graph; every replay is exact, and an eager call with them after the capture (and
+    before any replay) is exact too (it does not read the graph's buffer)."""
     gpu = [torch.randn(n, device="cuda") for n in (4321, 98_765)]  # never seen before
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="before capturing"):
-        with torch.cuda.graph(graph):
-            fh.multi_tensor_stats(gpu, backend=gbackend)
-    # after the refusal, the documented order (warm-up, then capture) works
-    fh.multi_tensor_stats(gpu, backend=gbackend)
-    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fh.multi_tensor_stats(gpu, backend=gbackend).raw
-    for t in gpu:
-        t.mul_(-3)
-    graph.replay()
+    eager = fh.multi_tensor_stats(gpu, backend=gbackend).raw
     torch.cuda.synchronize()
-    check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} replay after a refusal")
+    check_multi(eager.cpu(), [t.cpu() for t in gpu], f"{gbackend} eager after a capture")
+    for k in range(3):
+        for t in gpu:
+            t.mul_(-3)
+        gpu[1][k] = NAN
+        graph.replay()
+        torch.cuda.synchronize()
+        check_multi(out.cpu(), [t.cpu() for t in gpu], f"{gbackend} replay {k}, no warm-up")
+
+
+def test_whole_step_capture(gbackend):
+    """PyTorch's whole-network recipe: warm-up on a side stream, zero_grad(set_to_none=True),
+    then capture forward + backward + check_grads + optimizer step; the gradients are
+    allocated inside the capture (new pointers). Each replay's statistics are those of that
+    replay's gradients, and the step is taken (the weights move)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 1)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            fh.check_grads(model, backend=gbackend)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        stats = fh.check_grads(model, backend=gbackend)
+        opt.step()
+    for k in range(3):
+        x.copy_(torch.randn_like(x) * (k + 1))
+        before = [p.detach().clone() for p in model.parameters()]
+        graph.replay()
+        torch.cuda.synchronize()
+        grads = [p.grad.cpu() for p in model.parameters()]
+        check_multi(stats.raw.cpu(), grads, f"{gbackend} whole-step replay {k}")
+        assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
 def test_workspace_is_small(gbackend):

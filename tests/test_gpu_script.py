@@ -25,6 +25,7 @@ SCRIPT = ROOT / "bench" / "gpu_check.sh"
 STEPS = ["env", "build-cuda", "backends", "bench-cuda", "bench-triton", "selftest", "tests",
          "finish"]
 FUSED_ROWS = 2 + 7  # cuda, triton and the baselines (bench_gpu.BASELINES)
+N_CASES = 13  # bench_gpu.cases(False): 8 healthy, 5 holding NaN/Inf
 
 QUICK_TESTS = """
 def test_on_cuda_ok():
@@ -109,7 +110,7 @@ def test_dry_run_every_step_ok(tmp_path):
     assert p.returncode == 0, p.stdout
     assert (copy.stat().st_mtime_ns if copy.exists() else None) == before  # no copy: dry
     assert steps(doc) == dict.fromkeys(STEPS, "ok")
-    assert len(doc["rows"]) == 8 * FUSED_ROWS and all(r["fake"] for r in doc["rows"])
+    assert len(doc["rows"]) == N_CASES * FUSED_ROWS and all(r["fake"] for r in doc["rows"])
     assert cases_of(doc, "cuda") == cases_of(doc, "read_sum") == written(out)["bench-cuda"]
     assert cases_of(doc, "triton") == written(out)["bench-triton"]
     assert doc["selftest"] == {"key": "dry run", "results": {}}
@@ -143,15 +144,15 @@ def test_dry_run_with_a_step_forced_to_fail(tmp_path, step):
         assert "selftest" not in got and "backend none" in (out / "tests.txt").read_text()
     elif step == "bench-cuda":  # the next benchmark process times the baselines instead
         assert cases_of(doc, "read_sum") == wrote["bench-triton"]
-        assert len(wrote["bench-triton"]) == 8 and not cases_of(doc, "cuda")
+        assert len(wrote["bench-triton"]) == N_CASES and not cases_of(doc, "cuda")
     elif step == "bench-triton":
-        assert not cases_of(doc, "triton") and len(doc["rows"]) == 8 * (FUSED_ROWS - 1)
+        assert not cases_of(doc, "triton") and len(doc["rows"]) == N_CASES * (FUSED_ROWS - 1)
     elif step == "selftest":
         assert "missing" in doc["selftest"]
     elif step == "finish":
         assert not (out / "h200.png").exists()
     else:
-        assert len(doc["rows"]) == 8 * FUSED_ROWS
+        assert len(doc["rows"]) == N_CASES * FUSED_ROWS
 
 
 @pytest.mark.device_script
@@ -281,3 +282,51 @@ def test_the_new_baselines_compute_what_they_say():
     flat = torch.cat([t.flatten() for t in ts])
     out = torch.empty_like(flat)
     assert torch.equal(baselines.copy_limit(flat, out), flat)
+
+
+def _bench_gpu():
+    import importlib
+    return importlib.import_module("bench_gpu")  # bench/ is on sys.path (gpu_results above)
+
+
+@pytest.mark.parametrize("fill", ["nan-one", "nan-all", "inf-mix"])
+def test_the_benchmarks_reference_check_passes_exact_tables_and_fails_wrong_ones(fill):
+    """bench_gpu's self-check, run on the CPU kernel's tables (the check is device-agnostic):
+    the planted gradients hold what their name says, an exact table passes, a table off by
+    one count or by 1e-4 in a norm fails."""
+    import torch
+
+    import fasthealth as fh
+    from fasthealth.ops.layout import COL
+    bg = _bench_gpu()
+    assert len(bg.cases(False)) == N_CASES
+    ts = [bg.plant(torch.randn(s, dtype=torch.bfloat16) * 0.02, fill, i)
+          for i, s in enumerate([(300, 7), (4096,), (33,)])]
+    bad = [int((~t.isfinite()).sum()) for t in ts]
+    if fill == "nan-one":
+        assert bad == [1, 1, 1]
+    elif fill == "nan-all":
+        assert bad == [t.numel() for t in ts]
+    else:
+        assert all(b == max(1, t.numel() // 100) for b, t in zip(bad, ts))
+        assert any(bool(t.isinf().any()) for t in ts)
+    table = fh.multi_tensor_stats(ts, backend="cpu").raw
+    assert bg.reference_check(table, ts)["ref_ok"]
+    off = table.clone()
+    off[0, COL["nan_count"]] += 1
+    assert bg.reference_check(off, ts)["ref_exact_mismatches"] == 1
+    if fill != "nan-all":  # with nothing finite the norms are 0 or NaN: no relative error
+        off = table.clone()
+        off[-1, COL["finite_norm"]] *= 1 + 1e-4
+        assert not bg.reference_check(off, ts)["ref_ok"]
+
+
+def test_nonfinite_goal_reads_the_faulty_cases_against_the_healthy_ones():
+    rows = [{"case": "gpt2-small", "dtype": "bfloat16", "provider": "cuda", "gpu_ms": 1.0,
+             "ref_ok": True},
+            {"case": "gpt2-small/nan-all", "dtype": "bfloat16", "provider": "cuda",
+             "gpu_ms": 2.0, "ref_ok": False}]
+    nonfinite = [x for x in gpu_results.goals(rows) if "NaN/Inf" in x["goal"]][0]
+    assert nonfinite["met"] is False and nonfinite["value"] == {"gpt2-small/nan-all bfloat16": 0.5}
+    ref = [x for x in gpu_results.goals(rows) if "reference" in x["goal"]][0]
+    assert ref["met"] is False and ref["in"] == ["gpt2-small/nan-all bfloat16"]

@@ -163,12 +163,21 @@ def test_groups(backend):
             (codes[torch.float32], False)]
 
 
-def test_first_call_inside_capture_is_refused(backend):
+def test_a_list_first_seen_inside_capture_is_built_pinned_and_kept_from_eager_calls(backend):
+    """Whole-step capture allocates the gradients inside the capture: their work list is
+    first seen there. It is built (its copy a node of the graph), pinned, and found by a
+    later capture; an eager call with the same tensors builds its own (the captured one's
+    device buffer holds the list only after a replay)."""
     xs = [torch.randn(1234), torch.randn(17)]
-    with pytest.raises(RuntimeError, match="before capturing"):
-        call(xs, backend, capturing=True)
-    call(xs, backend)  # the warm-up, then the capture finds it
-    call(xs, backend, capturing=True)
+    before = C.cache_counts()
+    captured = call(xs, backend, capturing=True)
+    after = C.cache_counts()
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)  # one more, pinned
+    assert call(xs, backend, capturing=True)[0].data_ptr() == captured[0].data_ptr()
+    eager = call(xs, backend)
+    assert eager[0].data_ptr() != captured[0].data_ptr()
+    assert torch.equal(eager[0], captured[0])  # the same plan
+    assert C.cache_counts()[0] == after[0] + 1
 
 
 def other_sets(k, staged=False):

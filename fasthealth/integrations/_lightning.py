@@ -9,6 +9,7 @@ from typing import Any, Literal
 from ..monitor import Monitor
 from ..monitor.option_groups import with_default
 from .capture import Capture
+from .checkpoints import Patch, SaveGuard
 from .log import log_dir_option, log_incident, logger
 
 NO_LOSS = ("fasthealth: step %d: no loss to check (on_before_backward saw none before this "
@@ -34,7 +35,19 @@ class HealthCallbackMixin:
       alone; a ``max_grad_norm=`` given to the callback makes the Monitor clip too, first);
       nothing Lightning or the module logs is changed;
     - a non-finite step is skipped: fused torch optimizers and AMP's GradScaler on the device
-      through ``found_inf``, others lose that step's gradients (one host sync).
+      through ``found_inf``, others lose that step's gradients (one host sync);
+    - checkpoints (docs/spec.md section 11): for the length of ``fit``, ``trainer.save_checkpoint``
+      (what ``ModelCheckpoint`` calls, and any other caller within the fit) writes nothing
+      while ``Monitor.safe_to_save()`` is False, and ``trainer.strategy.remove_checkpoint``
+      removes nothing from a refused save until the next one goes through, so that
+      ``ModelCheckpoint``'s rotation (``save_top_k``), which counts the refused file as saved,
+      never deletes the last healthy one for it (that file stays on disk, no longer tracked).
+      A fit that raises keeps the guard's last verdict for the saves made on the way out
+      (``ModelCheckpoint``'s ``on_exception``) until the next fit. The Monitor's state rides in
+      the checkpoint through this callback's ``state_dict`` / ``load_state_dict`` (Lightning
+      loads it before ``on_fit_start`` makes the Monitor: it is held until then), so that
+      ``fit(ckpt_path=...)`` goes on where the rules were; a checkpoint without it resumes
+      cold, with one log line.
 
     ``log_dir`` defaults to ``<default_root_dir>/fasthealth`` (False: no logs); the other
     keywords are ``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``).
@@ -49,6 +62,11 @@ class HealthCallbackMixin:
         self.monitor: Monitor | None = None
         self._warned = False
         self._batch: Any = None
+        self.guard: SaveGuard | None = None
+        self._patches: list[Patch] = []
+        self._pending: dict[str, Any] | None = None  # state loaded before the Monitor existed
+        self._loaded = False
+        self._live = False  # the Monitor of the fit under way, not closed yet
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if len(trainer.optimizers) > 1:
@@ -64,6 +82,57 @@ class HealthCallbackMixin:
                                scaler=getattr(trainer.precision_plugin, "scaler", None),
                                **options)
         self.monitor.on_alarm(log_incident)
+        self._guard(trainer)
+        self._loaded, self._live = False, True
+        if self._pending is not None:
+            self.load_state_dict(self._pending)
+
+    def _guard(self, trainer) -> None:
+        """``trainer.save_checkpoint`` and ``trainer.strategy.remove_checkpoint`` wrapped on
+        the instances for the length of the fit (the class docstring)."""
+        self._unguard()
+        assert self.monitor is not None
+        guard = self.guard = SaveGuard(self.monitor)
+        save, strategy = trainer.save_checkpoint, trainer.strategy
+        remove = strategy.remove_checkpoint
+
+        def save_checkpoint(filepath, *args: Any, **kwargs: Any) -> None:
+            if guard.allow(trainer.global_step):
+                save(filepath, *args, **kwargs)
+
+        def remove_checkpoint(filepath) -> None:
+            if not guard.holding:  # else it may be the last healthy file
+                remove(filepath)
+
+        self._patches = [Patch(trainer, "save_checkpoint", save_checkpoint),
+                         Patch(strategy, "remove_checkpoint", remove_checkpoint)]
+
+    def _unguard(self) -> None:
+        for p in self._patches:
+            p.remove()
+        self._patches = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.ckpt_path is not None and not self._loaded:
+            logger.warning("fasthealth: %s holds no state of this callback (saved without "
+                           "fasthealth?): the Monitor resumes cold (a new warm-up, empty "
+                           "windows)", trainer.ckpt_path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Monitor's state, for Lightning's checkpoint (empty outside a fit)."""
+        mon = self.monitor if self._live else None
+        return {"fasthealth_monitor": mon.state_dict()} if mon is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's restore, usually before ``on_fit_start``: held until the Monitor is
+        made, then loaded into it."""
+        if "fasthealth_monitor" not in state_dict:
+            return
+        if not (self._live and self.monitor is not None):
+            self._pending = state_dict
+            return
+        self.monitor.load_state_dict(state_dict["fasthealth_monitor"])
+        self._pending, self._loaded = None, True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch = batch
@@ -81,11 +150,15 @@ class HealthCallbackMixin:
         self.monitor.check(loss, batch=batch, sample_ids=ids, step=trainer.global_step)
 
     def _finish(self, trainer) -> None:
+        self._live = False
         if self.monitor is not None:
             self.monitor.close()
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._finish(trainer)
+        self._unguard()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.guard is not None:
+            self.guard.freeze(trainer.global_step)  # ModelCheckpoint may save after this
         self._finish(trainer)

@@ -29,6 +29,13 @@
   be had at all, one warning at the first step says so and how to pass one, and the gradient
   rules go on.
 
+- checkpoints (docs/spec.md section 11): while ``Monitor.safe_to_save()`` is False the
+  Trainer writes none (``control.should_save`` turned off in ``on_step_end`` / ``on_epoch_end``,
+  after ``DefaultFlowCallback`` set it; ``_save_checkpoint`` skipped as the backstop for
+  ``save_strategy="best"``), one log line per incident; each checkpoint written gets the
+  Monitor's state (``checkpoint-<step>/fasthealth_monitor.pt``, in ``on_save``, after the
+  rotation), and ``train(resume_from_checkpoint=...)`` loads it before the first step.
+
 Why wrap ``training_step``: callbacks are not given the Trainer, nor any loss before the
 optimizer step (``on_pre_optimizer_step`` comes after the clipping), and the model's output
 holds the Trainer's loss only when the model computes it. ``training_step``'s return value is
@@ -58,10 +65,12 @@ from typing import Any, Literal
 import torch
 from torch.amp.grad_scaler import OptState
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..monitor import Monitor, gate
 from ..monitor.option_groups import with_default
 from .capture import BackwardEnd, Capture, ForwardCapture
+from .checkpoints import Patch, SaveGuard, load_state, save_state
 from .log import log_dir_option, log_incident, logger
 
 
@@ -74,38 +83,43 @@ def _sync_step() -> Callable[[], bool]:
     return lambda: bool(state.sync_gradients)
 
 
-def find_trainer(callback: TrainerCallback, depth: int = 12) -> Trainer | None:
-    """The ``Trainer`` whose callbacks hold ``callback``, from the frames calling it (the
-    Trainer's method's ``self``); None when none is there."""
-    frame: FrameType | None = sys._getframe(1)
+def _trainer_frames(callback: TrainerCallback, depth: int) -> list[FrameType]:
+    """The calling frames of the ``Trainer`` methods whose callbacks hold ``callback``."""
+    frame: FrameType | None = sys._getframe(2)
+    found = []
     for _ in range(depth):
         if frame is None:
             break
         owner = frame.f_locals.get("self")
         if isinstance(owner, Trainer) and any(
                 c is callback for c in getattr(owner.callback_handler, "callbacks", ())):
-            return owner
+            found.append(frame)
         frame = frame.f_back
-    return None
+    return found
 
 
-class Patch:
-    """An attribute of an instance replaced until ``remove``, which puts back what was there
-    (the class's method when the instance had none of its own)."""
+def find_trainer(callback: TrainerCallback, depth: int = 12) -> Trainer | None:
+    """The ``Trainer`` whose callbacks hold ``callback``, from the frames calling it (the
+    Trainer's method's ``self``); None when none is there."""
+    frames = _trainer_frames(callback, depth)
+    return frames[0].f_locals["self"] if frames else None
 
-    def __init__(self, obj: Any, name: str, value: Any) -> None:
-        self.obj, self.name = obj, name
-        self.had, self.old = name in vars(obj), vars(obj).get(name)
-        setattr(obj, name, value)
 
-    def remove(self) -> None:
-        if self.obj is None:
-            return
-        if self.had:
-            setattr(self.obj, self.name, self.old)
-        else:
-            vars(self.obj).pop(self.name, None)
-        self.obj = None
+def resume_folder(callback: TrainerCallback, args: Any, state: Any) -> str | None:
+    """The checkpoint folder ``train(resume_from_checkpoint=...)`` resumes from: the
+    ``resume_from_checkpoint`` local of the Trainer's training loop calling ``on_train_begin``
+    (a path by then; True is resolved as the Trainer does), else, driven by something else,
+    ``<output_dir>/checkpoint-<global_step>`` when the step is past 0 and that folder exists."""
+    for frame in _trainer_frames(callback, 12):
+        path = frame.f_locals.get("resume_from_checkpoint")
+        if path is True:
+            path = get_last_checkpoint(args.output_dir)
+        if isinstance(path, (str, os.PathLike)):
+            return os.fspath(path)
+        if "resume_from_checkpoint" in frame.f_locals:
+            return None  # the training loop says: no resume
+    folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+    return folder if state.global_step > 0 and os.path.isdir(folder) else None
 
 
 def _loss_tensor(loss: Any) -> torch.Tensor | None:
@@ -156,6 +170,21 @@ def unscale_once(trainer: Trainer, scaler: Any) -> Patch:
     return Patch(accelerator, "unscale_gradients", unscale_gradients)
 
 
+def guard_saves(trainer: Trainer, guard: SaveGuard, state: Any) -> Patch:
+    """``trainer._save_checkpoint`` skipped while ``guard`` refuses: the backstop for saves
+    that no callback sees coming (``save_strategy="best"`` sets ``should_save`` after the
+    evaluation, past ``on_step_end``)."""
+    original = trainer._save_checkpoint
+
+    @functools.wraps(original)
+    def _save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        if guard.allow(state.global_step):
+            return original(*args, **kwargs)
+        return None
+
+    return Patch(trainer, "_save_checkpoint", _save_checkpoint)
+
+
 NO_LOSS = ("fasthealth: step %d: no loss to check (%s); the loss rules are off, the gradient "
            "rules go on. To have it checked, return the loss from the model's output "
            "(output.loss), or drive the callback from Trainer.train().")
@@ -169,6 +198,7 @@ class HealthCallback(TrainerCallback):
         self.trainer: Trainer | None = None  # the Trainer found, while training
         self._open = False
         self._warned = False
+        self.guard: SaveGuard | None = None  # the checkpoint guard, while training
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_of_run(args)  # a train() that raised never reached on_train_end
@@ -179,8 +209,13 @@ class HealthCallback(TrainerCallback):
         monitor = Monitor(model, optimizer, scaler=scaler, **options)
         monitor.on_alarm(log_incident)
         self.monitor, self._open, self._warned = monitor, True, False
+        self.guard = SaveGuard(monitor)
+        folder = resume_folder(self, args, state)
+        if folder is not None:  # before the first step: the rules go on where they were
+            load_state(monitor, folder)
         trainer = self.trainer = find_trainer(self)
         if trainer is not None:
+            monitor.hooks.append(guard_saves(trainer, self.guard, state))
             monitor.hooks.append(wrap_training_step(
                 trainer, monitor, lambda: state.global_step, self.sample_ids,
                 lambda loss, t: self._no_loss(loss, t, "the Trainer's training_step "
@@ -204,6 +239,27 @@ class HealthCallback(TrainerCallback):
         if loss is None and not self._warned:
             self._warned = True
             logger.warning(NO_LOSS, step, why)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._hold_save(state, control)  # DefaultFlowCallback, first, has set should_save
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._hold_save(state, control)
+
+    def _hold_save(self, state, control) -> None:
+        if control.should_save and self._open and self.guard is not None \
+                and not self.guard.allow(state.global_step):
+            control.should_save = False
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Monitor's state into the checkpoint folder just written (after the Trainer's
+        rotation, which never removes the newest); nothing when the save was refused."""
+        if not (self._open and self.monitor is not None and args.should_save):
+            return
+        if self.guard is not None and self.guard.refused[-1:] == [state.global_step]:
+            return
+        root = self.trainer._get_output_dir(trial=None) if self.trainer else args.output_dir
+        save_state(self.monitor, os.path.join(root, f"checkpoint-{state.global_step}"))
 
     def on_train_end(self, args, state, control, **kwargs):
         self._end_of_run(args)

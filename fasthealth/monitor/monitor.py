@@ -32,7 +32,7 @@ from ..checks import grad_values, grads_stats
 from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
-from . import gate, state
+from . import gate, guard, state
 from .events import Event, Incident, Observation
 from .journal import Journal
 from .option_groups import (
@@ -326,6 +326,13 @@ class Monitor:
         self.schedule.search(self._rose)  # a few times a run at most
         self._rose = False
         return self.journal.flush(self.record.take(), self._snapshots)
+
+    def safe_to_save(self) -> bool:
+        """Whether a checkpoint may be written now (docs/spec.md section 11; ``guard.py`` says
+        which incidents forbid it): flushes, then one fused pass over the parameters and the
+        optimizer's state for NaN/Inf. Its sync happens only here, when it is called. With
+        ``on_nonfinite="raise"`` its flush raises NonFiniteError as any flush would."""
+        return guard.verdict(self).safe
 
     @property
     def events(self) -> list[Event]:

@@ -30,12 +30,11 @@ import enum
 import importlib
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .monitor import Monitor
+Monitor = Any  # monitor.Monitor (not imported: monitor.py imports this module)
 
 FORMAT = 1  # the layout of the state; a state of another format is refused with its number
 

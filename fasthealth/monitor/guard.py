@@ -1,0 +1,124 @@
+"""Whether a checkpoint may be written now (docs/spec.md section 11): ``Monitor.safe_to_save``.
+
+A checkpoint written while the weights or the optimizer's state are damaged is worse than none:
+a rotation (HF ``save_total_limit``, Lightning ``save_top_k``) then pushes out the last healthy
+one for it. ``verdict`` says no in two cases:
+
+1. an open *alarm* incident says the model state may be damaged. Of the incident tracker's
+   (``incidents.py``) findings, these count:
+
+   - its cause (``causes.py``) is ``weights`` or ``optimizer_state``: a corrupted weight, broken
+     optimizer moments, or a loss spike or non-finite step the loss did not come back from
+     within ``back_within`` steps (the cause rules' own judgement that the state, not the
+     batch, is at fault);
+   - it holds ``weight_corruption`` or ``optimizer_state_nonfinite`` whatever its cause (the
+     damage was seen directly, even where the incident was opened by something else first);
+   - the run is broken at its last step (a non-finite loss or gradient, or a loss a million
+     times its level: ``IncidentTracker.broken``), or the incident has harmed the loss and it
+     is not back yet (``harmed`` and ``_unrecovered``: a learning-rate jump whose divergence
+     moved the weights far from where they were).
+
+   Not counted: notice incidents (nothing confirmed), and an alarm incident whose cause is the
+   batch, the learning rate, the numeric range or the outside once the loss is back: a bad
+   batch skipped, an overflow the scaler backed off from, or a rate spike the run came back
+   from left the weights as a checkpoint should hold them. An incident that counts stops
+   counting when it closes, which for an alarm incident is only once the run has recovered
+   (``quiet`` steps without an event after the loss came back): saving resumes then.
+2. the parameters (the Monitor's, those that train) or the optimizer's state hold NaN or Inf
+   now: one fused pass over all of them (``multi_tensor_stats``, the kernels the gradients go
+   through), whatever the incidents say. This sees a weight poisoned since the last flush, or
+   by something outside the step (a bad checkpoint loaded, a hand-written update).
+
+The flush before (so that the incidents are up to date) and the pass's total are read on the
+host: this is the call's one sync (besides the flush's own copy), and it happens only when
+``verdict`` is called, never per step. With the Monitor's ``process_group``, both cases are
+every rank's (one all-reduce of three numbers before that copy): a checkpoint is saved by all
+ranks or by none (a rank's local shard may be the one that is NaN, and a rank that left a
+collective save would leave the others waiting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checks import multi_tensor_stats
+from ..ops.layout import COL
+from ..optim import optimizer_state_tensors
+from .events import ALARM, Incident
+
+# ``mon`` below is a ``Monitor`` (typed Any: monitor.py imports this module, not the reverse)
+DAMAGED_CAUSES = frozenset({"weights", "optimizer_state"})
+"""Incident causes that say the model state itself may be damaged."""
+DAMAGE_KINDS = frozenset({"weight_corruption", "optimizer_state_nonfinite"})
+"""Kinds that see damaged state directly, whatever cause their incident names."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``safe``: a checkpoint may be written; otherwise ``incident`` is the open incident that
+    forbids it (None when only the direct pass found non-finite values) and ``reason`` says
+    why in words."""
+
+    safe: bool
+    reason: str = ""
+    incident: Incident | None = None
+
+
+def incident_reason(mon: Any) -> tuple[Incident, str] | None:
+    """The open alarm incident that says the model state may be damaged, and why (the module
+    docstring, case 1); None when there is none."""
+    tracker = mon.journal.tracker
+    cur = tracker.current
+    if cur is None or not cur.open or cur.severity != ALARM:
+        return None
+    if cur.cause in DAMAGED_CAUSES:
+        return cur, f"its cause is {cur.cause} ({cur.why})"
+    seen = next((k for k in cur.kinds if k in DAMAGE_KINDS), None)
+    if seen is not None:
+        return cur, f"it holds {seen}"
+    if tracker.broken():
+        return cur, "the run is broken at its last step (non-finite or a runaway loss)"
+    if tracker.harmed and tracker._unrecovered():
+        return cur, "the loss it harmed has not come back yet"
+    return None
+
+
+def nonfinite_state(mon: Any) -> torch.Tensor:
+    """(non-finite values in the parameters, in the optimizer's state), float64 on the
+    device: one fused pass over both, no sync."""
+    params = [p.detach() for _, p in mon.params]
+    state: list[torch.Tensor] = []
+    if mon.optimizer is not None:
+        state = optimizer_state_tensors(mon.optimizer, mon.names_by_id)[1]
+    table = multi_tensor_stats(params + state, backend=mon.backend).raw.to(mon.device)
+    bad = (table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]).to(torch.float64)
+    return torch.stack([bad[:len(params)].sum(), bad[len(params):].sum()])
+
+
+def verdict(mon: Any) -> Verdict:
+    """Flushes, then judges (the module docstring). With the Monitor's ``process_group`` the
+    answer is every rank's (one all-reduce): a checkpoint is saved by all ranks or none, and
+    a rank left out of a collective save would hang the others."""
+    mon.flush()
+    found = incident_reason(mon)
+    flags = torch.cat([nonfinite_state(mon),
+                       torch.tensor([float(found is not None)], dtype=torch.float64,
+                                    device=mon.device)])
+    if mon.process_group is not None:
+        dist.all_reduce(flags, group=mon.process_group)
+    params, state, incidents = (int(x) for x in flags.cpu().tolist())  # the one sync
+    if found is not None:
+        inc, why = found
+        return Verdict(False, why, inc)
+    if incidents:
+        return Verdict(False, f"another rank's open incident ({incidents} of the ranks) says "
+                       "the weights or the optimizer's state may be damaged")
+    if params or state:
+        where = " and ".join(w for w, n in (("the parameters", params),
+                                            ("the optimizer's state", state)) if n)
+        return Verdict(False, f"{params + state} NaN/Inf values in {where}")
+    return Verdict(True)
