@@ -200,23 +200,6 @@ def _read_meta(path: Path) -> dict | None:
     return None
 
 
-def last_logged_step(path: Path) -> int | None:
-    """The step of the last whole line of a steps.jsonl, None when there is none."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().split(b"\n")
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            continue
-    return None
-
-
 def read_jsonl(path: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
     """The records of a JSONL file as (line number, record), and (line number, what is wrong)
     for each other non-blank line: not UTF-8 text, not JSON, or JSON but not an object. A bad
