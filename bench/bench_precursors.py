@@ -102,8 +102,8 @@ def signals(seed: int, steps: int, lr: float, warmup: int) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        run(seed, steps, lr, warmup, log_dir=d)
-        rows = [json.loads(line) for line in open(Path(d) / "steps.jsonl")]
+        mon, _ = run(seed, steps, lr, warmup, log_dir=d)
+        rows = [json.loads(line) for line in open(Path(mon.run_dir) / "steps.jsonl")]
     keys = ("loss", "update_ratio_max", "logit_max", "log_z", "attention_logit_max")
     return {k: [r.get(k) for r in rows] for k in keys}
 

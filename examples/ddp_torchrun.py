@@ -9,7 +9,6 @@ element counted once) and every rank takes the same skip decision, so the replic
 """
 
 import json
-import os
 import tempfile
 
 import torch
@@ -28,9 +27,10 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
 g = torch.Generator().manual_seed(100 + rank)  # different data on every rank
 
 with tempfile.TemporaryDirectory() as tmp:
-    # one log_dir per rank (or rank 0 only): the Monitor does not share files between ranks
-    mon = fh.Monitor(model, opt, log_dir=os.path.join(tmp, f"rank{rank}"), flush_every=10,
-                     process_group=dist.group.WORLD)
+    # under a process group rank 0 alone writes logs, unless all_ranks=True: then rank k
+    # writes its own runs, LOG_DIR/rank-k/run-NNN/ (here each rank has a temp dir of its own)
+    mon = fh.Monitor(model, opt, log_dir=tmp, flush_every=10, process_group=dist.group.WORLD,
+                     all_ranks=True)
     for step in range(30):
         x = torch.randn(32, 16, generator=g)
         y = x[:, :4].sum(1, keepdim=True)
@@ -42,7 +42,7 @@ with tempfile.TemporaryDirectory() as tmp:
         opt.zero_grad()
     mon.close()
     norm = obs.stats.total.norm.item()  # the last step's check: the whole model's grad norm
-    with open(os.path.join(tmp, f"rank{rank}", "steps.jsonl")) as f:
+    with open(mon.run_dir / "steps.jsonl") as f:
         skipped = [r["step"] for r in map(json.loads, f) if r["skipped"]]
 
     # the replicas must still agree: compare every rank's weights with rank 0's

@@ -5,11 +5,10 @@
 A tiny GPT-2 (built from a config, nothing downloaded) trains for 10 steps on CPU. The callback
 takes the loss the Trainer logs (from its training_step), checks every gradient once per
 optimizer step, before the Trainer's clipping (which stays the Trainer's: what it logs does not
-change), skips a non-finite step, and logs to <output_dir>/fasthealth/steps.jsonl.
+change), skips a non-finite step, and logs to <output_dir>/fasthealth/run-000/steps.jsonl.
 """
 
 import json
-import os
 import tempfile
 
 import torch
@@ -46,7 +45,7 @@ with tempfile.TemporaryDirectory() as out:
     mon = health.monitor
     for e in mon.events:
         print(f"step {e.step}: {e.severity} {e.kind}: {e.message}")
-    with open(os.path.join(out, "fasthealth", "steps.jsonl")) as f:
+    with open(mon.run_dir / "steps.jsonl") as f:  # <output_dir>/fasthealth/run-NNN/
         steps = [json.loads(line) for line in f]
     last = steps[-1]
     alarms = sum(e.severity == "alarm" for e in mon.events)

@@ -239,7 +239,7 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
     print("\nplanted fault -> what the monitor reported", file=out)
     all_ok = _check_schedule(model, mon, out)
     # from the step records: an incident records one event of each kind, not every step's
-    skipped = [r["step"] for r in read_log(log_dir).steps if r.get("skipped")]
+    skipped = [r["step"] for r in read_log(mon.run_dir or log_dir).steps if r.get("skipped")]
     print(f"\nskipped (parameters and optimizer state untouched): {len(skipped)} steps "
           f"{skipped[:6]}{' ...' if len(skipped) > 6 else ''}", file=out)
     params_ok = all(torch.isfinite(p).all() for p in model.parameters())

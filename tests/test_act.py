@@ -109,13 +109,13 @@ def test_healthy_run_is_not_skipped(tmp_path):
     """A healthy run skips nothing; steps.jsonl says so step by step."""
     losses, mon, _ = regression("adamw_fused", 300, log_dir=tmp_path)
     assert not [e for e in mon.events if e.details.get("skipped")]
-    rows = [json.loads(line) for line in open(tmp_path / "steps.jsonl")]
+    rows = [json.loads(line) for line in open(mon.run_dir / "steps.jsonl")]
     assert len(rows) == 300 and all(r["spike_skip"] is False for r in rows)
 
 
 def test_jsonl_records_the_skipped_step(tmp_path):
     _, mon, _ = regression("adamw_fused", 160, bad_at=150, log_dir=tmp_path)
-    rows = {r["step"]: r for r in map(json.loads, open(tmp_path / "steps.jsonl"))}
+    rows = {r["step"]: r for r in map(json.loads, open(mon.run_dir / "steps.jsonl"))}
     assert rows[150]["spike_skip"] is True and rows[150]["skipped"] is True
     assert rows[150]["skip_z_loss"] > 6
     assert not any(r["spike_skip"] for s, r in rows.items() if s != 150)

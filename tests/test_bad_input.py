@@ -167,7 +167,7 @@ BAD_ARGUMENTS = [
     (dict(log_dir=""), ValueError, "fasthealth: log_dir is an empty path"),
     (dict(tensorboard=True), ValueError,
      "fasthealth: tensorboard=True needs log_dir= (TensorBoard's files go to "
-     "LOG_DIR/tensorboard), got log_dir=None"),
+     "the run's tensorboard/), got log_dir=None"),
     (dict(tensorboard="yes"), TypeError,
      "fasthealth: tensorboard must be True or False, got 'yes'"),
     (dict(min_loss_scale=-1), ValueError,
@@ -241,7 +241,7 @@ def test_edge_values_that_are_fine_are_accepted(tmp_path):
     per_sample_loss(m)
     mon.step(per_sample_loss(m))
     mon.close()
-    assert (tmp_path / "a" / "steps.jsonl").exists()
+    assert (mon.run_dir / "steps.jsonl").exists()
 
 
 def test_tensorboard_missing_is_said_before_anything_is_written(tmp_path, monkeypatch):
@@ -265,14 +265,18 @@ def test_log_dir_that_is_a_file_is_refused(tmp_path):
     assert f.read_text() == "notes"
 
 
-def test_unreadable_meta_json_of_a_reopened_log_dir_is_moved_aside(tmp_path):
-    (tmp_path / "meta.json").write_bytes(b"\x00\xff not json")
+def test_unreadable_meta_json_of_a_continued_run_is_moved_aside(tmp_path):
+    run = tmp_path / "run-000"
+    run.mkdir()
+    (run / "meta.json").write_bytes(b"\x00\xff not json")
     m = make_model()
+    mon = fh.Monitor(m, _sgd(m), log_dir=tmp_path)
     with pytest.warns(RuntimeWarning, match=r"meta.json could not be read \(not JSON.*moved to "
                                             r"meta.json.unreadable"):
-        mon = fh.Monitor(m, _sgd(m), log_dir=tmp_path)
-    assert (tmp_path / "meta.json.unreadable").read_bytes() == b"\x00\xff not json"
-    assert json.loads((tmp_path / "meta.json").read_text())["names"]
+        mon._continue_run("run-000", 4)  # as load_state_dict does
+    assert (run / "meta.json.unreadable").read_bytes() == b"\x00\xff not json"
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["names"] and meta["resumes"][0]["step"] == 4
     mon.close()
 
 
@@ -295,7 +299,7 @@ def log(tmp_path):
         for t in range(12):
             per = per_sample_loss(m)
             mon.step(per.mean() * (NAN if t == 4 else 1.0))
-    return d
+    return mon.run_dir
 
 
 def _edit_lines(path, edits):
@@ -383,8 +387,8 @@ def test_report_on_missing_and_wrong_directories(tmp_path):
                                  "directory)"
     out = run_cli("report", tmp_path)  # a directory with no logs
     assert out.returncode == 2
-    assert out.stderr.startswith(f"fasthealth report: {tmp_path / 'steps.jsonl'} not found: is "
-                                 f"{tmp_path} a Monitor's log_dir?")
+    assert out.stderr.startswith(f"fasthealth report: no run with a steps.jsonl in {tmp_path}: "
+                                 f"is {tmp_path} a Monitor's log_dir?")
     f = tmp_path / "file.txt"
     f.write_text("x")
     out = run_cli("report", f)

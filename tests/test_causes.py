@@ -123,7 +123,7 @@ def test_a_weight_set_to_1e30_is_the_weights(tmp_path):
     assert "weight_corruption" in inc.why or "stayed up" in inc.why, inc.why
     # the loss was astronomical at once: the incident led to the weights from its first step
     # (the record written when it opened, what the trainer callbacks log)
-    opened = json.loads((tmp_path / "incidents.jsonl").read_text().splitlines()[0])
+    opened = json.loads((mon.run_dir / "incidents.jsonl").read_text().splitlines()[0])
     assert opened["state"] == "opened" and opened["cause"] == "weights", opened
     # the spike rule's "this step's batch" gives way to the incident's check-first
     assert "this step's batch" not in inc.message and CHECK_FIRST["weights"] in inc.message

@@ -161,12 +161,13 @@ def test_one_fault_is_one_incident_with_one_dump(tmp_path):
     inc = mon.incidents[0]
     assert inc.start == 60 and inc.severity == ALARM and not inc.open
     assert all(e.incident == inc.id for e in mon.events)
-    dumps = list((tmp_path / "dumps").iterdir())
+    dumps = list((mon.run_dir / "dumps").iterdir())
     assert len(dumps) == 1 and inc.dump == str(dumps[0])
-    records = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()]
+    records = [json.loads(line)
+               for line in (mon.run_dir / "incidents.jsonl").read_text().splitlines()]
     assert [r["state"] for r in records] == ["opened", "closed"]
     assert records[0]["id"] == records[1]["id"] == 0 and records[1]["end"] == inc.end
-    logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (mon.run_dir / "events.jsonl").read_text().splitlines()]
     assert {e["incident"] for e in logged} == {0} and all("severity" in e for e in logged)
 
 
@@ -175,11 +176,11 @@ def test_every_event_mode_keeps_the_old_dumps(tmp_path):
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     mon = train(m, opt, 140, plant=_bad_batch_then_recovery, log_dir=tmp_path, dumps="event")
     # every step a rule fired at: the steps of the recorded events and of their repeats
-    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (mon.run_dir / "steps.jsonl").read_text().splitlines()]
     found = {r["step"] for r in lines if r.get("events")}
     assert found >= {e.step for e in mon.events} | {e.last_step for e in mon.events
                                                     if e.repeats}
-    assert sorted(p.name for p in (tmp_path / "dumps").iterdir()) == [
+    assert sorted(p.name for p in (mon.run_dir / "dumps").iterdir()) == [
         f"step_{s:08d}.pt" for s in sorted(found)]
     assert sum(inc.counts[k] for inc in mon.incidents for k in inc.counts) == sum(
         len(r["events"]) for r in lines if r.get("events"))

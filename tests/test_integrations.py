@@ -108,10 +108,10 @@ def test_transformers_nan_sample_is_caught_skipped_and_logged(tmp_path, optim, c
     kinds = {(e.step, e.kind) for e in mon.events}
     assert (15, "nonfinite_loss") in kinds and (15, "nonfinite_grad") in kinds, kinds
     assert all(e.step >= 15 for e in mon.events), kinds
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(mon.run_dir / "steps.jsonl")
     assert [r["step"] for r in steps] == list(range(40))
     assert steps[15]["skipped"] is True and not any(r["skipped"] for r in steps[:15])
-    events = read_jsonl(tmp_path / "fasthealth" / "events.jsonl")
+    events = read_jsonl(mon.run_dir / "events.jsonl")
     assert all(e["details"].get("skipped") is True for e in events if e["step"] == 15)
     # the skipped step left the parameters as they were before it
     for a, b in zip(before[15], before[16]):
@@ -149,7 +149,7 @@ def test_transformers_one_bad_gradient_is_named_before_clipping(tmp_path):
     assert list(ev[0].details["tensors"]) == ["transformer.h.1.mlp.c_proj.weight"]
     assert ev[0].details["nan_count"] == 1 and ev[0].details["skipped"] is True
     assert mon.max_grad_norm is None  # the Trainer's clipping stays its own, after the check
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(mon.run_dir / "steps.jsonl")
     assert steps[20]["skipped"] is True and steps[20]["nan_count"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -167,7 +167,7 @@ def test_transformers_garbage_batch_accumulation_and_bf16(tmp_path):
     kinds = {(e.step, e.kind) for e in mon.events}
     assert (150, "loss_spike") in kinds, sorted(kinds)
     assert all(e.step == 150 for e in mon.events), sorted(kinds)
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(mon.run_dir / "steps.jsonl")
     assert [r["step"] for r in steps] == list(range(170))  # once per optimizer step
     assert all(math.isfinite(r["loss"]) for r in steps)
     # the step's loss is the whole accumulation's (Hugging Face divides each micro-batch's
@@ -192,7 +192,7 @@ def test_transformers_on_spike_skip(tmp_path, optim):
     plant_at(model, 61, garbage)
     mon, before = hf_train(tmp_path, model, steps=80, optim=optim,
                            monitor={"on_spike": "skip"})
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(mon.run_dir / "steps.jsonl")
     assert [r["step"] for r in steps if r["spike_skip"]] == [60]
     assert steps[60]["skipped"] is True
     for a, b in zip(before[60], before[61]):
@@ -211,7 +211,8 @@ def test_transformers_takes_the_option_groups(tmp_path):
                                "act": fh.ActOptions(max_grad_norm=0.5)})
     assert mon.flush_every == 5 and mon.max_grad_norm == 0.5
     assert mon.options.detect.warmup_steps == 10  # hf_train's flat keyword
-    assert [r["step"] for r in read_jsonl(tmp_path / "mine" / "steps.jsonl")] == list(range(12))
+    assert mon.run_dir.parent == tmp_path / "mine"
+    assert [r["step"] for r in read_jsonl(mon.run_dir / "steps.jsonl")] == list(range(12))
     assert not (tmp_path / "fasthealth").exists()
 
 
@@ -245,7 +246,7 @@ def test_lightning_on_spike_skip(tmp_path, fused):
         callbacks=[cb, Snapshot()])
     loader = torch.utils.data.DataLoader(Bad(n=8 * 160), batch_size=8, shuffle=False)
     trainer.fit(module, loader)
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(cb.monitor.run_dir / "steps.jsonl")
     assert [r["step"] for r in steps if r["spike_skip"]] == [150]
     for a, b in zip(seen[150], seen[151]):
         assert torch.equal(a, b)
@@ -265,7 +266,7 @@ def test_lightning_takes_the_option_groups(tmp_path):
     trainer.fit(regression_module(lightning.pytorch, True), loader)
     assert cb.monitor.flush_every == 5 and cb.monitor.max_grad_norm == 0.5
     assert trainer.gradient_clip_val == 1.0
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(cb.monitor.run_dir / "steps.jsonl")
     assert [r["step"] for r in steps] == list(range(12))
 
 
@@ -337,7 +338,7 @@ def test_lightning_nan_sample_caught_skipped_and_replayed(tmp_path, fused, accum
     assert kinds == {(24, "nonfinite_loss"), (24, "nonfinite_grad")}, sorted(kinds)
     # Lightning's clipping stays its own (it clips after the check)
     assert mon.max_grad_norm is None and trainer.gradient_clip_val == 1.0
-    steps = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    steps = read_jsonl(mon.run_dir / "steps.jsonl")
     assert [r["step"] for r in steps] == list(range(40))
     assert [r["step"] for r in steps if r["skipped"]] == [24]
     assert all(torch.isfinite(p).all() for p in module.parameters())
@@ -368,7 +369,7 @@ def test_watch_in_a_plain_loop(tmp_path):
     assert {(e.step, e.kind) for e in mon.events} == {(7, "nonfinite_loss"),
                                                       (7, "nonfinite_grad")}
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    steps = read_jsonl(tmp_path / "steps.jsonl")
+    steps = read_jsonl(mon.run_dir / "steps.jsonl")
     assert len(steps) == 12 and steps[7]["skipped"] and steps[3]["loss"] > 0
     assert not hasattr(opt, "found_inf")  # the skip is taken away after the step
 

@@ -1,9 +1,8 @@
 """Logs and dumps that survive faults (docs/spec.md section 6, "Writing never stops training"): a
 full disk (a real tmpfs), a log_dir removed mid-run, a process killed at random points (SIGKILL,
-SIGTERM, SIGINT), Ctrl-C inside a save, a reopened log_dir; the report reads what is left and
-escapes what it shows; duplicate names are refused."""
+SIGTERM, SIGINT), Ctrl-C inside a save, a reopened log_dir (a new run); the report reads what is
+left and escapes what it shows; duplicate names are refused."""
 
-import hashlib
 import json
 import os
 import random
@@ -42,8 +41,8 @@ def train(mon, m, opt, steps, nan_at=(), start=0):
         mon.step(loss, batch=(x,), sample_ids=torch.arange(32) + 100 * t)
 
 
-def logged(log_dir):
-    lines = (log_dir / "steps.jsonl").read_bytes().split(b"\n")
+def logged(run_dir):
+    lines = (run_dir / "steps.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b""  # whole lines only
     return [json.loads(s)["step"] for s in lines[:-1]]
 
@@ -82,14 +81,14 @@ def test_full_disk_warns_once_training_goes_on_and_writing_resumes(tmpfs):
         mon.close()
     ours = [w for w in caught if "cannot write to" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
-    assert logged(log_dir) == list(range(40))  # every step once, in order
+    assert logged(mon.run_dir) == list(range(40))  # every step once, in order
     assert {(e.step, e.kind) for e in mon.events} >= {(15, "nonfinite_loss"),
                                                      (22, "nonfinite_loss")}
-    events = [json.loads(s) for s in (log_dir / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(s) for s in (mon.run_dir / "events.jsonl").read_text().splitlines()]
     assert sorted((e["step"], e["kind"]) for e in events) == sorted(
         (e.step, e.kind) for e in mon.events)
     assert all(torch.isfinite(p).all() for p in m.parameters())
-    assert not list((log_dir / "dumps").glob("*.tmp"))  # no half dump left behind
+    assert not list((mon.run_dir / "dumps").glob("*.tmp"))  # no half dump left behind
 
 
 def test_log_dir_removed_mid_run(tmp_path):
@@ -100,7 +99,7 @@ def test_log_dir_removed_mid_run(tmp_path):
     shutil.rmtree(log_dir)
     train(mon, m, opt, 10, nan_at=(14,), start=10)
     mon.close()
-    assert logged(log_dir) == list(range(10, 20))  # written again from where it was removed
+    assert logged(mon.run_dir) == list(range(10, 20))  # written again from where it was removed
     ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
     assert ev.step == 14 and os.path.exists(ev.dump)
 
@@ -122,36 +121,41 @@ def test_ctrl_c_inside_a_save_loses_and_repeats_nothing(tmp_path, monkeypatch):
         train(mon, m, opt, 10, nan_at=(7,))
     train(mon, m, opt, 10, nan_at=(12,), start=10)  # the user goes on
     mon.close()
-    assert logged(log_dir) == list(range(20))
+    assert logged(mon.run_dir) == list(range(20))
     kinds = [(e.step, e.kind) for e in mon.events if e.kind == "nonfinite_loss"]
     assert kinds == [(7, "nonfinite_loss"), (12, "nonfinite_loss")]
     assert all(e.dump and os.path.exists(e.dump) for e in mon.events)
 
 
-def test_reopened_log_dir_continues_and_overwrites_nothing(tmp_path):
+def test_a_reopened_log_dir_gets_a_new_run_and_overwrites_nothing(tmp_path):
+    """A Monitor that did not load a run's state starts a run of its own: numbered from 0
+    again, its own files and dumps, the earlier runs' files left byte for byte."""
     m, opt = model_and_opt()
     with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=4) as mon:
         train(mon, m, opt, 10, nan_at=(5,))
-    first = next(e.dump for e in mon.events)
-    digest = hashlib.sha256(open(first, "rb").read()).hexdigest()
-    meta = json.loads((tmp_path / "meta.json").read_text())
+    first = {p.relative_to(tmp_path): p.read_bytes() for p in mon.run_dir.rglob("*")
+             if p.is_file()}
     with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=4) as mon2:
-        train(mon2, m, opt, 6, nan_at=(12,), start=10)  # numbering resumes at 10
+        train(mon2, m, opt, 6, nan_at=(2,))
     with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=4) as mon3:
-        for t in (5, 6):  # explicit step numbers that were used before
+        for t in (5, 6):  # the step numbers of the first run's dump
             x = torch.full((4, 8), NAN if t == 5 else 1.0)
             loss = m(x).sum()
             opt.zero_grad()
             loss.backward()
             mon3.step(loss, batch=(x,), step=t)
-    assert logged(tmp_path)[:16] == list(range(16))
-    assert {e.step for e in mon2.events} == {12}
-    dumps = sorted(p.name for p in (tmp_path / "dumps").iterdir())
-    assert dumps == ["step_00000005-1.pt", "step_00000005.pt", "step_00000012.pt"], dumps
-    assert hashlib.sha256(open(first, "rb").read()).hexdigest() == digest
-    meta2 = json.loads((tmp_path / "meta.json").read_text())
-    assert meta2["started"] == meta["started"] and len(meta2["reopened"]) == 2
-    assert meta2["reopened"][0]["after_step"] == 9
+    assert [mon.run_id, mon2.run_id, mon3.run_id] == ["run-000", "run-001", "run-002"]
+    assert (logged(mon.run_dir), logged(mon2.run_dir), logged(mon3.run_dir)) == (
+        list(range(10)), list(range(6)), [5, 6])
+    assert {e.step for e in mon2.events} == {2}
+    for r in (mon, mon2, mon3):
+        dumps = [p.name for p in (r.run_dir / "dumps").iterdir()]
+        assert dumps == [f"step_{next(e.step for e in r.events):08d}.pt"], dumps
+        meta = json.loads((r.run_dir / "meta.json").read_text())
+        assert meta["run"] == r.run_id and "resumes" not in meta
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in mon.run_dir.rglob("*")
+            if p.is_file()} == first
+    assert sorted(os.listdir(tmp_path)) == ["run-000", "run-001", "run-002"]
 
 
 CHILD = textwrap.dedent("""
@@ -191,12 +195,13 @@ def test_killed_process_leaves_a_readable_log(tmp_path, sig):
         child.send_signal(sig)
         out, err = child.communicate(timeout=60)
         done = [int(s) for s in (first + out).split()]
-        if not (log_dir / "steps.jsonl").exists() and sig != signal.SIGINT:
+        run_dir = log_dir / "run-000"
+        if not (run_dir / "steps.jsonl").exists() and sig != signal.SIGINT:
             # killed before the first flush (every 3 steps) wrote anything: nothing to read,
             # and nothing lost beyond the unflushed steps
             assert done[-1] < 3 + 1, (done[-1], err[-500:])
             continue
-        raw = (log_dir / "steps.jsonl").read_bytes()
+        raw = (run_dir / "steps.jsonl").read_bytes()
         lines = raw.split(b"\n")
         whole = [json.loads(s) for s in lines[:-1]]  # every line but the last is whole
         if lines[-1]:
@@ -204,7 +209,7 @@ def test_killed_process_leaves_a_readable_log(tmp_path, sig):
                 json.loads(lines[-1])
         steps = [r["step"] for r in whole]
         assert steps == list(range(len(steps)))  # in order, none twice
-        rows = report.read_log(log_dir).steps
+        rows = report.read_log(run_dir).steps
         assert [r["step"] for r in rows] == steps
         if sig == signal.SIGINT:  # KeyboardInterrupt: the exit flush writes every step done
             assert steps[-1] >= done[-1], (steps[-1], done[-1], err[-500:])
@@ -216,9 +221,9 @@ def test_report_skips_a_partial_last_line_and_escapes_what_it_shows(tmp_path):
     m, opt = model_and_opt()
     with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
         train(mon, m, opt, 12, nan_at=(4,))
-    with open(tmp_path / "steps.jsonl", "ab") as f:
+    with open(mon.run_dir / "steps.jsonl", "ab") as f:
         f.write(b'{"step": 12, "loss": 0.')  # what a kill mid-write leaves
-    with open(tmp_path / "events.jsonl", "a") as f:
+    with open(mon.run_dir / "events.jsonl", "a") as f:
         f.write(json.dumps({"step": "<script>alert(1)</script>", "kind": "<b>x</b>",
                             "message": "<img src=x onerror=alert(2)>", "dump": None}) + "\n")
     with pytest.warns(RuntimeWarning, match="skipped 1 unreadable line"):

@@ -393,14 +393,14 @@ def test_capture_replay_and_logs(tmp_path):
     assert r.reproduced
     assert r.loss == pytest.approx(by_step[33].details["step_loss"], rel=1e-6)
 
-    lines = [json.loads(s) for s in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lines = [json.loads(s) for s in (mon.run_dir / "steps.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in lines] == list(range(40))
     assert lines[15]["loss"] is None and lines[15]["loss_finite"] is False
     assert lines[15]["skipped"] is True and lines[16]["skipped"] is False
     assert lines[3]["lr"] == pytest.approx(3e-3) and lines[3]["grad_norm"] > 0
     assert "per_tensor_norms" in lines[5] and "per_tensor_norms" not in lines[6]
     assert set(lines[5]["per_tensor_norms"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    events = [json.loads(s) for s in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(s) for s in (mon.run_dir / "events.jsonl").read_text().splitlines()]
     assert {(e["step"], e["kind"]) for e in events} == set(ks)
 
 

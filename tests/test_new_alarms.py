@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from runlog import run_of
 
 import fasthealth as fh
 from fasthealth.monitor.rules import Rule
@@ -298,7 +299,8 @@ def test_the_scans_reach_steps_jsonl_at_their_steps_only(tmp_path):
     import json
 
     run(25, ids=False, log_dir=tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    lines = (run_of(tmp_path) / "steps.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     rows = [r for r in rows if "step" in r and "loss" in r]
     scanned = [r["step"] for r in rows if r["weight_nonfinite"] is not None]
     assert scanned == [0, 9, 19]

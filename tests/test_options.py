@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runlog import run_of
 
 import fasthealth as fh
 from fasthealth.integrations.log import log_dir_option
@@ -26,6 +27,7 @@ OLD_KEYWORDS = [
     "vanishing_threshold", "tensorboard", "backend", "detectors", "rules", "dumps",
     "precursors", "logits", "attention",
     "scheduler",  # issue 31: the schedule as evidence
+    "all_ranks",  # issue 32: one rank writes under torch.distributed unless asked
 ]
 # docs/spec.md section 6's signature: shown by IDEs, so kept in Monitor's own
 SPEC_KEYWORDS = ["log_dir", "flush_every", "on_nonfinite", "on_spike", "spike_zscore",
@@ -135,11 +137,11 @@ def test_groups_and_flat_keywords_make_the_same_monitor(tmp_path, make):
         assert getattr(a, attr) == getattr(b, attr), attr
     assert a.flush_every == 3 and a.scaler is scaler and a.precursors is not None
     assert a.activations is not None and b.activations is not None
-    meta = [json.loads((tmp_path / d / "meta.json").read_text()) for d in ("g", "f")]
+    meta = [json.loads((run_of(tmp_path / d) / "meta.json").read_text()) for d in ("g", "f")]
     for m in meta:
         m.pop("started")
     assert meta[0] == meta[1]
-    assert [json.loads(s)["step"] for s in (tmp_path / "f" / "steps.jsonl").open()] == \
+    assert [json.loads(s)["step"] for s in (run_of(tmp_path / "f") / "steps.jsonl").open()] == \
         list(range(6))
 
 
@@ -272,4 +274,4 @@ def test_watch_takes_the_groups(tmp_path):
         model(x).pow(2).mean().backward()
         opt.step()
     mon.close()
-    assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 4
+    assert len((mon.run_dir / "steps.jsonl").read_text().splitlines()) == 4

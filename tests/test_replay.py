@@ -250,7 +250,7 @@ def test_replay_writes_its_result_beside_the_dump_and_the_report_shows_it(tmp_pa
     line = next(t for t in text.splitlines() if "replay:" in t)
     assert ("reproduces; first non-finite module blocks.0; source forward; samples 705; "
             "likely cause batch") in line
-    log = report.read_log(tmp_path)
+    log = report.read_run(tmp_path)[1]
     shown = next(i for i in log.incidents if i["trigger"] == "nonfinite_loss")
     assert report.replay_brief(shown["replay"]) == "samples 705"
     fig = report.figure(log.meta, log.steps, log.events, log.incidents)

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from runlog import run_of
 
 import fasthealth as fh
 from fasthealth import demo, report
@@ -28,7 +29,7 @@ def test_report_from_a_monitor_log(tmp_path):
             loss.backward()
             mon.step(loss, batch=(x, y))
     path, text = report.write(tmp_path)
-    assert path.exists() and (tmp_path / "report.png").stat().st_size > 10_000
+    assert path.exists() and (mon.run_dir / "report.png").stat().st_size > 10_000
     page = path.read_text()
     assert "nonfinite_loss" in page and "data:image/png;base64," in page
     assert "steps 0..39 (40 logged)" in text
@@ -57,9 +58,10 @@ def test_demo_catches_every_planted_fault(tmp_path):
     assert "MISSED" not in text and "does not reproduce on replay of step 120" in text
     assert "reproduces on replay of step 80" in text
     assert "incidents: 8 for 8 planted faults, each fault in its own; 8 dumps" in text
-    dumps = [p for p in (tmp_path / "dumps").iterdir() if p.suffix == ".pt"]
+    dumps = [p for p in (run_of(tmp_path) / "dumps").iterdir() if p.suffix == ".pt"]
     assert len(dumps) == 8
-    fired = {json.loads(s)["kind"] for s in (tmp_path / "events.jsonl").read_text().splitlines()}
+    fired = {json.loads(s)["kind"]
+             for s in (run_of(tmp_path) / "events.jsonl").read_text().splitlines()}
     # every detector fired but those the demo does not plant: replicas need a process group
     # (tests/test_distributed.py), the stall and three precursors models of their own
     # (tests/test_detectors_eval.py, tests/test_act.py)

@@ -100,7 +100,7 @@ def test_a_new_rule_is_one_file_and_one_registry_entry(new_rule, tmp_path):
 
     from fasthealth import report
 
-    log = report.read_log(tmp_path / "log")
+    log = report.read_log(mon.run_dir)
     fig = report.figure(log.meta, log.steps, log.events, log.incidents)
     timeline = next(ax for ax in fig.axes if ax.get_title() == "events by kind")
     labels = [t.get_text() for t in timeline.get_yticklabels()]

@@ -23,7 +23,7 @@ LAYERS = [
 ]
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 80, 300
 # The report's parts, each importing only those before it (fasthealth/report/__init__.py)
-REPORT_PARTS = ["read", "summary", "heatmap", "plots", "html", "cli"]
+REPORT_PARTS = ["read", "runs", "summary", "heatmap", "plots", "html", "cli"]
 
 
 def modules() -> dict[str, Path]:

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from runlog import run_of
 
 transformers = pytest.importorskip("transformers")
 from fasthealth.integrations import transformers as fh_hf  # noqa: E402
@@ -147,7 +148,7 @@ def test_hf_step_loss_is_the_trainers_and_a_fault_in_it_is_caught(tmp_path, path
     trainer.train()
     assert times.n >= times.at  # the planted path was the one the Trainer ran
     logged = {h["step"] - 1: h["loss"] for h in trainer.state.log_history if "loss" in h}
-    records = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    records = read_jsonl(run_of(tmp_path / "fasthealth") / "steps.jsonl")
     assert [r["step"] for r in records] == list(range(steps))
     for r in records:
         assert r["loss"] is not None and math.isfinite(r["loss"]), r
@@ -168,7 +169,7 @@ def test_hf_without_the_trainer_falls_back_to_the_forward_hook(tmp_path, monkeyp
     trainer.add_callback(fh_hf.HealthCallback())
     trainer.train()
     logged = {h["step"] - 1: h["loss"] for h in trainer.state.log_history if "loss" in h}
-    records = read_jsonl(tmp_path / "a" / "fasthealth" / "steps.jsonl")
+    records = read_jsonl(run_of(tmp_path / "a" / "fasthealth") / "steps.jsonl")
     assert [r["loss"] for r in records] == pytest.approx([logged[i] for i in range(12)],
                                                          rel=1e-6)
     assert not [r for r in caplog.records if r.name == "fasthealth"]
@@ -185,7 +186,7 @@ def test_hf_without_the_trainer_falls_back_to_the_forward_hook(tmp_path, monkeyp
     cb = fh_hf.HealthCallback()
     trainer.add_callback(cb)
     trainer.train()
-    records = read_jsonl(tmp_path / "b" / "fasthealth" / "steps.jsonl")
+    records = read_jsonl(run_of(tmp_path / "b" / "fasthealth") / "steps.jsonl")
     assert len(records) == 12 and all(r["loss"] is None for r in records)
     lines = [r.getMessage() for r in caplog.records if r.name == "fasthealth"
              and "no loss to check" in r.getMessage()]
@@ -235,7 +236,7 @@ def test_hf_logs_and_weights_identical_with_and_without_the_callback(tmp_path, k
     assert plain == watched
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
     assert any(h.get("grad_norm", 0) > 1.0 for h in plain)  # the Trainer did clip
-    assert len(read_jsonl(tmp_path / "b" / "fasthealth" / "steps.jsonl")) == 12
+    assert len(read_jsonl(run_of(tmp_path / "b" / "fasthealth") / "steps.jsonl")) == 12
     assert cb.monitor.max_grad_norm is None  # the clipping stayed the Trainer's
     if kw.get("scaler"):
         assert cb.monitor.scaler is not None
@@ -248,7 +249,7 @@ def test_hf_logs_identical_up_to_the_first_skipped_step(tmp_path):
     assert plain[:6] == watched[:6]
     assert plain[6]["loss"] == watched[6]["loss"]  # the loss the Trainer logs, unchanged
     assert math.isnan(plain[6]["grad_norm"])
-    records = read_jsonl(tmp_path / "b" / "fasthealth" / "steps.jsonl")
+    records = read_jsonl(run_of(tmp_path / "b" / "fasthealth") / "steps.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [6]
     assert all(torch.isfinite(p).all() for p in w1)
 
@@ -322,7 +323,7 @@ def test_lightning_step_loss_and_a_fault_in_it(tmp_path, manual):
     module = Regression(manual, times=Times(PLANT * accumulate + 1))
     cb = LightningCallback(warmup_steps=10)
     pl_fit(tmp_path, module, cb, accumulate_grad_batches=accumulate)
-    records = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    records = read_jsonl(run_of(tmp_path / "fasthealth") / "steps.jsonl")
     assert [r["step"] for r in records] == list(range(20))
     for r in records:
         mine = [v for s, v in module.losses if s == r["step"]]
@@ -368,7 +369,7 @@ def test_lightning_no_loss_warns_once(tmp_path, caplog):
     caplog.set_level("WARNING", logger="fasthealth")
     cb = LightningCallback()
     pl_fit(tmp_path, Regression(True, backward="plain"), cb, steps=8)
-    records = read_jsonl(tmp_path / "fasthealth" / "steps.jsonl")
+    records = read_jsonl(run_of(tmp_path / "fasthealth") / "steps.jsonl")
     assert [r["step"] for r in records] == list(range(8))
     assert all(r["loss"] is None and r["grad_norm"] > 0 for r in records)
     lines = [r.getMessage() for r in caplog.records if "no loss to check" in r.getMessage()]

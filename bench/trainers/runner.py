@@ -50,7 +50,9 @@ def _train(family, plan, seed, steps, out_dir, **kw) -> dict:
 
 
 def read_steps(log_dir: str) -> list[dict]:
-    path = Path(log_dir) / "steps.jsonl"
+    """The steps.jsonl rows of the latest run in ``log_dir`` (``LOG_DIR/run-NNN/``)."""
+    runs = sorted(Path(log_dir).glob("run-[0-9][0-9][0-9]*"), key=lambda p: int(p.name[4:]))
+    path = (runs[-1] if runs else Path(log_dir)) / "steps.jsonl"
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

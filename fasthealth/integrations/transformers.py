@@ -47,7 +47,8 @@ with the Trainer found no forward hook is needed. The Trainer is found in the ca
 of ``on_train_begin``, which ``Trainer._inner_training_loop`` calls (its ``self``, holding this
 callback); the wrapper sits on that instance only, for that ``train()``.
 
-``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs); the other keywords are
+``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs), each training in a run of
+its own there (``run-NNN/``, ``.monitor.run_dir``: steps.jsonl and the rest); the other keywords are
 ``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``). ``.monitor`` is the
 Monitor once training has begun.
 """

@@ -26,6 +26,7 @@ from .incidents import IncidentTracker, dump_due, step_finite
 from .kinds import fatal_kinds
 from .record import HostStep
 from .rules import Rule, as_finding
+from .runs import Run
 from .schedule import ScheduleView
 from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
 
@@ -44,10 +45,13 @@ class Journal:
         self.events: list[Event] = []
         self.tracker = IncidentTracker()
         self.schedule = ScheduleView()
-        self.log_dir = log_dir
         self.backlog: list[HostStep] = []  # taken from the record, not yet fully flushed
+        # the run's sinks: its folder under log_dir is opened at the first step (open_run)
+        # or by continue_run (runs.py)
         self.jsonl = JsonlSink(log_dir, meta) if log_dir is not None else None
-        self.tb = TensorBoardSink(log_dir) if log_dir is not None and tensorboard else None
+        self.tensorboard = tensorboard
+        self.tb: TensorBoardSink | None = None
+        self._closed_run: Run | None = None
         self.errors: list[str] = self.jsonl.errors if self.jsonl is not None else []
         # called once per incident, when it becomes an alarm (Monitor.on_alarm)
         self.alarm_listeners: list[Callable[[Incident], None]] = []
@@ -56,6 +60,36 @@ class Journal:
         self.recent_lr: deque[tuple[int, float | None]] = deque(maxlen=RECENT_LR)
         self.optimizer: dict | None = None
         self.previous: HostStep | None = None  # the step before, its batch a dump's control
+
+    @property
+    def run(self) -> Run | None:
+        """The run written (opened, and kept after close), else None."""
+        return self.jsonl.run if self.jsonl is not None else self._closed_run
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The run's folder, once opened."""
+        return self.run.dir if self.run is not None else None
+
+    def open_run(self) -> None:
+        """A new run, at the first step (a write failure is recorded and retried)."""
+        if self.jsonl is not None and self.jsonl.run is None and self.jsonl.open_new():
+            self._open_tb()
+
+    def continue_run(self, run_id: str | None, step: int | None) -> None:
+        """Continues run ``run_id`` from ``step`` instead of a new run (made when it is not
+        there: a checkpoint moved to a new log_dir); records it holds for steps after ``step``
+        become an abandoned branch (kept, marked in its meta.json: ``runs.py``). Nothing to do
+        without a log_dir, on a rank that does not write, or for a state with no run.
+        RuntimeError when another live Monitor writes it (the message names it) or this one
+        has opened its run already."""
+        if run_id is not None and self.jsonl is not None:
+            self.jsonl.open_existing(run_id, step)
+            self._open_tb()
+
+    def _open_tb(self) -> None:
+        if self.tensorboard and self.tb is None and self.log_dir is not None:
+            self.tb = TensorBoardSink(self.log_dir)
 
     def flush(self, steps: list[HostStep],
               snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
@@ -69,6 +103,8 @@ class Journal:
                 self._file(s)
                 new.extend(s.info["found"])
             events = s.info["events"]
+            if self.jsonl is not None and self.jsonl.run is None:
+                self.open_run()  # steps pending and no run yet (its opening failed)
             if s.info["dump_due"] and self.jsonl is not None and "dump" not in s.info:
                 s.info["dump"] = self._save_dump(s, s.info["found"], snapshots)
             if self.jsonl is not None:
@@ -133,13 +169,15 @@ class Journal:
 
     def _save_dump(self, s: HostStep, events: list[Event],
                    snapshots: list[list[torch.Tensor]] | None) -> str | None:
-        assert self.jsonl is not None and self.log_dir is not None
+        assert self.jsonl is not None
         params = snapshots[s.info["slot"]] if snapshots is not None else None
         try:
             prev = self.previous
             control = None if prev is None or prev.step >= s.step else {
                 "step": prev.step, "batch": map_tensors(lambda t: t.detach().cpu(),
                                                         prev.info["batch"])}
+            if self.log_dir is None:
+                raise OSError(f"no run folder under {self.jsonl.root} (it could not be made)")
             dump = write_dump(self.log_dir, s, self.names, events, params, {
                 "recent_lr": list(self.recent_lr), "optimizer": self.optimizer,
                 "control": control})
@@ -160,6 +198,8 @@ class Journal:
             if self.jsonl is not None and closed:
                 self.jsonl.queue_incidents([inc.to_json("closed") for inc in closed])
         finally:
+            if self.jsonl is not None:
+                self._closed_run = self.jsonl.run
             for sink in (self.jsonl, self.tb):
                 if sink is not None:
                     sink.close()

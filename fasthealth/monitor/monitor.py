@@ -54,6 +54,7 @@ from .record import (
 )
 from .rules import Context, Rule
 from .rules import build as build_rules
+from .runs import writer_root
 from .scans import Scans
 from .schedule import ScheduleSource, ScheduleView
 from .sinks import map_tensors
@@ -192,7 +193,9 @@ class Monitor:
                 "on_nonfinite": self.on_nonfinite, **options,
                 "max_grad_norm": self.max_grad_norm, "per_tensor_every": self.per_tensor_every,
                 "started": time.time(), "param_bytes": param_bytes}
-        self.journal = Journal(self.names, self.detectors, log_dir=self.log_dir, meta=meta,
+        root = (None if self.log_dir is None else  # under torch.distributed: one rank writes
+                writer_root(self.log_dir, self.process_group, self.options.log.all_ranks))
+        self.journal = Journal(self.names, self.detectors, log_dir=root, meta=meta,
                                tensorboard=tensorboard, dumps=dumps,
                                per_tensor_every=self.per_tensor_every,
                                on_nonfinite=self.on_nonfinite)
@@ -200,8 +203,6 @@ class Monitor:
         if jsonl is None:
             return
         atexit.register(self._close_at_exit)  # the last steps reach the log even on a crash
-        if jsonl.last_step is not None:  # a reopened log_dir: the run goes on
-            self._next_step = jsonl.last_step + 1
         if param_bytes * self.flush_every <= snapshot_max_bytes:
             self._snapshots = [[torch.empty_like(p.detach()) for _, p in self.params]
                                for _ in range(self.flush_every)]
@@ -232,6 +233,8 @@ class Monitor:
              take_step: bool) -> Observation:
         loss_d, loss_ok = loss_value(loss, self.device)  # a bad loss raises before anything
         self._stepped = True
+        if self.journal.jsonl is not None and self.journal.jsonl.run is None:
+            self.journal.open_run()  # a new run, unless _continue_run opened one
         t = self._next_step if step is None else int(step)
         self._next_step = t + 1
         if self.scaler is not None and self.optimizer is not None:
@@ -302,7 +305,7 @@ class Monitor:
         """What the flush needs of this step on the host: references to the batch (no copy,
         kept until the flush), the RNG state its forward started from, the learning rate and
         the rate the scheduler set (``schedule.py``)."""
-        keep = self.log_dir is not None
+        keep = self.journal.jsonl is not None
         info = {
             "step": t, "lr": rates[0], "lr_scheduled": rates[1],
             "slot": self.record.fill,
@@ -347,6 +350,20 @@ class Monitor:
         self.journal.alarm_listeners.append(listener)
 
     @property
+    def run_id(self) -> str | None:
+        """The run written (``run-NNN``, ``runs.py``); None before the first step, else too."""
+        return self.journal.run.id if self.journal.run is not None else None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """That run's folder (``LOG_DIR/run-NNN``); None as ``run_id``."""
+        return self.journal.log_dir
+
+    def _continue_run(self, run_id: str | None, step: int | None) -> None:
+        """``load_state_dict``'s: write on into run ``run_id`` after ``step`` (``runs.py``)."""
+        self.journal.continue_run(run_id, step)
+
+    @property
     def write_errors(self) -> list[str]:
         """What could not be written to ``log_dir`` (the first one was also warned)."""
         return list(self.journal.errors)
@@ -365,10 +382,6 @@ class Monitor:
         its windows, open incidents, step count and run (with a ``log_dir``, its records go on
         in that run). A state of another model's parameters is a ValueError."""
         state.load_state_dict(self, state_dict)
-
-    def _continue_run(self, run_id: str | None, step: int) -> None:
-        """With a log_dir: go on writing run ``run_id`` after ``step`` (runs in a log
-        directory: not built yet)."""
 
     # ---- lifecycle --------------------------------------------------------------------------
 

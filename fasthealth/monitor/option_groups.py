@@ -157,9 +157,11 @@ class LogOptions:
     """What reaches the host and the disk, and when (``journal.py``, ``sinks.py``)."""
 
     log_dir: str | os.PathLike | None = None
-    """The folder for the JSONL step log, the incidents, ``meta.json`` and the dumps (made
-    when missing; a reopened one continues the run and overwrites nothing). None: nothing is
-    written and the events stay in ``mon.events``, since where to write is the user's to say."""
+    """The folder of the runs (made when missing): each Monitor writes its run's JSONL step
+    log, incidents, ``meta.json`` and dumps into a new ``LOG_DIR/run-NNN/``, or continues the
+    run whose state it loaded (``runs.py``), and never appends to another run's files. None:
+    nothing is written and the events stay in ``mon.events``, since where to write is the
+    user's to say."""
     flush_every: int = 50
     """Steps between flushes: the device buffer comes to the host in one copy, the rules run,
     the logs are written. Events carry their own step but surface up to this many steps
@@ -170,7 +172,7 @@ class LogOptions:
     """Steps between the per-tensor norms in the JSONL log (each record has the totals, and
     a step with an event has its per-tensor norms as well): once a flush keeps the log small."""
     tensorboard: bool = False
-    """Also write the scalars to TensorBoard, under ``LOG_DIR/tensorboard``; needs ``log_dir``
+    """Also write the scalars to TensorBoard, under the run's ``tensorboard/``; needs ``log_dir``
     and the tensorboard package. Off: the JSONL log needs no other package."""
     dumps: str = "incident"
     """The steps saved for ``fh.replay``: "incident", the first alarm step of each incident;
@@ -181,6 +183,13 @@ class LogOptions:
     copies in all, which let a dump replay its step on the weights it had. Over budget, no
     copies are kept and replay runs on the weights it is given. 256 MiB, small beside a
     training run's memory, holds the 50 copies of a model of up to 1.3M float32 parameters."""
+    all_ranks: bool = False
+    """Under torch.distributed (a ``process_group``, or a default group of more than one
+    process), whether every rank writes logs. False: rank 0 alone writes the run (records and
+    dumps), since the ranks' verdicts agree (the statistics are reduced over the group) and N
+    copies of one run would only multiply the files; the other ranks keep ``mon.events``.
+    True: rank 0 writes ``LOG_DIR/run-NNN/`` and rank k its own runs under
+    ``LOG_DIR/rank-k/run-NNN/`` (its own numbering: no rank waits on another)."""
 
 
 GROUPS: dict[str, type[Any]] = {"measure": MeasureOptions, "detect": DetectOptions,

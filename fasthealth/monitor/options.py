@@ -134,7 +134,7 @@ def _check_log_options(log_dir: Any, tensorboard: Any) -> None:
         return
     if log_dir is None:
         raise ValueError("fasthealth: tensorboard=True needs log_dir= (TensorBoard's files go "
-                         "to LOG_DIR/tensorboard), got log_dir=None")
+                         "to the run's tensorboard/), got log_dir=None")
     try:  # an optional dependency, imported only when asked for
         import torch.utils.tensorboard  # noqa: F401
     except ImportError as exc:
@@ -219,6 +219,8 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
         raise ValueError("fasthealth: on_spike='skip' needs the optimizer (Monitor(model, "
                          "optimizer, on_spike='skip')): the step it skips is the optimizer's")
     _check_log_options(o["log_dir"], o["tensorboard"])
+    if not isinstance(o["all_ranks"], bool):
+        raise TypeError(f"fasthealth: all_ranks must be True or False, got {shown(o['all_ranks'])}")
     _check_distributed(o["process_group"], o["replica_group"])
     _check_parts(o["activations"], o["scaler"], o["backend"], o["detectors"], o["logits"],
                  o["attention"])

@@ -16,6 +16,7 @@ import torch
 
 from .events import Event, jsonable
 from .record import SCALARS, HostStep
+from .runs import Run, open_existing, open_new
 from .schema import cast
 
 
@@ -47,54 +48,66 @@ def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bo
 
 class JsonlSink:
     """``steps.jsonl``, ``events.jsonl`` and ``incidents.jsonl`` (a record when an incident
-    opens and when it closes) under ``log_dir``: one JSON object a line, each line
-    appended by one ``write`` (so that a killed process leaves at most one partial last line,
-    which ``fasthealth report`` skips and names), ``meta.json``, and ``dumps/`` for the dump files.
+    opens and when it closes) of one run under ``root`` (``runs.py``: ``root/run-NNN/``): one
+    JSON object a line, each carrying ``"run": <run id>`` and appended by one ``write`` (so that
+    a killed process leaves at most one partial last line, which ``fasthealth report`` skips
+    and a writer taking the run over cuts), ``meta.json``, and ``dumps/`` for the dump files.
+
+    The run is opened by ``open_new`` (a new run: the next free number) or ``open_existing``
+    (a run continued from a Monitor's state), else at the first ``drain`` with lines pending.
 
     Writing never stops training: a line that cannot be written (disk full, directory removed,
     permissions) stays pending, in order, and is retried at the next ``write``; a partial line
     is cut back off the file, so nothing is ever written twice or half. The first failure warns;
-    every failure is kept in ``errors``. A ``log_dir`` that already holds a run is continued:
-    ``last_step`` says where it ended, and ``meta.json`` records the reopening.
+    every failure is kept in ``errors``.
     """
 
     MAX_PENDING = 200_000  # lines kept while writing fails; the oldest go first past that
 
-    def __init__(self, log_dir: Path, meta: dict) -> None:
-        self.log_dir = log_dir
-        self.pending: list[tuple[str, bytes]] = []
+    def __init__(self, root: Path, meta: dict) -> None:
+        self.root = root
+        self.meta = meta
+        self.run: Run | None = None
+        self.pending: list[tuple[str, dict]] = []
         self.errors: list[str] = []
         self.dropped = 0
         self._fds: dict[str, int] = {}
-        self.last_step = last_logged_step(log_dir / "steps.jsonl")
-        self._guard(lambda: self._write_meta(meta))
 
-    def _write_meta(self, meta: dict) -> None:
-        self._mkdirs()
-        path = self.log_dir / "meta.json"
-        old = _read_meta(path) if path.exists() else None
-        if old is not None:  # a reopened run: keep the first meta, note this reopening
-            old.setdefault("reopened", []).append(
-                {"started": meta.get("started"), "after_step": self.last_step})
-            meta = old
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(jsonable(meta), indent=1))
-        os.replace(tmp, path)
+    @property
+    def log_dir(self) -> Path | None:
+        """The run's folder (None until it is opened)."""
+        return self.run.dir if self.run is not None else None
+
+    def open_new(self) -> bool:
+        """Opens a new run (once); False (recorded, retried at the next drain) when it cannot."""
+        if self.run is not None:
+            return True
+        return self._guard(self._open_new)
+
+    def _open_new(self) -> None:
+        self.run = open_new(self.root, jsonable(self.meta))
+
+    def open_existing(self, run_id: str, step: int | None) -> None:
+        """Continues run ``run_id`` from ``step`` (``runs.open_existing``); raises RuntimeError
+        when another writer holds it, OSError when it cannot be written."""
+        if self.run is not None:
+            raise RuntimeError(f"fasthealth: this Monitor already writes run {self.run.id}; "
+                               "a run can be continued only before the first step")
+        self.run = open_existing(self.root, run_id, step, jsonable(self.meta), _read_meta)
 
     def _mkdirs(self) -> None:
-        (self.log_dir / "dumps").mkdir(parents=True, exist_ok=True)
+        if self.run is not None:  # made again when the folder was removed under it
+            (self.run.dir / "dumps").mkdir(parents=True, exist_ok=True)
 
     def queue(self, step: dict, events: list[Event]) -> None:
         """Adds one step's line and its events' lines, to be written by ``drain``."""
-        self.pending.append(("steps.jsonl", (json.dumps(step) + "\n").encode()))
-        self.pending += [("events.jsonl", (json.dumps(e.to_json()) + "\n").encode())
-                         for e in events]
+        self.pending.append(("steps.jsonl", step))
+        self.pending += [("events.jsonl", e.to_json()) for e in events]
         self._bound()
 
     def queue_incidents(self, records: list[dict]) -> None:
         """Adds incident records (opened, closed) to ``incidents.jsonl``."""
-        self.pending += [("incidents.jsonl", (json.dumps(jsonable(r)) + "\n").encode())
-                         for r in records]
+        self.pending += [("incidents.jsonl", jsonable(r)) for r in records]
         self._bound()
 
     def _bound(self) -> None:
@@ -107,9 +120,15 @@ class JsonlSink:
         return self._guard(self._drain)
 
     def _drain(self) -> None:
+        if not self.pending:
+            return
+        if self.run is None:
+            self._open_new()
         self._mkdirs()
+        assert self.run is not None
         while self.pending:
-            name, line = self.pending[0]
+            name, rec = self.pending[0]
+            line = (json.dumps({**rec, "run": self.run.id}) + "\n").encode()
             fd = self._fd(name)
             end = os.lseek(fd, 0, os.SEEK_END)
             try:
@@ -123,7 +142,8 @@ class JsonlSink:
 
     def _fd(self, name: str) -> int:
         """The file's descriptor, opened again when the file was removed under it."""
-        path = self.log_dir / name
+        assert self.run is not None
+        path = self.run.dir / name
         fd = self._fds.get(name)
         if fd is not None and not path.exists():
             os.close(fd)
@@ -145,15 +165,19 @@ class JsonlSink:
         self.errors.append(f"{type(exc).__name__}: {exc}")
         if len(self.errors) == 1:
             warnings.warn(
-                f"fasthealth: cannot write to {self.log_dir} ({exc}); training goes on, "
-                "events stay in Monitor.events, and the logs are written when it can "
+                f"fasthealth: cannot write to {self.log_dir or self.root} ({exc}); training "
+                "goes on, events stay in Monitor.events, and the logs are written when it can "
                 "(Monitor.write_errors lists the failures)", RuntimeWarning, stacklevel=4)
 
     def close(self) -> None:
-        self.drain()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        try:
+            self.drain()
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+            if self.run is not None:
+                self.run.lock.release()
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -173,23 +197,6 @@ def _read_meta(path: Path) -> dict | None:
     os.replace(path, aside)
     warnings.warn(f"fasthealth: {path} could not be read ({why}); moved to {aside.name}, and "
                   "a new meta.json written", RuntimeWarning, stacklevel=5)
-    return None
-
-
-def last_logged_step(path: Path) -> int | None:
-    """The step of the last whole line of a steps.jsonl, None when there is none."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().split(b"\n")
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            continue
     return None
 
 

@@ -1,8 +1,18 @@
 """`fasthealth report LOG_DIR`: plots and a summary from a Monitor's log directory.
 
-Reads ``steps.jsonl`` / ``events.jsonl`` / ``incidents.jsonl`` / ``meta.json`` and writes
-``report.html`` (the plots embedded, plus the incident and event tables) and ``report.png`` (the
-same plots as one image) into the log directory, and prints a short text summary: the run, its
+A log directory holds runs (``LOG_DIR/run-NNN/``, one per Monitor that did not continue a run):
+the report is of the latest (the one started or resumed last), ``--run ID`` picks another, and
+the summary lists the others (id, steps, start, incidents). A directory in the layout from before
+runs (``steps.jsonl`` directly in LOG_DIR), or a run's own directory, is reported as one run.
+Under torch.distributed with ``all_ranks=True``, rank k's runs are in ``LOG_DIR/rank-k/``: give
+that folder to report them.
+Records of an abandoned branch (written before a resume from an earlier step, for the steps after
+it) are left out of the summary and the plots, and the summary says how many.
+
+Reads the run's ``steps.jsonl`` / ``events.jsonl`` / ``incidents.jsonl`` / ``meta.json`` and
+writes ``report.html`` (the plots embedded, plus the incident and event tables) and
+``report.png`` (the same plots as one image) into the run's directory (or ``--out``), and prints
+a short text summary: the run, its
 incidents (one per fault: span, severity, cause, kinds, events, dump), then its events, alarms
 and notices counted apart.
 
@@ -30,7 +40,8 @@ import argparse
 import sys
 
 from .html import write_report
-from .read import LogError, read_log
+from .read import LogError
+from .runs import read_run
 from .summary import summary
 
 
@@ -47,24 +58,29 @@ def _nothing_read(log_dir: str, exc: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fasthealth report", description=__doc__)
     ap.add_argument("log_dir", help="a Monitor's log_dir")
-    ap.add_argument("--out", help="where to write report.html/png (default: LOG_DIR)")
+    ap.add_argument("--out", help="where to write report.html/png (default: the run's "
+                    "directory)")
+    ap.add_argument("--run", metavar="ID", help="the run to report (run-NNN, or NNN; default: "
+                    "the latest)")
     args = ap.parse_args(argv)
     try:
-        log = read_log(args.log_dir)
+        chosen, log = read_run(args.log_dir, args.run)
     except (OSError, LogError) as exc:
         return _nothing_read(args.log_dir, exc)
+    run_dir = str(chosen.dir)
     if log.problems.skipped or log.problems.marked:
-        print(log.problems.text(args.log_dir), file=sys.stderr)
+        print(log.problems.text(run_dir), file=sys.stderr)
     try:  # an optional dependency: without it, the text summary only
         import matplotlib  # noqa: F401
     except ImportError:
-        print(summary(log.meta, log.steps, log.events, log.incidents, args.log_dir))
+        print("\n".join([*log.header, summary(log.meta, log.steps, log.events, log.incidents,
+                                              run_dir), *log.footer]))
         print("fasthealth report: the plots and report.html need matplotlib: "
               "pip install 'fasthealth[report]' (or: pip install matplotlib)", file=sys.stderr)
         return 1
-    out = args.out if args.out is not None else args.log_dir
+    out = args.out if args.out is not None else run_dir
     try:
-        path, text = write_report(args.log_dir, log, out=out)
+        path, text = write_report(run_dir, log, out=out)
     except OSError as exc:
         print(f"fasthealth report: cannot write the report to {out}: {exc}", file=sys.stderr)
         return 1

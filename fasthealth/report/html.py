@@ -19,7 +19,8 @@ from pathlib import Path
 from ..monitor import kinds
 from ..monitor.kinds import ALARM
 from .plots import LABEL_COLORS, figure
-from .read import Log, read_log
+from .read import Log
+from .runs import mark_figure, read_run
 from .summary import replay_line, summary, with_counts
 
 HTML_MARK = "<!-- written by fasthealth report: a later report may replace this file -->"
@@ -28,14 +29,15 @@ PNG_MARK = f"{PNG_KEY}\0{PNG_TEXT}".encode("latin-1")  # that chunk's data, as s
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def write(log_dir: str | Path, out: str | Path | None = None) -> tuple[Path, str]:
-    """Reads ``log_dir`` (``read_log``: problems warned) and writes report.html and report.png
-    into ``out`` (default: ``log_dir``; see ``report_paths``); returns the page's path and the
-    text summary."""
-    log = read_log(log_dir)
+def write(log_dir: str | Path, out: str | Path | None = None, run: str | None = None
+          ) -> tuple[Path, str]:
+    """Reads a run of ``log_dir`` (``runs.read_run``: the latest, or ``run``; problems warned)
+    and writes report.html and report.png into ``out`` (default: the run's directory; see
+    ``report_paths``); returns the page's path and the text summary."""
+    chosen, log = read_run(log_dir, run)
     if log.problems.skipped or log.problems.marked:
-        warnings.warn(log.problems.text(log_dir), RuntimeWarning, stacklevel=2)
-    return write_report(log_dir, log, out=out)
+        warnings.warn(log.problems.text(chosen.dir), RuntimeWarning, stacklevel=2)
+    return write_report(chosen.dir, log, out=out)
 
 
 def _is_our_page(path: Path) -> bool:
@@ -119,11 +121,13 @@ def write_report(log_dir: str | Path, log: Log, out: str | Path | None = None
     """``write`` for a log already read: the page and the image into ``out`` (default:
     ``log_dir``) under the names ``report_paths`` gives; returns the page's path and the text
     summary."""
-    text = summary(log.meta, log.steps, log.events, log.incidents, log_dir)
+    text = "\n".join([*log.header, summary(log.meta, log.steps, log.events, log.incidents,
+                                           log_dir), *log.footer])
     out = Path(out) if out is not None else Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)
     page_path, png_path = report_paths(out)
     fig = figure(log.meta, log.steps, log.events, log.incidents)
+    mark_figure(fig, log.meta)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, metadata={PNG_KEY: PNG_TEXT})
     import matplotlib.pyplot as plt  # optional, as in plots.py; figure() imported it already

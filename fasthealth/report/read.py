@@ -283,15 +283,18 @@ def _read_meta(path: Path, problems: Problems) -> dict:
     return meta
 
 
-def _records(path: Path, problems: Problems) -> list[tuple[tuple[str, int], dict]]:
-    """((file name, line number), record) of every JSON object in ``path``; its unreadable
-    lines go to ``problems``. Raises LogError when the file cannot be read at all."""
+def _records(path: Path, problems: Problems, skip: dict[str, set[int]] | None = None
+             ) -> list[tuple[tuple[str, int], dict]]:
+    """((file name, line number), record) of every JSON object in ``path`` but the lines
+    ``skip`` names for it (an abandoned branch); its unreadable lines go to ``problems``.
+    Raises LogError when the file cannot be read at all."""
     try:
         records, bad = read_jsonl(path)
     except OSError as exc:
         raise LogError(f"fasthealth report: cannot read {path}: {exc.strerror or exc}") from exc
-    problems.skipped += [(path.name, n, why) for n, why in bad]
-    return [((path.name, n), rec) for n, rec in records]
+    gone = (skip or {}).get(path.name, set())
+    problems.skipped += [(path.name, n, why) for n, why in bad if n not in gone]
+    return [((path.name, n), rec) for n, rec in records if n not in gone]
 
 
 @dataclass
@@ -305,13 +308,16 @@ class Log:
     events: list[dict]
     incidents: list[dict] | None
     problems: Problems
+    header: list[str] = field(default_factory=list)  # lines before the summary, after it:
+    footer: list[str] = field(default_factory=list)  # the run, the others (report/runs.py)
 
 
-def read_log(log_dir: str | Path) -> Log:
+def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Log:
     """meta.json, steps.jsonl, events.jsonl and incidents.jsonl of a Monitor's log_dir, every
     value checked, and what was wrong (``Problems``). Raises FileNotFoundError (no such
     directory, no steps.jsonl), NotADirectoryError, or LogError (steps.jsonl unreadable, empty,
-    or without a single readable step): there is nothing to report."""
+    or without a single readable step): there is nothing to report. ``skip``: line numbers
+    by file left out (a run's abandoned branch, ``report/runs.py``)."""
     d = Path(log_dir)
     if not d.exists():
         raise FileNotFoundError(f"fasthealth report: {d} not found (no such directory)")
@@ -325,7 +331,7 @@ def read_log(log_dir: str | Path) -> Log:
                                 "events.jsonl and meta.json there)")
     problems = Problems()
     meta = _read_meta(d / "meta.json", problems)
-    raw = _records(steps_path, problems)
+    raw = _records(steps_path, problems, skip)
     steps = [r for r in (_clean_step(w, rec, problems) for w, rec in raw) if r is not None]
     if not steps:
         if not raw and not any(f == steps_path.name for f, _, _ in problems.skipped):
@@ -334,12 +340,12 @@ def read_log(log_dir: str | Path) -> Log:
                        + problems.text(d))
     events_path = d / "events.jsonl"
     events = [] if not events_path.exists() else [
-        _clean_event(w, rec, problems) for w, rec in _records(events_path, problems)]
+        _clean_event(w, rec, problems) for w, rec in _records(events_path, problems, skip)]
     incidents = None
     inc_path = d / "incidents.jsonl"
     if inc_path.exists():
         try:
-            raw_inc = _records(inc_path, problems)
+            raw_inc = _records(inc_path, problems, skip)
         except LogError as exc:
             problems.skipped.append((inc_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
                                      "no incidents shown"))
