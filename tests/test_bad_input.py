@@ -64,13 +64,13 @@ def test_non_scalar_loss_every_element_is_checked(fused, bad):
 
 def test_non_scalar_loss_records_the_float64_mean():
     m = make_model()
-    mon = fh.Monitor(m, None)
+    mon = fh.Monitor(m, None)  # measures only: check, not step (nothing to step)
     per = per_sample_loss(m)
-    obs = mon.step(per)
+    obs = mon.check(per)
     assert obs.loss.dtype == torch.float64 and obs.loss.shape == ()
     assert obs.loss.item() == pytest.approx(per.detach().double().mean().item(), rel=1e-12)
     assert not bool(obs.skip)
-    obs = mon.step(per.detach().reshape(2, 4))  # any shape
+    obs = mon.check(per.detach().reshape(2, 4))  # any shape
     assert obs.loss.item() == pytest.approx(per.detach().double().mean().item(), rel=1e-12)
 
 
@@ -274,6 +274,53 @@ def test_unreadable_meta_json_of_a_reopened_log_dir_is_moved_aside(tmp_path):
     assert (tmp_path / "meta.json.unreadable").read_bytes() == b"\x00\xff not json"
     assert json.loads((tmp_path / "meta.json").read_text())["names"]
     mon.close()
+
+
+# ---- misuse of the Monitor -----------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda m: fh.Monitor(m), lambda m: fh.Monitor(m, None)],
+                         ids=["Monitor(model)", "Monitor(model, None)"])
+def test_step_without_an_optimizer_is_refused_and_names_the_way_out(make):
+    """No optimizer: nothing to step, the model would silently never train. mon.step raises
+    before it records anything; mon.check (the trainer steps) measures as before."""
+    m = make_model()
+    mon = make(m)
+    per_sample_loss(m)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError) as info:
+        mon.step(torch.tensor(1.0))
+    msg = str(info.value)
+    assert msg.startswith("fasthealth: mon.step() on a Monitor made without an optimizer: "
+                          "there is nothing to step"), msg
+    assert "Pass the optimizer (fh.Monitor(model, optimizer))" in msg
+    assert "call mon.check(loss) where the trainer steps the optimizer itself" in msg
+    assert mon.steps_seen == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    obs = mon.check(per_sample_loss(m) * NAN)
+    assert obs.step == 0 and bool(obs.skip)
+    mon.close()
+    assert [(e.step, e.kind) for e in mon.events][:1] == [(0, "nonfinite_loss")]
+
+
+@pytest.mark.parametrize("call", ["step", "check", "flush"])
+def test_a_closed_monitor_refuses_step_check_and_flush(call, tmp_path):
+    m = make_model()
+    mon = fh.Monitor(m, _sgd(m), log_dir=tmp_path, flush_every=4)
+    per_sample_loss(m)
+    mon.step(per_sample_loss(m))
+    mon.close()
+    rd = getattr(mon, "run_dir", None) or tmp_path
+    logged = (rd / "steps.jsonl").read_bytes()
+    args = () if call == "flush" else (per_sample_loss(m),)
+    with pytest.raises(RuntimeError, match=rf"^fasthealth: mon.{call}\(\) after mon.close\(\): "
+                                           "this Monitor is closed"):
+        getattr(mon, call)(*args)
+    mon.close()  # twice: harmless, as is the exit of a with block after an explicit close
+    with mon:
+        pass
+    if hasattr(mon, "state_dict"):  # the last state and verdict stay readable after close
+        assert mon.state_dict()["run"]["step"] == 0
+        assert mon.safe_to_save()
+    assert (rd / "steps.jsonl").read_bytes() == logged and mon.steps_seen == 1
 
 
 # ---- fasthealth report ---------------------------------------------------------------------
