@@ -9,8 +9,12 @@ incident of its own.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TypedDict
@@ -175,21 +179,23 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
     mon = Monitor(model, opt, log_dir=log_dir, flush_every=25, warmup_steps=30,
                   max_grad_norm=5.0, scaler=scaler, per_tensor_every=5, optimizer_check_every=10)
     bar = _progress(steps, progress)
-    for step in range(steps):
-        batch = _plant(step, make_batch(g), model, opt, g)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        scaler.scale(loss).backward()
-        if step == 120:  # a bit flip in one gradient, not in the data
-            grad = _mlp_linear(model, 0, 2).weight.grad
-            assert grad is not None  # after backward
-            grad[1, 2] = float("nan")
-        mon.step(loss, batch=batch, sample_ids=torch.arange(32) + 32 * step)
+    try:  # closed also on Ctrl-C: its last flush is written now, not at exit into a removed dir
+        for step in range(steps):
+            batch = _plant(step, make_batch(g), model, opt, g)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch)
+            scaler.scale(loss).backward()
+            if step == 120:  # a bit flip in one gradient, not in the data
+                grad = _mlp_linear(model, 0, 2).weight.grad
+                assert grad is not None  # after backward
+                grad[1, 2] = float("nan")
+            mon.step(loss, batch=batch, sample_ids=torch.arange(32) + 32 * step)
+            if bar is not None:
+                bar.update()
+    finally:
+        mon.close()
         if bar is not None:
-            bar.update()
-    mon.close()
-    if bar is not None:
-        bar.close()
+            bar.close()
     return model, mon
 
 
@@ -252,16 +258,58 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
     return all_ok and not stray and params_ok
 
 
+REPORT_NEEDS = ("fasthealth demo: the report needs matplotlib: pip install 'fasthealth[report]' "
+                "(or: pip install matplotlib); --no-report runs the demo with its text only")
+
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _interrupted(signum, frame):  # SIGTERM as an exception: the finally below still cleans
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fasthealth demo", description=__doc__)
-    ap.add_argument("--log-dir", help="where the monitor writes (default: a new temp folder)")
+    ap.add_argument("--log-dir", help="where the monitor writes, kept (default: a temp folder, "
+                    "removed at the end)")
+    ap.add_argument("--out", help="where report.html and report.png go (default: LOG_DIR, or "
+                    "./fasthealth-demo without --log-dir)")
     ap.add_argument("--no-report", action="store_true", help="skip the HTML report")
     args = ap.parse_args(argv)
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="fasthealth-demo-"))
-    ok = run(log_dir)
     if not args.no_report:
-        path, text = write_report(log_dir)
-        print("\n" + text)
-        print(f"report: {path}")
+        try:  # an optional dependency: said before 40 s of training, not after
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(REPORT_NEEDS, file=sys.stderr)
+            return 2
+    # the demo's own temp folder, removed at the end however the run ends (a failure, Ctrl-C,
+    # SIGTERM): the logs and dumps without --log-dir, and the inductor cache folder that torch's
+    # fused CPU optimizer would otherwise leave in the temp directory
+    scratch = Path(tempfile.mkdtemp(prefix="fasthealth-demo-"))
+    env = os.environ.get(INDUCTOR_CACHE)
+    os.environ[INDUCTOR_CACHE] = env if env is not None else str(scratch / "inductor")
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
+    try:
+        log_dir = Path(args.log_dir) if args.log_dir else scratch / "logs"
+        ok = run(log_dir)
+        if not args.no_report:
+            out = args.out or (log_dir if args.log_dir else "fasthealth-demo")
+            path, text = write_report(log_dir, out=out)
+            print("\n" + text)
+            print(f"report: {path}" + ("" if args.log_dir else
+                                       " (the logs and dumps, in a temp folder, are removed: "
+                                       "--log-dir DIR keeps them)"))
+    except KeyboardInterrupt:
+        print("\nfasthealth demo: interrupted" + ("" if args.log_dir else
+                                                 "; its temp folder is removed"), file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
+        if env is None:
+            del os.environ[INDUCTOR_CACHE]
+        shutil.rmtree(scratch, ignore_errors=True)
     print("\ndemo: every planted fault was caught" if ok else "\ndemo: SOME FAULTS WERE MISSED")
     return 0 if ok else 1
