@@ -323,6 +323,29 @@ def test_a_closed_monitor_refuses_step_check_and_flush(call, tmp_path):
     assert (rd / "steps.jsonl").read_bytes() == logged and mon.steps_seen == 1
 
 
+def test_a_forgotten_backward_under_a_grad_scaler_is_no_grad_not_a_crash():
+    """No gradient at all under a GradScaler: scaler.step would raise ("No inf checks were
+    recorded"); mon.step steps nothing, keeps the scale, and the no_grad alarm comes."""
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    mon = fh.Monitor(m, opt, scaler=scaler, flush_every=5, warmup_steps=2)
+    x = torch.randn(8, 4)
+    for t in range(12):
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).pow(2).mean()
+        if t not in (5, 6):  # backward forgotten twice
+            scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        mon.step(loss)
+        if t in (5, 6):
+            assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+            assert scaler.get_scale() == 2.0**10
+    mon.close()
+    assert [(e.step, e.kind) for e in mon.events] == [(6, "no_grad")]
+    assert not any(p.isnan().any() for p in m.parameters())
+
+
 # ---- fasthealth report ---------------------------------------------------------------------
 
 def run_cli(*args):
