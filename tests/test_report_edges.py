@@ -181,3 +181,28 @@ def test_a_read_only_log_dir_prints_the_summary_and_names_out(log, tmp_path):
                           "--out", str(tmp_path / "elsewhere")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert html._is_our_page(tmp_path / "elsewhere" / "report.html")
+
+
+def test_a_tensor_without_a_gradient_is_gray_in_the_heatmap_not_red(tmp_path):
+    """A real Monitor's log with a forgotten backward at steps 10 and 11 (every .grad None,
+    logged as null norms) and a NaN gradient at step 20: only the NaN is red (bad); the steps
+    without gradients are drawn as missing."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x = torch.randn(32, 4)
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5, per_tensor_every=5) as mon:
+        for step in range(30):
+            opt.zero_grad(set_to_none=True)
+            loss = ((m(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            if step not in (10, 11):
+                loss.backward()
+            if step == 20:
+                m.weight.grad[0, 1] = float("nan")
+            mon.step(loss)
+    assert [(e.step, e.kind) for e in mon.events][:2] == [(11, "no_grad"), (20, "nonfinite_grad")]
+    log = report.read_log(getattr(mon, "run_dir", None) or tmp_path)
+    h = report.heatmap_data(log.meta, log.steps, log.events)
+    col = {s: k for k, s in enumerate(h.steps)}
+    assert not h.bad[:, col[10]].any() and not h.bad[:, col[11]].any()
+    assert h.bad[:, col[20]].any()
