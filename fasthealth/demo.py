@@ -52,8 +52,8 @@ SCHEDULE: list[_Fault] = [
            expect=[("repeated_batch", 142, 143)], cause="batch"),
     _Fault(at=160, fault="a garbage batch: random labels, weight x25",
            expect=[("loss_spike", 160, 160), ("grad_norm_spike", 160, 160)], replay="reproduces"),
-    _Fault(at=176, fault="a loss scale reset to 2**10 after every step while the gradients "
-           "overflow float16 (Inf after backward, the loss finite) for 20 steps",
+    _Fault(at=176, fault="a loss scale set back after every step while the gradients overflow "
+           "float16 (Inf after backward, the loss finite) for 20 steps",
            expect=[("overflow_streak", 195, 195)], cause="numeric_range"),
     _Fault(at=200, fault="optimizer state corruption: Inf written into Adam's exp_avg_sq",
            expect=[("optimizer_state_nonfinite", 200, 200)]),
@@ -207,6 +207,7 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
                   rules={"weight_corruption": {"every": 5}})
     bar = _progress(steps, progress)
     stuck: tuple = ()
+    forced = 0.0  # the loss scale that code sets back at 176..195
     try:  # closed also on Ctrl-C: its last flush is written now, not at exit into a removed dir
         for step in range(steps):
             batch = _plant(step, make_batch(g), model, opt, g)
@@ -223,13 +224,15 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
                 grad = _mlp_linear(model, 0, 2).weight.grad
                 assert grad is not None  # after backward
                 grad[1, 2] = float("nan")
+            if step == 176:
+                forced = scaler.get_scale()
             if 176 <= step < 196:  # float16's overflow, as the scaled gradient would make it
                 grad = _mlp_linear(model, 1, 2).weight.grad
                 assert grad is not None
                 grad[0, 0] = float("inf")
             mon.step(loss, batch=batch, sample_ids=ids)
-            if 176 <= step < 196:  # code that resets the scale: it cannot back off
-                scaler.update(2.0**10)
+            if 176 <= step < 196:  # code that sets the scale back: it cannot back off
+                scaler.update(forced)
             if bar is not None:
                 bar.update()
     finally:
