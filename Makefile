@@ -55,8 +55,10 @@ test: build
 test-fast: build
 	OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q -x -m "$(FAST)" --durations=10 tests
 
+# The results go to build/bench-results/ (git ignores it); `make bench RECORD=1` writes them
+# into bench/results/, the tracked figures the docs cite.
 bench: build
-	$(PY) bench/harness.py --out bench/results
+	$(PY) bench/harness.py $(if $(RECORD),--record)
 
 # A small GPT-like run with planted faults: every detector fires, a report is written (into
 # build/, which git ignores).

@@ -22,7 +22,8 @@ read limit: where that is under the goal, memory bounds it, not the kernel.
 
 Method: every provider runs once per round, rounds interleave providers (in a rotating order)
 so machine noise hits all alike; a warm-up round first; the median over rounds is reported,
-with GB/s of gradient bytes read. Results go to JSON and a PNG plot.
+with GB/s of gradient bytes read. Results go to JSON and a PNG plot, in build/bench-results/
+(git ignores it) unless ``--record`` puts them into bench/results/, the figures the docs cite.
 """
 
 from __future__ import annotations
@@ -482,15 +483,26 @@ def plot_roofline(roof: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+# Where results go: a run's own into the checkout's build/ (git ignores it), the ones the docs
+# cite into bench/results only when asked (--record, `make bench RECORD=1`)
+ROOT = Path(__file__).resolve().parents[1]
+SCRATCH, RECORDED = ROOT / "build" / "bench-results", ROOT / "bench" / "results"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fasthealth bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results", help="folder for cpu.json and cpu.png")
+    ap.add_argument("--out", help=f"folder for cpu.json and the plots (default: {SCRATCH}, "
+                    "which git ignores)")
+    ap.add_argument("--record", action="store_true",
+                    help=f"write them into {RECORDED}, the measurements the docs cite (tracked)")
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case")
     ap.add_argument("--slow-rounds", type=int, default=5, help="rounds for naive_full")
     ap.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
     ap.add_argument("--case", action="append", help="only these cases (e.g. gpt2-small:bfloat16)")
     args = ap.parse_args(argv)
+    if args.record and args.out is not None:
+        ap.error("--record writes into bench/results; give --out or --record, not both")
     info = machine()
     print(f"fasthealth CPU benchmark on {info['cpu']} ({info['cores']} cores, "
           f"{info['torch_threads']} torch threads, load average "
@@ -512,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     for g in goals(rows):
         why = f"  ({g['bound']})" if "bound" in g else ""
         print(f"goal: {g['goal']:<52} {g['value']:>7} {'met' if g['met'] else 'NOT MET'}{why}")
-    out = Path(args.out)
+    out = RECORDED if args.record else Path(args.out) if args.out is not None else SCRATCH
     out.mkdir(parents=True, exist_ok=True)
     stem = "cpu-quick" if args.quick else "cpu"
     (out / f"{stem}.json").write_text(json.dumps({"machine": info, "rows": rows,

@@ -9,8 +9,12 @@ incident of its own.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TypedDict
@@ -33,18 +37,29 @@ class _FaultKeys(TypedDict):
 
 class _Fault(_FaultKeys, total=False):
     replay: str  # "reproduces" or "transient": what replay says of the step's dump
+    cause: str  # the likely cause its incident must name (kinds.CAUSES)
 
 
 # step -> what is planted there; "expect" lists (kind, first step it may fire, last step)
 SCHEDULE: list[_Fault] = [
     _Fault(at=80, fault="a corrupt record: one sample's loss weight is NaN",
            expect=[("nonfinite_loss", 80, 80), ("nonfinite_grad", 80, 80)], replay="reproduces"),
+    _Fault(at=100, fault="a forgotten backward: the loss computed, backward not called, twice",
+           expect=[("no_grad", 101, 101)], cause="outside"),
     _Fault(at=120, fault="a transient bit flip: one gradient value set to NaN after backward",
            expect=[("nonfinite_grad", 120, 120)], replay="transient"),
+    _Fault(at=140, fault="a stuck loader: step 140's batch fed again at steps 141 to 143",
+           expect=[("repeated_batch", 142, 143)], cause="batch"),
     _Fault(at=160, fault="a garbage batch: random labels, weight x25",
            expect=[("loss_spike", 160, 160), ("grad_norm_spike", 160, 160)], replay="reproduces"),
+    _Fault(at=176, fault="a loss scale set back after every step while the gradients overflow "
+           "float16 (Inf after backward, the loss finite) for 20 steps",
+           expect=[("overflow_streak", 195, 195)], cause="numeric_range"),
     _Fault(at=200, fault="optimizer state corruption: Inf written into Adam's exp_avg_sq",
            expect=[("optimizer_state_nonfinite", 200, 200)]),
+    _Fault(at=212, fault="a stray write into a weight: one element of block 0's attention key "
+           "bias set to 2000x its tensor's largest (the loss cannot show it: softmax ignores a "
+           "key bias)", expect=[("weight_corruption", 212, 217)], cause="weights"),
     _Fault(at=230, fault="alternating easy/hard batches (loss weight 4 and 0.25) for 40 steps",
            expect=[("oscillation", 230, 270)]),
     _Fault(at=290, fault="loss weight 0 for 15 steps: gradients vanish",
@@ -131,6 +146,12 @@ def _mlp_linear(model: TinyGPT, block: int, layer: int) -> torch.nn.Linear:
     return linear
 
 
+def _attention(model: TinyGPT, block: int) -> torch.nn.MultiheadAttention:
+    b = model.blocks[block]
+    assert isinstance(b, Block)
+    return b.attn
+
+
 def _plant(step: int, batch: tuple, model: TinyGPT, opt: torch.optim.Optimizer,
            g: torch.Generator) -> tuple:
     """The faults of SCHEDULE that act before the forward pass; returns the (changed) batch."""
@@ -140,6 +161,13 @@ def _plant(step: int, batch: tuple, model: TinyGPT, opt: torch.optim.Optimizer,
     if step == 160:
         targets = torch.randint(0, VOCAB, targets.shape, generator=g)
         weight = weight * 25
+    if step == 212:  # q . b_k is the same for every key: the attention does not change
+        bias = _attention(model, 0).in_proj_bias
+        assert bias is not None
+        with torch.no_grad():
+            d = bias.numel() // 3
+            scale = max(float(p.detach().abs().max()) for p in model.parameters())
+            bias[d + 5] = 2e3 * max(float(bias.detach().abs().max()), 0.01 * scale)
     if step == 200:
         p = _mlp_linear(model, 1, 0).weight
         opt.state[p]["exp_avg_sq"][3, 7] = float("inf")
@@ -172,24 +200,45 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10_000)
+    # the weights scanned every 5 steps (by default once per flush): the stray write at 212
+    # is found before the next fault
     mon = Monitor(model, opt, log_dir=log_dir, flush_every=25, warmup_steps=30,
-                  max_grad_norm=5.0, scaler=scaler, per_tensor_every=5, optimizer_check_every=10)
+                  max_grad_norm=5.0, scaler=scaler, per_tensor_every=5, optimizer_check_every=10,
+                  rules={"weight_corruption": {"every": 5}})
     bar = _progress(steps, progress)
-    for step in range(steps):
-        batch = _plant(step, make_batch(g), model, opt, g)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        scaler.scale(loss).backward()
-        if step == 120:  # a bit flip in one gradient, not in the data
-            grad = _mlp_linear(model, 0, 2).weight.grad
-            assert grad is not None  # after backward
-            grad[1, 2] = float("nan")
-        mon.step(loss, batch=batch, sample_ids=torch.arange(32) + 32 * step)
+    stuck: tuple = ()
+    forced = 0.0  # the loss scale that code sets back at 176..195
+    try:  # closed also on Ctrl-C: its last flush is written now, not at exit into a removed dir
+        for step in range(steps):
+            batch = _plant(step, make_batch(g), model, opt, g)
+            ids = torch.arange(32) + 32 * step
+            if step == 140:
+                stuck = (batch, ids)
+            if 141 <= step <= 143:  # the loader stuck on step 140's batch
+                batch, ids = stuck
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch)
+            if step not in (100, 101):  # backward forgotten at 100 and 101
+                scaler.scale(loss).backward()
+            if step == 120:  # a bit flip in one gradient, not in the data
+                grad = _mlp_linear(model, 0, 2).weight.grad
+                assert grad is not None  # after backward
+                grad[1, 2] = float("nan")
+            if step == 176:
+                forced = scaler.get_scale()
+            if 176 <= step < 196:  # float16's overflow, as the scaled gradient would make it
+                grad = _mlp_linear(model, 1, 2).weight.grad
+                assert grad is not None
+                grad[0, 0] = float("inf")
+            mon.step(loss, batch=batch, sample_ids=ids)
+            if 176 <= step < 196:  # code that sets the scale back: it cannot back off
+                scaler.update(forced)
+            if bar is not None:
+                bar.update()
+    finally:
+        mon.close()
         if bar is not None:
-            bar.update()
-    mon.close()
-    if bar is not None:
-        bar.close()
+            bar.close()
     return model, mon
 
 
@@ -209,6 +258,12 @@ def _check_schedule(model: TinyGPT, mon: Monitor, out) -> bool:
                      None)
         incident = None if first is None else first.incident
         shown = "" if incident is None else f"; incident #{incident}"
+        if "cause" in item:  # the likely cause its incident names
+            got_cause = None if incident is None else mon.incidents[incident].cause
+            ok &= got_cause == item["cause"]
+            all_ok &= ok
+            shown += f", cause {got_cause}" + ("" if got_cause == item["cause"] else
+                                                f" (NOT {item['cause']})")
         print(f"  [{'ok' if ok else 'MISSED'}] step {item['at']}: {item['fault']}\n"
               f"         -> {got}{shown}", file=out)
         incidents.append(incident)
@@ -252,16 +307,58 @@ def run(log_dir: Path, steps: int = STEPS, progress: bool = True, out=sys.stdout
     return all_ok and not stray and params_ok
 
 
+REPORT_NEEDS = ("fasthealth demo: the report needs matplotlib: pip install 'fasthealth[report]' "
+                "(or: pip install matplotlib); --no-report runs the demo with its text only")
+
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _interrupted(signum, frame):  # SIGTERM as an exception: the finally below still cleans
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fasthealth demo", description=__doc__)
-    ap.add_argument("--log-dir", help="where the monitor writes (default: a new temp folder)")
+    ap.add_argument("--log-dir", help="where the monitor writes, kept (default: a temp folder, "
+                    "removed at the end)")
+    ap.add_argument("--out", help="where report.html and report.png go (default: LOG_DIR, or "
+                    "./fasthealth-demo without --log-dir)")
     ap.add_argument("--no-report", action="store_true", help="skip the HTML report")
     args = ap.parse_args(argv)
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="fasthealth-demo-"))
-    ok = run(log_dir)
     if not args.no_report:
-        path, text = write_report(log_dir)
-        print("\n" + text)
-        print(f"report: {path}")
+        try:  # an optional dependency: said before 40 s of training, not after
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(REPORT_NEEDS, file=sys.stderr)
+            return 2
+    # the demo's own temp folder, removed at the end however the run ends (a failure, Ctrl-C,
+    # SIGTERM): the logs and dumps without --log-dir, and the inductor cache folder that torch's
+    # fused CPU optimizer would otherwise leave in the temp directory
+    scratch = Path(tempfile.mkdtemp(prefix="fasthealth-demo-"))
+    env = os.environ.get(INDUCTOR_CACHE)
+    os.environ[INDUCTOR_CACHE] = env if env is not None else str(scratch / "inductor")
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _interrupted) if main_thread else None
+    try:
+        log_dir = Path(args.log_dir) if args.log_dir else scratch / "logs"
+        ok = run(log_dir)
+        if not args.no_report:
+            out = args.out or (log_dir if args.log_dir else "fasthealth-demo")
+            path, text = write_report(log_dir, out=out)
+            print("\n" + text)
+            print(f"report: {path}" + ("" if args.log_dir else
+                                       " (the logs and dumps, in a temp folder, are removed: "
+                                       "--log-dir DIR keeps them)"))
+    except KeyboardInterrupt:
+        print("\nfasthealth demo: interrupted" + ("" if args.log_dir else
+                                                 "; its temp folder is removed"), file=sys.stderr)
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
+        if env is None:
+            del os.environ[INDUCTOR_CACHE]
+        shutil.rmtree(scratch, ignore_errors=True)
     print("\ndemo: every planted fault was caught" if ok else "\ndemo: SOME FAULTS WERE MISSED")
     return 0 if ok else 1

@@ -142,7 +142,7 @@ def test_monitor_with_activations_records_them():
     m = Overflowing()
     mon = fh.Monitor(m, None, activations=r"amp")
     m(torch.randn(2, 4)).sum().backward()
-    mon.step(torch.tensor(1.0))
+    mon.check(torch.tensor(1.0))
     assert mon.activations.names == ["amp"]
     assert "amp" in mon.activations.stats()
     mon.close()

@@ -64,13 +64,13 @@ def test_non_scalar_loss_every_element_is_checked(fused, bad):
 
 def test_non_scalar_loss_records_the_float64_mean():
     m = make_model()
-    mon = fh.Monitor(m, None)
+    mon = fh.Monitor(m, None)  # measures only: check, not step (nothing to step)
     per = per_sample_loss(m)
-    obs = mon.step(per)
+    obs = mon.check(per)
     assert obs.loss.dtype == torch.float64 and obs.loss.shape == ()
     assert obs.loss.item() == pytest.approx(per.detach().double().mean().item(), rel=1e-12)
     assert not bool(obs.skip)
-    obs = mon.step(per.detach().reshape(2, 4))  # any shape
+    obs = mon.check(per.detach().reshape(2, 4))  # any shape
     assert obs.loss.item() == pytest.approx(per.detach().double().mean().item(), rel=1e-12)
 
 
@@ -278,6 +278,76 @@ def test_unreadable_meta_json_of_a_continued_run_is_moved_aside(tmp_path):
     meta = json.loads((run / "meta.json").read_text())
     assert meta["names"] and meta["resumes"][0]["step"] == 4
     mon.close()
+
+
+# ---- misuse of the Monitor -----------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda m: fh.Monitor(m), lambda m: fh.Monitor(m, None)],
+                         ids=["Monitor(model)", "Monitor(model, None)"])
+def test_step_without_an_optimizer_is_refused_and_names_the_way_out(make):
+    """No optimizer: nothing to step, the model would silently never train. mon.step raises
+    before it records anything; mon.check (the trainer steps) measures as before."""
+    m = make_model()
+    mon = make(m)
+    per_sample_loss(m)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError) as info:
+        mon.step(torch.tensor(1.0))
+    msg = str(info.value)
+    assert msg.startswith("fasthealth: mon.step() on a Monitor made without an optimizer: "
+                          "there is nothing to step"), msg
+    assert "Pass the optimizer (fh.Monitor(model, optimizer))" in msg
+    assert "call mon.check(loss) where the trainer steps the optimizer itself" in msg
+    assert mon.steps_seen == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    obs = mon.check(per_sample_loss(m) * NAN)
+    assert obs.step == 0 and bool(obs.skip)
+    mon.close()
+    assert [(e.step, e.kind) for e in mon.events][:1] == [(0, "nonfinite_loss")]
+
+
+@pytest.mark.parametrize("call", ["step", "check", "flush"])
+def test_a_closed_monitor_refuses_step_check_and_flush(call, tmp_path):
+    m = make_model()
+    mon = fh.Monitor(m, _sgd(m), log_dir=tmp_path, flush_every=4)
+    per_sample_loss(m)
+    mon.step(per_sample_loss(m))
+    mon.close()
+    rd = getattr(mon, "run_dir", None) or tmp_path
+    logged = (rd / "steps.jsonl").read_bytes()
+    args = () if call == "flush" else (per_sample_loss(m),)
+    with pytest.raises(RuntimeError, match=rf"^fasthealth: mon.{call}\(\) after mon.close\(\): "
+                                           "this Monitor is closed"):
+        getattr(mon, call)(*args)
+    mon.close()  # twice: harmless, as is the exit of a with block after an explicit close
+    with mon:
+        pass
+    if hasattr(mon, "state_dict"):  # the last state and verdict stay readable after close
+        assert mon.state_dict()["run"]["step"] == 0
+        assert mon.safe_to_save()
+    assert (rd / "steps.jsonl").read_bytes() == logged and mon.steps_seen == 1
+
+
+def test_a_forgotten_backward_under_a_grad_scaler_is_no_grad_not_a_crash():
+    """No gradient at all under a GradScaler: scaler.step would raise ("No inf checks were
+    recorded"); mon.step steps nothing, keeps the scale, and the no_grad alarm comes."""
+    m = make_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    mon = fh.Monitor(m, opt, scaler=scaler, flush_every=5, warmup_steps=2)
+    x = torch.randn(8, 4)
+    for t in range(12):
+        opt.zero_grad(set_to_none=True)
+        loss = m(x).pow(2).mean()
+        if t not in (5, 6):  # backward forgotten twice
+            scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        mon.step(loss)
+        if t in (5, 6):
+            assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+            assert scaler.get_scale() == 2.0**10
+    mon.close()
+    assert [(e.step, e.kind) for e in mon.events] == [(6, "no_grad")]
+    assert not any(p.isnan().any() for p in m.parameters())
 
 
 # ---- fasthealth report ---------------------------------------------------------------------

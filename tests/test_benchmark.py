@@ -52,3 +52,40 @@ def test_several_runs_give_the_median_and_range_of_each_runs_median():
     assert s["x_faster_than_naive"] == {"median": 10.0, "range": [10.0, 10.0], "runs": 3}
     assert "read_limit_ms" not in s  # no such row: no figure
     assert s["goals_met"] == {"c float32: x read limit (paired)": "1/3"}
+
+
+def test_make_bench_writes_where_git_ignores_it_unless_asked_to_record(tmp_path):
+    """`make bench` and `fasthealth bench` leave the tracked bench/results/ alone: their results
+    go to build/bench-results/ (git-ignored); `make bench RECORD=1` / `--record` write into
+    bench/results/."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = benchmark.ROOT
+    assert benchmark.SCRATCH == root / "build" / "bench-results"
+    assert benchmark.RECORDED == root / "bench" / "results"
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "-C", str(root), "rev-parse"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+
+    def ignored(path):
+        return subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(path)]
+                              ).returncode == 0
+
+    assert ignored(benchmark.SCRATCH / "cpu.json") and ignored(benchmark.SCRATCH / "cpu.png")
+    assert not ignored(benchmark.RECORDED / "cpu.json")
+    if shutil.which("make") is not None:  # the recipe as make would run it (-n: not run)
+        def harness_line(*args):
+            out = subprocess.run(["make", "-n", "-C", str(root), "bench", *args],
+                                 capture_output=True, text=True)
+            return next(s for s in out.stdout.splitlines() if "bench/harness.py" in s).split()
+
+        assert harness_line()[-1] == "bench/harness.py"  # no --out: the harness's default
+        assert harness_line("RECORD=1")[-2:] == ["bench/harness.py", "--record"]
+    with pytest.raises(SystemExit):  # both: refused
+        benchmark.main(["--record", "--out", str(tmp_path)])
+    out = subprocess.run([sys.executable, "-m", "fasthealth", "bench", "--help"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and "build/bench-results" in " ".join(out.stdout.split())
+    assert not list(tmp_path.iterdir())

@@ -339,7 +339,7 @@ def test_max_grad_norm_matches_clip_grad_norm():
     for r, p in zip(ref, m.parameters()):
         r.grad = p.grad.clone()
     total = torch.nn.utils.clip_grad_norm_(ref, 0.5)
-    obs = fh.Monitor(m, None, max_grad_norm=0.5).step(loss)
+    obs = fh.Monitor(m, None, max_grad_norm=0.5).check(loss)
     assert obs.stats.total.norm.item() == pytest.approx(total.item(), rel=1e-5)
     for p, r in zip(m.parameters(), ref):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=0)
@@ -412,7 +412,7 @@ def test_explicit_step_numbers_and_context_manager():
             loss = loss_fn(m, (x, y, torch.ones(64, 1)))
             m.zero_grad()
             loss.backward()
-            obs = mon.step(loss * (NAN if step == 101 else 1), step=step)
+            obs = mon.check(loss * (NAN if step == 101 else 1), step=step)
             assert obs.step == step
     assert kinds_at(mon) == [(101, "nonfinite_loss")]
 

@@ -44,10 +44,7 @@ def test_report_from_a_monitor_log(tmp_path):
 
 
 NOT_PLANTED = {"replica_divergence", "stall", "precursor_adam_eps", "precursor_logit_growth",
-               "precursor_attention_logits",
-               # issue 31's alarms: not planted in the demo yet (tests/test_new_alarms.py and
-               # bench/trainers plant them); the demo should show them too
-               "no_grad", "weight_corruption", "repeated_batch", "overflow_streak"}
+               "precursor_attention_logits"}
 
 
 @pytest.mark.slow
@@ -57,9 +54,13 @@ def test_demo_catches_every_planted_fault(tmp_path):
     text = out.getvalue()
     assert "MISSED" not in text and "does not reproduce on replay of step 120" in text
     assert "reproduces on replay of step 80" in text
-    assert "incidents: 8 for 8 planted faults, each fault in its own; 8 dumps" in text
+    assert "incidents: 12 for 12 planted faults, each fault in its own; 12 dumps" in text
+    for kind, cause in (("no_grad", "outside"), ("repeated_batch", "batch"),
+                        ("overflow_streak", "numeric_range"), ("weight_corruption", "weights")):
+        line = text.split(f"-> {kind} at ")[1].split("\n")[0]
+        assert line.endswith(f", cause {cause}"), (kind, line)
     dumps = [p for p in (run_of(tmp_path) / "dumps").iterdir() if p.suffix == ".pt"]
-    assert len(dumps) == 8
+    assert len(dumps) == 12
     fired = {json.loads(s)["kind"]
              for s in (run_of(tmp_path) / "events.jsonl").read_text().splitlines()}
     # every detector fired but those the demo does not plant: replicas need a process group

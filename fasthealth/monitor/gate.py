@@ -79,7 +79,13 @@ def join_scaler(optimizer: torch.optim.Optimizer, scaler, bad: torch.Tensor) -> 
 def step_with_scaler(optimizer: torch.optim.Optimizer, scaler, bad: torch.Tensor,
                      guard: bool) -> torch.Tensor:
     """``scaler.step`` and ``update``; with ``guard`` the verdict ``bad`` joins the scaler's
-    own overflow check. Returns whether the step was skipped (0-dim bool, on bad's device)."""
+    own overflow check. Returns whether the step was skipped (0-dim bool, on bad's device).
+    A step without a single gradient (a forgotten backward: the ``no_grad`` rule's case) has
+    nothing to step, and ``scaler.step`` would raise on it ("No inf checks were recorded"):
+    neither is called, and the scaler's record of the step is dropped, as ``update`` drops it."""
+    if not scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device"):
+        scaler._per_optimizer_states.pop(id(optimizer), None)
+        return bad if guard else torch.zeros_like(bad)
     skipped = join_scaler(optimizer, scaler, bad if guard else torch.zeros_like(bad))
     scaler.step(optimizer)
     scaler.update()

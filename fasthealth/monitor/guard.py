@@ -103,7 +103,8 @@ def verdict(mon: Any) -> Verdict:
     """Flushes, then judges (the module docstring). With the Monitor's ``process_group`` the
     answer is every rank's (one all-reduce): a checkpoint is saved by all ranks or none, and
     a rank left out of a collective save would hang the others."""
-    mon.flush()
+    if not mon._closed:  # closed: its last flush was done, and flush() refuses
+        mon.flush()
     found = incident_reason(mon)
     flags = torch.cat([nonfinite_state(mon),
                        torch.tensor([float(found is not None)], dtype=torch.float64,

@@ -44,7 +44,7 @@ from .option_groups import (
     PrecursorOptions,
     gather,
 )
-from .options import check_options, loss_value
+from .options import check_options, loss_value, refuse_misuse
 from .precursors import PrecursorProbe
 from .record import (
     DeviceRecord,
@@ -169,7 +169,7 @@ class Monitor:
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
         self._rose = False  # a step since the last flush raised the rate (schedule.search)
         self.steps_seen = self._next_step = 0
-        self._stepped = self._resumed = False  # load_state_dict: once, before the first step
+        self._stepped = self._resumed = self._closed = False  # load_state_dict; close()
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
@@ -231,6 +231,7 @@ class Monitor:
 
     def _run(self, loss: Any, batch: Any, sample_ids: Any, step: int | None,
              take_step: bool) -> Observation:
+        refuse_misuse(self, "step" if take_step else "check")  # no optimizer; closed
         loss_d, loss_ok = loss_value(loss, self.device)  # a bad loss raises before anything
         self._stepped = True
         if self.journal.jsonl is not None and self.journal.jsonl.run is None:
@@ -323,6 +324,7 @@ class Monitor:
         incidents, write logs and dumps (``journal.py``). Returns the new events; raises
         NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
         ``write_errors``, never raised."""
+        refuse_misuse(self, "flush")
         self.schedule.search(self._rose)  # a few times a run at most
         self._rose = False
         return self.journal.flush(self.record.take(), self._snapshots)
@@ -387,11 +389,14 @@ class Monitor:
 
     def close(self) -> None:
         """Final flush; closes the log files and removes activation hooks. Runs by itself at
-        interpreter exit (an unhandled exception included) and at the end of a ``with``."""
+        interpreter exit (an unhandled exception included) and at the end of a ``with``; once
+        (again: nothing), then ``step``, ``check`` and ``flush`` raise RuntimeError."""
         atexit.unregister(self._close_at_exit)
         try:
-            self.flush()
+            if not self._closed:
+                self.flush()
         finally:
+            self._closed = True
             self.journal.close()
             if self.activations is not None:
                 self.activations.remove()

@@ -266,3 +266,17 @@ def loss_value(loss: Any, device: torch.device) -> tuple[torch.Tensor, torch.Ten
         loss_d = x.reshape(()).to(device, torch.float64)
         return loss_d, torch.isfinite(loss_d)
     return x.mean(dtype=torch.float64).to(device), torch.isfinite(x).all().to(device)
+
+
+def refuse_misuse(mon: Any, call: str) -> None:
+    """RuntimeError for a call that cannot do what it is for: ``mon.step`` on a Monitor
+    without an optimizer (nothing to step: the model would silently never train), and
+    ``step``, ``check`` or ``flush`` after ``close()`` (its logs are final)."""
+    if mon._closed:
+        raise RuntimeError(f"fasthealth: mon.{call}() after mon.close(): this Monitor is "
+                           "closed (its logs are final); make a new Monitor to go on")
+    if call == "step" and mon.optimizer is None:
+        raise RuntimeError(
+            "fasthealth: mon.step() on a Monitor made without an optimizer: there is nothing "
+            "to step, so the model would not train. Pass the optimizer (fh.Monitor(model, "
+            "optimizer)), or call mon.check(loss) where the trainer steps the optimizer itself")

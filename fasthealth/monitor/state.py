@@ -179,7 +179,8 @@ def _host_state(mon: Monitor) -> dict[str, Any]:
 
 def state_dict(mon: Monitor) -> dict[str, Any]:
     """``Monitor.state_dict``: flushes (one sync), then the state as plain values."""
-    mon.flush()
+    if not mon._closed:  # closed: its last flush was done, and flush() refuses
+        mon.flush()
     enc = _Encoder()
     rules: dict[str, Any] = {}
     for i, rule in enumerate(mon.detectors):

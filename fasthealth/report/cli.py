@@ -31,7 +31,9 @@ Any file content is read without a traceback: a line that cannot be read (not JS
 partial last line left by a killed process) is skipped and a value of the wrong kind (a string
 where a number goes) is shown as missing, each named on stderr by its file and line number.
 Where nothing can be read (no such directory, no steps.jsonl, an empty or unreadable one) the
-reason goes to stderr and the exit status is 2.
+reason goes to stderr and the exit status is 2. Where the report cannot be written (a
+read-only log_dir) the text summary is printed, stderr says why and names ``--out``, and the
+exit status is 1.
 """
 
 from __future__ import annotations
@@ -81,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else run_dir
     try:
         path, text = write_report(run_dir, log, out=out)
-    except OSError as exc:
-        print(f"fasthealth report: cannot write the report to {out}: {exc}", file=sys.stderr)
+    except OSError as exc:  # a read-only log_dir: the summary all the same, and where to go
+        print("\n".join([*log.header, summary(log.meta, log.steps, log.events, log.incidents,
+                                              run_dir), *log.footer]))
+        print(f"fasthealth report: cannot write the report to {out}: {exc.strerror or exc}"
+              f"{f': {exc.filename}' if exc.filename else ''}; give a folder you can write "
+              "to with --out DIR", file=sys.stderr)
         return 1
     print(text)
     if path.name != "report.html":

@@ -74,6 +74,9 @@ def heatmap_data(meta: dict, steps: list[dict], events: Sequence[dict] = (),
     eventful = {e["step"] for e in events if is_step(e.get("step"))}
     per = sorted(((r["step"], r["per_tensor_norms"], bool(r.get("events")) or r["step"] in
                    eventful) for r in steps if r.get("per_tensor_norms")), key=lambda p: p[0])
+    # a null norm is a NaN/Inf one, except at a step whose gradients were all finite: there
+    # the tensor had no gradient (a forgotten backward, a frozen branch): drawn gray, not red
+    finite = {r["step"] for r in steps if r.get("grads_finite") is True}
     dedup: dict[int, tuple] = {}
     for p in per:  # a step logged twice (a reopened run): its last record
         dedup[p[0]] = p
@@ -87,13 +90,16 @@ def heatmap_data(meta: dict, steps: list[dict], events: Sequence[dict] = (),
                                                           if len(gaps) else 1)))
     last = max(r["step"] for r in steps) + 1 if steps else 0
     vals = np.full((len(labels), len(per)), np.nan)
+    absent = np.zeros(vals.shape, dtype=bool)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for k, (_, norms, _) in enumerate(per):
+        for k, (step, norms, _) in enumerate(per):
             for i, m in enumerate(members):
                 got = [norms.get(n) for n in m]
                 if all(v is not None for v in got):
                     vals[i, k] = math.sqrt(sum(v * v for v in got))
-        bad = ~np.isfinite(vals)
+                elif step in finite:
+                    absent[i, k] = True
+        bad = ~np.isfinite(vals) & ~absent
         logs = np.where(vals > 0, np.log10(np.where(vals > 0, vals, 1.0)),
                         np.where(vals == 0, -np.inf, np.nan))
     quiet, ends = [], []

@@ -254,8 +254,8 @@ def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: li
                        else "neither", label="log10 grad norm" + (" (saturated above)" if over
                                                                   else ""))
     what = "layer" if h.by_layer else "tensor"
-    ax.set_title(f"per-{what} gradient norm at the recorded steps (log10; gray: not recorded, "
-                 "black: zero, red: NaN/Inf)")
+    ax.set_title(f"per-{what} gradient norm at the recorded steps (log10; gray: not recorded "
+                 "or no gradient, black: zero, red: NaN/Inf)")
 
 
 def matplotlib_red():

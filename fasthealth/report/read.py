@@ -151,8 +151,8 @@ def _clean_event(where: tuple[str, int], rec: dict, problems: Problems) -> dict:
                                 "a step number: listed, not plotted"))
     for k in ("kind", "message"):
         if not isinstance(out.get(k), str):
-            problems.marked.append((*where, f"the event's {k!r} is {_shown(out.get(k))}, not a "
-                                    "string"))
+            problems.marked.append((*where, f"the event's {k!r} is {_shown(out[k])}, not a "
+                                    "string" if k in out else f"an event with no {k!r}"))
             out[k] = "?" if out.get(k) is None else json.dumps(out[k])
     if out.get("dump") is not None and not isinstance(out["dump"], str):
         problems.marked.append((*where, f"the event's 'dump' is {_shown(out['dump'])}, not a "
@@ -265,10 +265,15 @@ def _read_meta(path: Path, problems: Problems) -> dict:
     checked; {} when there is none or it cannot be read (the plots do without)."""
     if not path.exists():
         return {}
+    data = b""
     try:
-        meta = json.loads(path.read_bytes())
+        _check_regular(path)
+        data = path.read_bytes()
+        meta = json.loads(data)
     except (OSError, ValueError, RecursionError) as exc:
-        problems.skipped.append((path.name, 0, f"cannot be read ({exc}): ignored"))
+        why = "empty" if isinstance(exc, ValueError) and not data.strip() else (
+            f"cannot be read ({exc.strerror or exc if isinstance(exc, OSError) else exc})")
+        problems.skipped.append((path.name, 0, f"{why}: ignored"))
         return {}
     if not isinstance(meta, dict):
         problems.skipped.append((path.name, 0, f"{json_kind(meta)}, not an object: ignored"))
@@ -283,12 +288,21 @@ def _read_meta(path: Path, problems: Problems) -> dict:
     return meta
 
 
+def _check_regular(path: Path) -> None:
+    """OSError where ``path`` is not a regular file: a directory, or a FIFO or device, which
+    the report would wait on (or read without end) instead of reading a file."""
+    if not path.is_file():
+        raise OSError("a directory, not a file" if path.is_dir() else
+                      "not a regular file (a FIFO, socket or device)")
+
+
 def _records(path: Path, problems: Problems, skip: dict[str, set[int]] | None = None
              ) -> list[tuple[tuple[str, int], dict]]:
     """((file name, line number), record) of every JSON object in ``path`` but the lines
     ``skip`` names for it (an abandoned branch); its unreadable lines go to ``problems``.
     Raises LogError when the file cannot be read at all."""
     try:
+        _check_regular(path)
         records, bad = read_jsonl(path)
     except OSError as exc:
         raise LogError(f"fasthealth report: cannot read {path}: {exc.strerror or exc}") from exc
@@ -338,9 +352,15 @@ def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Lo
             raise LogError(f"fasthealth report: {steps_path} is empty: no step was logged")
         raise LogError(f"fasthealth report: no line of {steps_path} is a step record\n"
                        + problems.text(d))
-    events_path = d / "events.jsonl"
-    events = [] if not events_path.exists() else [
-        _clean_event(w, rec, problems) for w, rec in _records(events_path, problems, skip)]
+    events_path, events = d / "events.jsonl", []
+    if events_path.exists():
+        try:
+            raw_ev = _records(events_path, problems, skip)
+        except LogError as exc:  # the steps are reported all the same
+            problems.skipped.append((events_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
+                                     "no events shown"))
+        else:
+            events = [_clean_event(w, rec, problems) for w, rec in raw_ev]
     incidents = None
     inc_path = d / "incidents.jsonl"
     if inc_path.exists():
