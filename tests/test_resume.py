@@ -207,3 +207,49 @@ def test_a_users_rule_keeps_its_state_through_its_own_methods_else_starts_cold()
         mon2.load_state_dict(sd)
     assert (again[0].seen, again[1].seen) == (40, 0)
     mon2.close()
+
+
+_CHILD = """
+import sys, warnings, torch
+sys.path.insert(0, {tests!r})
+import test_resume as t
+import fasthealth as fh
+warnings.simplefilter("error")  # a rule or the tracker starting cold would be a warning
+if sys.argv[1] == "save":
+    m, opt = t._model()
+    mon = fh.Monitor(m, opt, **t.OPTIONS)
+    t._train(mon, m, opt, range(62), t.FAULTS)  # stopped inside the NaN incident
+    torch.save({{"model": m.state_dict(), "opt": opt.state_dict(), "monitor": mon.state_dict()}},
+               sys.argv[2])
+else:
+    ck = torch.load(sys.argv[2], weights_only=True)
+    m, opt = t._model()
+    m.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
+    mon = fh.Monitor(m, opt, **t.OPTIONS)
+    mon.load_state_dict(ck["monitor"])
+    t._train(mon, m, opt, range(62, t.STEPS), t.FAULTS)
+    mon.close()
+    whole = t._continuous(t.FAULTS)
+    assert t._key(mon.events, 61) == t._key(whole.events, 61)
+    assert [(i.id, i.start, i.end) for i in mon.incidents] == [
+        (i.id, i.start, i.end) for i in whole.incidents]
+    print("same")
+"""
+
+
+def test_a_state_saved_in_one_process_resumes_in_another(tmp_path):
+    """Another process, another hash seed (the order of a frozenset in a config): nothing
+    starts cold, and the events and incidents after the stop are the uninterrupted run's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(tests=str(Path(__file__).parent)))
+    ck = tmp_path / "ck.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for mode, seed in (("save", "1"), ("load", "5")):  # these two order a set apart
+        p = subprocess.run([sys.executable, str(script), mode, str(ck)], capture_output=True,
+                           text=True, env=dict(env, PYTHONHASHSEED=seed), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().endswith("same")

@@ -32,9 +32,10 @@ from ..checks import grad_values, grads_stats
 from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
-from . import gate, guard, state
+from . import gate
 from .events import Event, Incident, Observation
 from .journal import Journal
+from .long_run import LongRun
 from .option_groups import (
     FLAT,
     ActOptions,
@@ -75,7 +76,31 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-class Monitor:
+def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_bytes: int,
+                  **options: Any) -> None:
+    """A Monitor's host side (events, incidents, logs) and, with a log_dir, the parameter
+    snapshots that dumps need (``Monitor.__init__``'s last step)."""
+    param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
+    meta = {"names": self.names, "flush_every": self.flush_every,
+            "on_nonfinite": self.on_nonfinite, **options,
+            "max_grad_norm": self.max_grad_norm, "per_tensor_every": self.per_tensor_every,
+            "started": time.time(), "param_bytes": param_bytes}
+    root = (None if self.log_dir is None else  # under torch.distributed: one rank writes
+            writer_root(self.log_dir, self.process_group, self.options.log.all_ranks))
+    self.journal = Journal(self.names, self.detectors, log_dir=root, meta=meta,
+                           tensorboard=tensorboard, dumps=dumps,
+                           per_tensor_every=self.per_tensor_every,
+                           on_nonfinite=self.on_nonfinite)
+    jsonl = self.journal.jsonl
+    if jsonl is None:
+        return
+    atexit.register(self._close_at_exit)  # the last steps reach the log even on a crash
+    if param_bytes * self.flush_every <= snapshot_max_bytes:
+        self._snapshots = [[torch.empty_like(p.detach()) for _, p in self.params]
+                           for _ in range(self.flush_every)]
+
+
+class Monitor(LongRun):
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
     Its options come in five groups (``option_groups.py``, every field documented there):
@@ -134,8 +159,8 @@ class Monitor:
         self.flush_every, self.on_nonfinite, self.on_spike = (lg.flush_every, ac.on_nonfinite,
                                                               ac.on_spike)
         self.max_grad_norm, self.min_loss_scale = ac.max_grad_norm, de.min_loss_scale
-        self.per_tensor_every = lg.per_tensor_every
-        self.optimizer_check_every = de.optimizer_check_every
+        self.per_tensor_every, self.optimizer_check_every = (lg.per_tensor_every,
+                                                             de.optimizer_check_every)
         self.backend, self.process_group = me.backend, me.process_group
         self.replica_group = me.replica_group
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -173,39 +198,15 @@ class Monitor:
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
-        # made before the sinks: a bad module regex writes nothing
-        self.activations: ActivationMonitor | None = None
+        self.activations: ActivationMonitor | None = None  # before the sinks: a bad regex
         if me.activations is not None and me.activations is not False:
-            self.activations = ActivationMonitor(
+            self.activations = ActivationMonitor(  # ... writes nothing
                 model, modules=None if me.activations is True else me.activations)
         self.log_dir = Path(lg.log_dir) if lg.log_dir is not None else None
         self._snapshots: list[list[torch.Tensor]] | None = None
-        self._open_journal(lg.tensorboard, lg.dumps, lg.snapshot_max_bytes,
-                           spike_zscore=de.spike_zscore, spike_window=de.spike_window,
-                           warmup_steps=de.warmup_steps)
-
-    def _open_journal(self, tensorboard: bool, dumps: str, snapshot_max_bytes: int,
-                      **options: Any) -> None:
-        """The host side (events, incidents, logs) and, with a log_dir, the parameter
-        snapshots that dumps need."""
-        param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
-        meta = {"names": self.names, "flush_every": self.flush_every,
-                "on_nonfinite": self.on_nonfinite, **options,
-                "max_grad_norm": self.max_grad_norm, "per_tensor_every": self.per_tensor_every,
-                "started": time.time(), "param_bytes": param_bytes}
-        root = (None if self.log_dir is None else  # under torch.distributed: one rank writes
-                writer_root(self.log_dir, self.process_group, self.options.log.all_ranks))
-        self.journal = Journal(self.names, self.detectors, log_dir=root, meta=meta,
-                               tensorboard=tensorboard, dumps=dumps,
-                               per_tensor_every=self.per_tensor_every,
-                               on_nonfinite=self.on_nonfinite)
-        jsonl = self.journal.jsonl
-        if jsonl is None:
-            return
-        atexit.register(self._close_at_exit)  # the last steps reach the log even on a crash
-        if param_bytes * self.flush_every <= snapshot_max_bytes:
-            self._snapshots = [[torch.empty_like(p.detach()) for _, p in self.params]
-                               for _ in range(self.flush_every)]
+        _open_journal(self, lg.tensorboard, lg.dumps, lg.snapshot_max_bytes,
+                      spike_zscore=de.spike_zscore, spike_window=de.spike_window,
+                      warmup_steps=de.warmup_steps)
 
     # ---- step: record + gate -----------------------------------------------------------------
 
@@ -329,13 +330,6 @@ class Monitor:
         self._rose = False
         return self.journal.flush(self.record.take(), self._snapshots)
 
-    def safe_to_save(self) -> bool:
-        """Whether a checkpoint may be written now (docs/spec.md section 11; ``guard.py`` says
-        which incidents forbid it): flushes, then one fused pass over the parameters and the
-        optimizer's state for NaN/Inf. Its sync happens only here, when it is called. With
-        ``on_nonfinite="raise"`` its flush raises NonFiniteError as any flush would."""
-        return guard.verdict(self).safe
-
     @property
     def events(self) -> list[Event]:
         """Every event so far, in step order."""
@@ -352,38 +346,9 @@ class Monitor:
         self.journal.alarm_listeners.append(listener)
 
     @property
-    def run_id(self) -> str | None:
-        """The run written (``run-NNN``, ``runs.py``); None before the first step, else too."""
-        return self.journal.run.id if self.journal.run is not None else None
-
-    @property
-    def run_dir(self) -> Path | None:
-        """That run's folder (``LOG_DIR/run-NNN``); None as ``run_id``."""
-        return self.journal.log_dir
-
-    def _continue_run(self, run_id: str | None, step: int | None) -> None:
-        """``load_state_dict``'s: write on into run ``run_id`` after ``step`` (``runs.py``)."""
-        self.journal.continue_run(run_id, step)
-
-    @property
     def write_errors(self) -> list[str]:
         """What could not be written to ``log_dir`` (the first one was also warned)."""
         return list(self.journal.errors)
-
-    # ---- state: resume a stopped run (state.py) ----------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the rules and incidents need to go on as if the run had never stopped
-        (docs/spec.md section 11): flushes first (one sync), then returns CPU tensors and
-        Python values, small (never the model), loadable with ``torch.load(...,
-        weights_only=True)``. Save it beside the model and the optimizer."""
-        return state.state_dict(self)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores what ``state_dict()`` returned, before the first step: the run goes on with
-        its windows, open incidents, step count and run (with a ``log_dir``, its records go on
-        in that run). A state of another model's parameters is a ValueError."""
-        state.load_state_dict(self, state_dict)
 
     # ---- lifecycle --------------------------------------------------------------------------
 

@@ -165,9 +165,25 @@ def _rule_key(rule: Any, i: int) -> str:
     return f"{i}:{getattr(rule, 'name', '') or type(rule).__qualname__}"
 
 
+def _canonical(v: Any) -> Any:
+    """``v`` with its sets sorted and dataclasses spelled field by field: a config's repr that
+    does not depend on the process (a frozenset's order follows the hash seed, which differs
+    between the process that saved a state and the one that loads it)."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v).__qualname__, tuple((f.name, _canonical(getattr(v, f.name)))
+                                            for f in dataclasses.fields(v)))
+    if isinstance(v, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_canonical(x)) for x in v)))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((repr(k), repr(_canonical(x))) for k, x in v.items())))
+    if isinstance(v, (list, tuple)):
+        return tuple(_canonical(x) for x in v)
+    return v
+
+
 def _config(obj: Any) -> str:
     c = getattr(obj, "config", None)
-    return repr(c) if dataclasses.is_dataclass(c) else ""
+    return repr(_canonical(c)) if dataclasses.is_dataclass(c) else ""
 
 
 def _host_state(mon: Monitor) -> dict[str, Any]:
@@ -224,6 +240,10 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
         raise StateError("fasthealth: the state is of a Monitor of other parameters "
                          f"(missing here: {gone[:3]}, new here: {new[:3]}, or in another "
                          "order): load it into a Monitor of the same model")
+    # the run first: a refusal (another live writer) leaves this Monitor as it was
+    run = sd.get("run") or {}
+    step = run.get("step")
+    mon._continue_run(run.get("id"), -1 if step is None or not math.isfinite(step) else step)
     # decoded whole, in the order it was encoded (a reference names an object decoded before)
     dec = _Decoder()
     rules = {key: None if saved is None or "own" in saved
@@ -261,6 +281,3 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
         warnings.warn("fasthealth: these rules start cold (their settings differ from the "
                       f"saved run's, or they keep no state): {', '.join(cold)}", RuntimeWarning,
                       stacklevel=3)
-    run = sd.get("run") or {}
-    step = run.get("step")
-    mon._continue_run(run.get("id"), -1 if step is None or not math.isfinite(step) else step)
