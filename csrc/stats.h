@@ -11,8 +11,10 @@
 
 #if defined(__CUDACC__)
 #define FH_HD __host__ __device__
+#define FH_FORCE_INLINE __forceinline__  // a kernel calling it twice keeps no stack frame
 #else
 #define FH_HD
+#define FH_FORCE_INLINE inline
 #endif
 
 namespace fasthealth {
@@ -158,7 +160,7 @@ static inline FH_HD Partial partial_merge(const Partial& a, const Partial& b) {
 
 // Writes the kTableWidth columns: the fields of docs/spec.md section 2 (counts as exact
 // doubles, all_finite as 0/1), then the range counts.
-static inline FH_HD void partial_finalize(const Partial& p, double* out) {
+static FH_FORCE_INLINE FH_HD void partial_finalize(const Partial& p, double* out) {
   const double nan = fh_nan();
   const double inf = fh_inf();
   const int64_t nan_count = p.n - p.finite - p.posinf - p.neginf;

@@ -447,20 +447,22 @@ merge_finalize_cuda(const Partial* parts, const int64_t* first, int64_t n, Parti
   const Partial r = block_merge<kMergeThreads>(acc, shared);
   if (threadIdx.x == 0) {
     per_tensor[i] = r;
-    partial_finalize(r, table + i * kTableWidth);
     __threadfence();
     last = atomicAdd(done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
-  Partial tot = partial_empty();
-  for (int64_t j = threadIdx.x; j < n; j += kMergeThreads) tot = partial_merge(tot, per_tensor[j]);
-  const Partial total = block_merge<kMergeThreads>(tot, shared);
-  if (threadIdx.x == 0) {
-    partial_finalize(total, table + n * kTableWidth);
-    *done = 0u;  // ready for the next call, and for the next replay of a captured graph
+  Partial total = r;
+  if (last) {  // the same in every thread of the block
+    __threadfence();
+    Partial tot = partial_empty();
+    for (int64_t j = threadIdx.x; j < n; j += kMergeThreads) {
+      tot = partial_merge(tot, per_tensor[j]);
+    }
+    total = block_merge<kMergeThreads>(tot, shared);
+    if (threadIdx.x == 0) *done = 0u;  // ready for the next call and the next graph replay
   }
+  if (threadIdx.x == 0) partial_finalize(r, table + i * kTableWidth);
+  if (last && threadIdx.x == 1) partial_finalize(total, table + n * kTableWidth);
 }
 
 }  // namespace kernels
