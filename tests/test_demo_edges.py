@@ -52,7 +52,7 @@ def test_an_interrupted_demo_leaves_nothing_in_the_temp_directory(tmp_path, how)
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not list(tmp.glob("fasthealth-demo-*/logs/steps.jsonl")):
+        while not list(tmp.glob("fasthealth-demo-*/logs/run-*/steps.jsonl")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         assert list(tmp.iterdir())  # the run was writing into the temp directory
