@@ -119,7 +119,7 @@ def test_a_huge_tensor_is_merged_in_two_levels():
     numels = [7_000_000_000, 1000, 5]
     chunk, items, runs = check_plan(numels, [0, 0, 0], CUDA_LIMITS)
     assert chunk == 65536 and len(items) > 100_000
-    assert len(runs) - 1 == math.ceil(items_of([numels[0]], chunk) / 256) + 2
+    assert len(runs) - 1 == math.ceil(items_of([numels[0]], chunk) / CUDA_LIMITS[4]) + 2
 
 
 def test_unknown_device_size_keeps_the_largest_chunk():
