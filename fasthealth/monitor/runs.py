@@ -187,6 +187,8 @@ def abandoned_lines(run_dir: Path, resumes: Any) -> dict[str, set[int]]:
         return out
     for name in JSONL:
         try:
+            if not (run_dir / name).is_file():  # never block on a FIFO in its place
+                continue
             data = (run_dir / name).read_bytes()
         except OSError:
             continue

@@ -204,7 +204,11 @@ def read_jsonl(path: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, str]
     """The records of a JSONL file as (line number, record), and (line number, what is wrong)
     for each other non-blank line: not UTF-8 text, not JSON, or JSON but not an object. A bad
     line the file ends in, with no newline after it, is called a partial last line (what a
-    process killed mid-write leaves). Raises OSError when the file cannot be read."""
+    process killed mid-write leaves). Raises OSError when the file cannot be read, or is not a
+    regular file (a FIFO would block the reader, a device never end)."""
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket, device or folder)",
+                      str(path))
     lines = path.read_bytes().split(b"\n")
     records: list[tuple[int, dict]] = []
     problems: list[tuple[int, str]] = []

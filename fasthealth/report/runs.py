@@ -51,6 +51,8 @@ class RunInfo:
 
 def _meta(d: Path) -> dict:
     try:
+        if not (d / "meta.json").is_file():  # a FIFO there would block the report
+            return {}
         meta = json.loads((d / "meta.json").read_bytes())
     except (OSError, ValueError, RecursionError):
         return {}
