@@ -179,6 +179,7 @@ def test_heatmap_has_a_column_per_recorded_step_and_no_more(tmp_path):
 def test_heatmap_a_nonfinite_or_eventful_record_stands_for_its_own_step():
     steps = [_step(t, every=10) for t in range(40)]
     steps[20]["per_tensor_norms"]["a.bias"] = None  # a NaN, as jsonable writes it
+    steps[20].update(grads_finite=False, nan_count=1)  # (a null at a finite step: no gradient)
     h = report.heatmap_data({"names": NAMES}, steps)
     assert h.steps == [0, 10, 20, 30] and h.ends == [10, 20, 21, 40]
     assert h.bad[1, 2] and not h.bad[[0, 2], 2].any()
