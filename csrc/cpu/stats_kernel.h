@@ -262,6 +262,41 @@ inline void count_lanes(vd a, md k, CountD& c) {
 }
 #endif
 
+// +inf and -inf among 16-bit floats, counted on the raw words: with AVX-512 one compare and one
+// masked add per kind for 2 * FW elements (per vector otherwise: see count_lanes), into 16-bit
+// lanes (at most kBlock / 32 per lane in a block). The finite count stays per vector (count_fin).
+#if defined(FH_ISA_AVX512)
+struct CountW {
+  __m512i pos, neg;
+};
+inline CountW count_w_zero() { return {_mm512_setzero_si512(), _mm512_setzero_si512()}; }
+template <int kPos, int kNeg>
+inline void count_inf16(const uint16_t* p, CountW& c) {
+  const __m512i w = _mm512_loadu_si512((const void*)p), one = _mm512_set1_epi16(1);
+  c.pos = _mm512_mask_add_epi16(c.pos, _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16(kPos)),
+                                c.pos, one);
+  c.neg = _mm512_mask_add_epi16(c.neg, _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16(kNeg)),
+                                c.neg, one);
+}
+inline void count_fin(mf k, CountF& c) {
+  c.fin = (vf)_mm512_mask_add_ps((__m512)c.fin, k, (__m512)c.fin, _mm512_set1_ps(1.0f));
+}
+inline void add_counts(const CountW& c, Counts& out) {
+  alignas(64) uint16_t pos[32], neg[32];
+  _mm512_store_si512((void*)pos, c.pos);
+  _mm512_store_si512((void*)neg, c.neg);
+  for (int k = 0; k < 32; ++k) {
+    out.pos += pos[k];
+    out.neg += neg[k];
+  }
+}
+#else
+struct CountW {};
+inline CountW count_w_zero() { return {}; }
+inline void count_fin(mf k, CountF& c) { c.fin += (vf)(k & (vi)splatf(1.0f)); }
+inline void add_counts(const CountW&, Counts&) {}
+#endif
+
 // Lane counters into a block's tally (called once per block).
 inline void add_counts(const CountF& c, Counts& out) {
   for (int k = 0; k < FW; ++k) {
@@ -354,6 +389,7 @@ struct LoadF32 {
   }
   static int zeros2(const T*, vf a, vf b) { return count_zero(a) + count_zero(b); }
   static double load1(const T* p) { return *p; }
+  static constexpr bool kWordInfs = false;
 };
 
 struct LoadBF16 {  // bfloat16 is the high half of a float32
@@ -410,6 +446,12 @@ struct LoadBF16 {  // bfloat16 is the high half of a float32
 #endif
   }
   static double load1(const T* p) { return bits_to_float((uint32_t)*p << 16); }
+#if defined(FH_ISA_AVX512)
+  static constexpr bool kWordInfs = true;
+  static void infs2(const T* p, CountW& c) { count_inf16<0x7f80, (int16_t)0xff80>(p, c); }
+#else
+  static constexpr bool kWordInfs = false;
+#endif
 };
 
 struct LoadF16 {
@@ -437,6 +479,12 @@ struct LoadF16 {
 #endif
   }
   static double load1(const T* p) { return half_to_float(*p); }
+#if defined(FH_ISA_AVX512)
+  static constexpr bool kWordInfs = true;
+  static void infs2(const T* p, CountW& c) { count_inf16<0x7c00, (int16_t)0xfc00>(p, c); }
+#else
+  static constexpr bool kWordInfs = false;
+#endif
 };
 
 struct LoadF64 {
@@ -738,6 +786,7 @@ Partial block_f32(const typename L::T* x, int64_t n) {
   vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
   vd ss = splatd(0), sp = ss;
   CountF ca = count_f_zero(), cb = ca;
+  CountW cw = count_w_zero();
   Counts c = {M ? 0 : n, 0, 0};
   int64_t zero = 0;
   int64_t i = 0;
@@ -754,8 +803,14 @@ Partial block_f32(const typename L::T* x, int64_t n) {
       zero += L::zeros2(x + i, a, b);
       if constexpr (M) {
         const mf ka = fin_mask(a), kb = fin_mask(b);
-        count_lanes(a, ka, ca);
-        count_lanes(b, kb, cb);
+        if constexpr (L::kWordInfs) {
+          count_fin(ka, ca);
+          count_fin(kb, cb);
+          L::infs2(x + i, cw);
+        } else {
+          count_lanes(a, ka, ca);
+          count_lanes(b, kb, cb);
+        }
         if (none2(ka, kb)) continue;  // all NaN/Inf (a NaN-filled tensor): nothing to sum
         mn0 = mmin(a, mn0, ka);
         mn1 = mmin(b, mn1, kb);
@@ -782,6 +837,7 @@ Partial block_f32(const typename L::T* x, int64_t n) {
   if constexpr (M) {
     add_counts(ca, c);
     add_counts(cb, c);
+    add_counts(cw, c);
   }
   double mn, mx, s, q;
   reduce_lanes_and_tail<L, M>(mn0, mn1, mx0, mx1, ss, sp, x, i, n, mn, mx, s, q, zero, c);
