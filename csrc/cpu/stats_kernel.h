@@ -194,6 +194,11 @@ inline mf fin_mask(vf a) { return (mf)~_mm512_fpclass_ps_mask((__m512)a, 0x99); 
 inline md fin_mask(vd a) { return (md)~_mm512_fpclass_pd_mask((__m512d)a, 0x99); }
 inline bool none2(mf a, mf b) { return (a | b) == 0; }
 inline vf keep(vf a, mf k) { return (vf)_mm512_maskz_mov_ps(k, (__m512)a); }
+// s + a and p + a * a over the lanes of k (others keep s, p): one masked ADD / FMA each
+inline vf madd(vf s, vf a, mf k) { return (vf)_mm512_mask_add_ps((__m512)s, k, (__m512)s, (__m512)a); }
+inline vf mfma(vf p, vf a, mf k) {
+  return (vf)_mm512_mask3_fmadd_ps((__m512)a, (__m512)a, (__m512)p, k);
+}
 inline vd keep(vd a, md k) { return (vd)_mm512_maskz_mov_pd(k, (__m512d)a); }
 inline vf mmin(vf a, vf m, mf k) { return (vf)_mm512_mask_min_ps((__m512)m, k, (__m512)a, (__m512)m); }
 inline vf mmax(vf a, vf m, mf k) { return (vf)_mm512_mask_max_ps((__m512)m, k, (__m512)a, (__m512)m); }
@@ -241,6 +246,11 @@ inline bool none2(mf a, mf b) {  // no lane of a or b set
 #endif
 }
 inline vf keep(vf a, mf k) { return (vf)((vi)a & k); }
+inline vf madd(vf s, vf a, mf k) { return s + keep(a, k); }
+inline vf mfma(vf p, vf a, mf k) {
+  const vf z = keep(a, k);
+  return p + z * z;
+}
 inline vd keep(vd a, md k) { return (vd)((vl)a & k); }
 inline vf mmin(vf a, vf m, mf k) { return k ? vmin(a, m) : m; }
 inline vf mmax(vf a, vf m, mf k) { return k ? vmax(a, m) : m; }
@@ -816,14 +826,16 @@ Partial block_f32(const typename L::T* x, int64_t n) {
         mn1 = mmin(b, mn1, kb);
         mx0 = mmax(a, mx0, ka);
         mx1 = mmax(b, mx1, kb);
-        a = keep(a, ka);
-        b = keep(b, kb);
-      } else {
-        mn0 = vmin(a, mn0);
-        mn1 = vmin(b, mn1);
-        mx0 = vmax(a, mx0);
-        mx1 = vmax(b, mx1);
+        s0 = madd(s0, a, ka);
+        s1 = madd(s1, b, kb);
+        p0 = mfma(p0, a, ka);
+        p1 = mfma(p1, b, kb);
+        continue;
       }
+      mn0 = vmin(a, mn0);
+      mn1 = vmin(b, mn1);
+      mx0 = vmax(a, mx0);
+      mx1 = vmax(b, mx1);
       s0 += a;
       s1 += b;
       p0 += a * a;
