@@ -165,10 +165,10 @@ inline bool is_finite(double x) { return __builtin_isfinite(x); }
 // ---- finite lanes, for the masked paths (blocks holding NaN or Inf) ---------------------------
 //
 // fin_mask(a): which lanes of a are finite. With AVX-512 a mask register (one VFPCLASS), the
-// running min/max take a masked MIN/MAX and the non-finite lanes are zeroed by the mask; without
-// it an integer vector from one compare of |a| (NaN compares false), and the same by bitwise
-// selects. Counters are float lanes (exact far beyond a block's kBlock / FW per lane): finite,
-// +inf and -inf lanes; NaN is what is left, as Partial keeps it.
+// running min/max take a masked MIN/MAX and the sums a masked ADD/FMA; without it an integer
+// vector from one compare of |a| (NaN compares false), and the same by bitwise selects.
+// Counters are float lanes (exact far beyond a block's kBlock / FW per lane): finite, +inf and
+// -inf lanes; NaN is what is left, as Partial keeps it.
 typedef __typeof__(vf{} < vf{}) vi;  // what a compare of float (double) lanes gives
 typedef __typeof__(vd{} < vd{}) vl;
 
@@ -195,13 +195,19 @@ inline md fin_mask(vd a) { return (md)~_mm512_fpclass_pd_mask((__m512d)a, 0x99);
 inline bool none2(mf a, mf b) { return (a | b) == 0; }
 inline vf keep(vf a, mf k) { return (vf)_mm512_maskz_mov_ps(k, (__m512)a); }
 // s + a and p + a * a over the lanes of k (others keep s, p): one masked ADD / FMA each
-inline vf madd(vf s, vf a, mf k) { return (vf)_mm512_mask_add_ps((__m512)s, k, (__m512)s, (__m512)a); }
+inline vf madd(vf s, vf a, mf k) {
+  return (vf)_mm512_mask_add_ps((__m512)s, k, (__m512)s, (__m512)a);
+}
 inline vf mfma(vf p, vf a, mf k) {
   return (vf)_mm512_mask3_fmadd_ps((__m512)a, (__m512)a, (__m512)p, k);
 }
 inline vd keep(vd a, md k) { return (vd)_mm512_maskz_mov_pd(k, (__m512d)a); }
-inline vf mmin(vf a, vf m, mf k) { return (vf)_mm512_mask_min_ps((__m512)m, k, (__m512)a, (__m512)m); }
-inline vf mmax(vf a, vf m, mf k) { return (vf)_mm512_mask_max_ps((__m512)m, k, (__m512)a, (__m512)m); }
+inline vf mmin(vf a, vf m, mf k) {
+  return (vf)_mm512_mask_min_ps((__m512)m, k, (__m512)a, (__m512)m);
+}
+inline vf mmax(vf a, vf m, mf k) {
+  return (vf)_mm512_mask_max_ps((__m512)m, k, (__m512)a, (__m512)m);
+}
 inline vd mmin(vd a, vd m, md k) {
   return (vd)_mm512_mask_min_pd((__m512d)m, k, (__m512d)a, (__m512d)m);
 }
@@ -929,7 +935,9 @@ Partial block_f64(const double* x, int64_t n) {
   const double amax = -mn > mx ? -mn : mx;
   const bool sums = is_finite(s) && is_finite(q);
   // unmasked: +-inf shows in amax, NaN only in the sums; finite extremes show in amax
-  if (!M && !sums && !(amax > kSafeHi && amax < __builtin_huge_val())) return block_f64<true>(x, n);
+  if (!M && !sums && !(amax > kSafeHi && amax < __builtin_huge_val())) {
+    return block_f64<true>(x, n);
+  }
   if (c.finite == 0) return block_from_sums(n, zero, mn, mx, s, q, c);
   if (!sums || (amax != 0.0 && (amax < kSafeLo || amax > kSafeHi))) {
     return block_slow<LoadF64>(x, n);
