@@ -9,7 +9,7 @@ variants, each its own set of tensors:
   all_inf    every element +inf
   mix        1% each of NaN, +inf and -inf scattered among the finite values
 
-Method (harness.py's): `check_grads(model).ok` (the call and the one sync acting on it needs),
+Method (harness.py's): `check_grads(model).ok` (the call and the one sync a caller needs to act),
 a warm-up round, then rounds that run every variant once in a rotating order, each call after
 the same small two-thread reduction; the median over rounds is reported, and each variant's
 speed relative to `finite` as the median over rounds of that round's finite time over its own
