@@ -48,7 +48,7 @@ test: build
 	for isa in $$($(PY) -c "import fasthealth as f; print(' '.join(f.ops.compiled.C.cpu_isas()[1:]))"); do \
 		echo "== CPU kernel variant $$isa"; \
 		FASTHEALTH_REQUIRE_CPU=1 FASTHEALTH_CPU_ISA=$$isa $(PY) -m pytest -q $(BIG) \
-			tests/test_kernels.py tests/test_fuzz.py tests/test_range.py || exit 1; \
+			tests/test_kernels.py tests/test_fuzz.py tests/test_range.py tests/test_kernel_nonfinite.py || exit 1; \
 	done
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton.py
 

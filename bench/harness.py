@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ modules
 
 import baselines  # noqa: E402
+import bench_nonfinite  # noqa: E402
 from read_probe import read_floor  # noqa: E402
 
 from fasthealth import check_grads  # noqa: E402
@@ -539,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / f'{stem}.json'}" + (f" and {out / f'{stem}.png'}, "
                                               f"{out / f'{stem}-roofline.png'}" if plotted
                                               else ""))
+    # issue 33 item 3: the same gradients holding NaN/Inf against finite ones (its own JSON)
+    bench_nonfinite.main(["--out", str(out / f"cpu_nonfinite{'-quick' if args.quick else ''}.json"),
+                          "--label", "make bench", "--rounds", str(args.rounds)]
+                         + (["--quick"] if args.quick else []))
     return 0
 
 

@@ -39,6 +39,7 @@ SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp
 CHUNK = 4096
 NAN, INF = float("nan"), float("inf")
 FAST, SHIFTED, SLOW = PATH_FAST, PATH_SHIFTED, PATH_EXACT
+MASKED = 3  # the CUDA kernel's masked pass (NaN/Inf chunks): its fourth path counter
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
@@ -78,13 +79,14 @@ def test_sixteen_bit_four_wide_loads():
         check_multi(table, ts, f"emulated cuda 16-bit, 32K chunks, range {rng}",
                     range_dtype=None if rng[0] == math.inf else torch.float8_e4m3fn)
         n_chunks = sum(max(1, math.ceil(x.numel() / 32768)) for x in ts)
-        assert paths == (n_chunks, 0, 0), paths
+        assert paths == (n_chunks, 0, 0, 0), paths
 
 
 def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0), resident=0, merge_run=256,
         plan=False):
-    """(table [N + 1, TABLE_WIDTH], chunks finished by each path), and with ``plan`` the plan
-    (chunk, items, runs, [(tensor, slot, begin, count)] in launch order). ``resident`` and
+    """(table [N + 1, TABLE_WIDTH], chunks finished by each path: fast, shifted, slow, masked),
+    and with ``plan`` the plan (chunk, items, runs, [(tensor, slot, begin, count)] in launch
+    order). ``resident`` and
     ``merge_run``: the planner's limits (csrc/plan.h); resident 0 keeps chunks of CHUNK."""
     skews = skews or [0] * len(tensors)
     buf = [struct.pack("<qddqq", len(tensors), *rng, resident, merge_run)]
@@ -101,12 +103,12 @@ def run(exe: Path, tensors, skews=None, rng=(math.inf, 0.0), resident=0, merge_r
     n = len(tensors)
     table = torch.frombuffer(bytearray(data[: (n + 1) * TABLE_WIDTH * 8]), dtype=torch.float64)
     at = (n + 1) * TABLE_WIDTH * 8
-    paths = struct.unpack("<3q", data[at:at + 24])
+    paths = struct.unpack("<4q", data[at:at + 32])
     table = table.view(n + 1, TABLE_WIDTH).clone()
     if not plan:
         return table, paths
-    chunk, items, runs = struct.unpack("<3q", data[at + 24:at + 48])
-    rows = list(struct.iter_unpack("<4q", data[at + 48:]))
+    chunk, items, runs = struct.unpack("<3q", data[at + 32:at + 56])
+    rows = list(struct.iter_unpack("<4q", data[at + 56:]))
     assert len(rows) == items
     return table, paths, (chunk, items, runs, rows)
 
@@ -166,27 +168,87 @@ def test_paths_taken(exe):
     g = torch.Generator().manual_seed(3)
     normal = torch.randn(4 * CHUNK, generator=g)
     _, paths = run(exe, [normal])
-    assert paths == (4, 0, 0)
+    assert paths == (4, 0, 0, 0)
     offset = 1000 + torch.randn(2 * CHUNK, generator=g)  # mean/std = 1e3: the variance cancels
     table, paths = run(exe, [offset])
     check_multi(table, [offset], "offset")
-    assert paths == (0, 2, 0)
+    assert paths == (0, 2, 0, 0)
     one_nan = torch.randn(3 * CHUNK, generator=g)
     one_nan[CHUNK + 5] = NAN
     table, paths = run(exe, [one_nan])
     check_multi(table, [one_nan], "one NaN")
-    assert paths == (2, 0, 1)
+    assert paths == (2, 0, 0, 1)  # the NaN's chunk: masked, not the slow path
     tiny = torch.randn(CHUNK, generator=g) * 1e-20  # squares below float32's normal range
     table, paths = run(exe, [tiny])
     check_multi(table, [tiny], "tiny")
-    assert paths == (0, 0, 1)
+    assert paths == (0, 0, 1, 0)
     huge = torch.randn(CHUNK, generator=g) * 1e25  # squares above float32's range
     table, paths = run(exe, [huge])
     check_multi(table, [huge], "huge")
-    assert paths == (0, 0, 1)
+    assert paths == (0, 0, 1, 0)
     wide = torch.randn(CHUNK + 1, generator=g, dtype=torch.float64)
     _, paths = run(exe, [wide])
-    assert paths == (0, 0, 2)
+    assert paths == (0, 0, 2, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_masked_pass_for_nonfinite_chunks(exe, dtype):
+    """Chunks holding NaN/Inf take the masked pass, not the slow path (issue 33 item 3): exact
+    with NaN, +inf and -inf at every lane of a 16-byte vector, at the four-wide loop's edges
+    and in the scalar head and tail (misaligned views), all non-finite, a 3% mix, and a mean
+    that dominates (the masked shifted pass); finite values the fast path cannot serve go to
+    the slow path as before."""
+    g = torch.Generator().manual_seed(17)
+    n = 2 * CHUNK + 37
+    spots = list(range(0, 24)) + [255 * 8, 256 * 8 - 1, 4 * 256 * 8, CHUNK - 1, CHUNK, n - 1]
+    ts = []
+    for value in (NAN, INF, -INF):
+        t = torch.randn(n, generator=g)
+        t[spots] = value
+        ts.append(t.to(dtype))
+    mix = torch.randn(n, generator=g)
+    u = torch.rand(n, generator=g)
+    mix[u < 0.01] = NAN
+    mix[(u >= 0.01) & (u < 0.02)] = INF
+    mix[(u >= 0.02) & (u < 0.03)] = -INF
+    ts += [mix.to(dtype), torch.full((n,), NAN, dtype=dtype), torch.full((n,), -INF, dtype=dtype)]
+    table, paths = run(exe, ts, [2 * (i % 8) for i in range(len(ts))])
+    check_multi(table, ts, f"emulated cuda masked {dtype}")
+    assert paths[SLOW] == 0 and paths[MASKED] == chunks_of(ts), paths
+    offset = 100 + torch.randn(2 * CHUNK, generator=g)  # mean-dominated: the masked shift
+    offset[5] = NAN
+    offset[CHUNK + 9] = INF
+    offset = offset.to(dtype)
+    table, paths = run(exe, [offset])
+    check_multi(table, [offset], f"emulated cuda masked shifted {dtype}")
+    assert paths == (0, 0, 0, 2), paths
+    if dtype == torch.float32:
+        for scale in (1e-20, 1e25):  # squares outside float32: the slow path, NaN or not
+            t = torch.randn(CHUNK, generator=g) * scale
+            t[3] = NAN
+            table, paths = run(exe, [t])
+            check_multi(table, [t], f"emulated cuda masked {scale}")
+            assert paths == (0, 0, 1, 0), paths
+
+
+def test_chunk_after_a_nan_chunk_is_read_masked_first(exe):
+    """A block whose chunk held a NaN reads its next chunk masked first: the same result (bits
+    included) as when the chunk comes first, one pass."""
+    g = torch.Generator().manual_seed(19)
+    t = torch.randn(6 * CHUNK, generator=g)
+    t[7] = NAN
+    table, paths = run(exe, [t])
+    check_multi(table, [t], "emulated cuda masked first")
+    assert paths[SLOW] == 0 and paths[MASKED] >= 2 and sum(paths) == 6, paths
+    # four one-chunk tensors on a grid of three blocks: block 0 reads the NaN chunk, then the
+    # last A masked first; every A row must be the same bits
+    a = torch.randn(CHUNK, generator=g)
+    ts = [torch.full((CHUNK,), NAN), a, a.clone(), a.clone()]
+    table, paths = run(exe, ts)
+    assert paths == (2, 0, 0, 2), paths
+    alone, _ = run(exe, [a])
+    for row in (1, 2, 3):
+        assert torch.equal(table[row], alone[0]), row
 
 
 def test_far_apart_extremes_leave_the_shifted_pass(exe):
@@ -195,7 +257,7 @@ def test_far_apart_extremes_leave_the_shifted_pass(exe):
     t[7] = 1.5e19
     table, paths = run(exe, [t])
     check_multi(table, [t], "far apart")
-    assert paths == (0, 0, 1)
+    assert paths == (0, 0, 1, 0)
 
 
 def test_accuracy_limits(exe):
@@ -252,7 +314,7 @@ def test_range_and_zero_counts_on_the_fast_path(exe, range_dtype):
     table, paths = run(exe, ts, [0, 0, 4, 6], rng=(float(fi.max), float(fi.tiny)))
     check_multi(table, ts, f"emulated cuda fast-path counts {range_dtype}",
                 range_dtype=range_dtype)
-    assert paths == (chunks_of(ts), 0, 0), paths
+    assert paths == (chunks_of(ts), 0, 0, 0), paths
     assert (table[:-1, -2] > 0).all() and (table[:-1, -1] > 0).all()
     zeros = table[:-1, COL["zero_count"]]
     assert zeros.tolist() == [float((x == 0).sum()) for x in ts]

@@ -15,10 +15,15 @@
 //    docs/spec.md section 2 for |mean|/std <= 1e3, and squares of float32 cannot overflow it),
 //    for blocks the float32 lanes cannot serve (magnitudes outside [2^-40, 2^60], or
 //    cancellation even after the shift);
-//  - the block's float64 sum is finite iff every element is (for float64 inputs, iff also the
-//    magnitudes are in a range where squares neither overflow nor underflow); otherwise the
-//    block is redone by the exact scalar slow path: counts NaN/+inf/-inf, two-pass moments,
-//    and a power-of-two scaled sum of squares;
+//  - masked paths (the same functions with M = true): a block whose sums come out non-finite
+//    holds a NaN or an Inf (or, for float32 lanes, finite squares beyond float32: its largest
+//    |x| says which). It is redone from L1 with every vector split into its finite lanes (the
+//    sums and min/max skip the others, by masks) and counted: NaN, +inf and -inf per lane, in
+//    the same loop, with the same shift, fallbacks and sum order as the unmasked path, so a
+//    block's result does not depend on which path read it. Once a block of a chunk held one,
+//    the chunk's later blocks take the masked path first (a NaN-laden tensor is read once, not
+//    twice). Only float64 blocks whose magnitudes leave [2^-480, 2^480] go to the exact scalar
+//    slow path (block_slow: two-pass moments and a power-of-two scaled sum of squares);
 //  - blocks merge into the chunk's Partial with Chan's formula (csrc/stats.h).
 #pragma once
 
@@ -157,6 +162,184 @@ inline int count_zero(vd v) {
 
 inline bool is_finite(double x) { return __builtin_isfinite(x); }
 
+// ---- finite lanes, for the masked paths (blocks holding NaN or Inf) ---------------------------
+//
+// fin_mask(a): which lanes of a are finite. With AVX-512 a mask register (one VFPCLASS), the
+// running min/max take a masked MIN/MAX and the sums a masked ADD/FMA; without it an integer
+// vector from one compare of |a| (NaN compares false), and the same by bitwise selects.
+// Counters are float lanes (exact far beyond a block's kBlock / FW per lane): finite, +inf and
+// -inf lanes; NaN is what is left, as Partial keeps it.
+typedef __typeof__(vf{} < vf{}) vi;  // what a compare of float (double) lanes gives
+typedef __typeof__(vd{} < vd{}) vl;
+
+struct CountF {  // per lane: finite, +inf, -inf elements seen
+  vf fin, pos, neg;
+};
+struct CountD {
+  vd fin, pos, neg;
+};
+inline CountF count_f_zero() { return {splatf(0.0f), splatf(0.0f), splatf(0.0f)}; }
+inline CountD count_d_zero() { return {splatd(0.0), splatd(0.0), splatd(0.0)}; }
+
+// A block's non-finite tally as the Partial wants it: finite, +inf and -inf elements.
+struct Counts {
+  int64_t finite, pos, neg;
+};
+
+#if defined(FH_ISA_AVX512)
+typedef __mmask16 mf;
+typedef __mmask8 md;
+// VFPCLASS categories: 0x01 QNaN, 0x08 +inf, 0x10 -inf, 0x80 SNaN
+inline mf fin_mask(vf a) { return (mf)~_mm512_fpclass_ps_mask((__m512)a, 0x99); }
+inline md fin_mask(vd a) { return (md)~_mm512_fpclass_pd_mask((__m512d)a, 0x99); }
+inline bool none2(mf a, mf b) { return (a | b) == 0; }
+inline vf keep(vf a, mf k) { return (vf)_mm512_maskz_mov_ps(k, (__m512)a); }
+// s + a and p + a * a over the lanes of k (others keep s, p): one masked ADD / FMA each
+inline vf madd(vf s, vf a, mf k) {
+  return (vf)_mm512_mask_add_ps((__m512)s, k, (__m512)s, (__m512)a);
+}
+inline vf mfma(vf p, vf a, mf k) {
+  return (vf)_mm512_mask3_fmadd_ps((__m512)a, (__m512)a, (__m512)p, k);
+}
+inline vd keep(vd a, md k) { return (vd)_mm512_maskz_mov_pd(k, (__m512d)a); }
+inline vf mmin(vf a, vf m, mf k) {
+  return (vf)_mm512_mask_min_ps((__m512)m, k, (__m512)a, (__m512)m);
+}
+inline vf mmax(vf a, vf m, mf k) {
+  return (vf)_mm512_mask_max_ps((__m512)m, k, (__m512)a, (__m512)m);
+}
+inline vd mmin(vd a, vd m, md k) {
+  return (vd)_mm512_mask_min_pd((__m512d)m, k, (__m512d)a, (__m512d)m);
+}
+inline vd mmax(vd a, vd m, md k) {
+  return (vd)_mm512_mask_max_pd((__m512d)m, k, (__m512d)a, (__m512d)m);
+}
+inline void count_lanes(vf a, mf k, CountF& c) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  c.fin = (vf)_mm512_mask_add_ps((__m512)c.fin, k, (__m512)c.fin, one);
+  c.pos = (vf)_mm512_mask_add_ps((__m512)c.pos, _mm512_fpclass_ps_mask((__m512)a, 0x08),
+                                 (__m512)c.pos, one);
+  c.neg = (vf)_mm512_mask_add_ps((__m512)c.neg, _mm512_fpclass_ps_mask((__m512)a, 0x10),
+                                 (__m512)c.neg, one);
+}
+inline void count_lanes(vd a, md k, CountD& c) {
+  const __m512d one = _mm512_set1_pd(1.0);
+  c.fin = (vd)_mm512_mask_add_pd((__m512d)c.fin, k, (__m512d)c.fin, one);
+  c.pos = (vd)_mm512_mask_add_pd((__m512d)c.pos, _mm512_fpclass_pd_mask((__m512d)a, 0x08),
+                                 (__m512d)c.pos, one);
+  c.neg = (vd)_mm512_mask_add_pd((__m512d)c.neg, _mm512_fpclass_pd_mask((__m512d)a, 0x10),
+                                 (__m512d)c.neg, one);
+}
+#else
+typedef vi mf;
+typedef vl md;
+inline mf fin_mask(vf a) {
+  return (vf)((vi)a & (vi{} + 0x7fffffff)) < splatf(__builtin_huge_valf());
+}
+inline md fin_mask(vd a) {
+  return (vd)((vl)a & (vl{} + 0x7fffffffffffffffL)) < splatd(__builtin_huge_val());
+}
+inline bool none2(mf a, mf b) {  // no lane of a or b set
+#if defined(FH_ISA_AVX)
+  return _mm256_movemask_ps((__m256)(a | b)) == 0;
+#elif defined(__SSE2__)
+  return _mm_movemask_ps((__m128)(a | b)) == 0;
+#else
+  const vi o = a | b;
+  int any = 0;
+  for (int k = 0; k < FW; ++k) any |= o[k];
+  return any == 0;
+#endif
+}
+inline vf keep(vf a, mf k) { return (vf)((vi)a & k); }
+inline vf madd(vf s, vf a, mf k) { return s + keep(a, k); }
+inline vf mfma(vf p, vf a, mf k) {
+  const vf z = keep(a, k);
+  return p + z * z;
+}
+inline vd keep(vd a, md k) { return (vd)((vl)a & k); }
+inline vf mmin(vf a, vf m, mf k) { return k ? vmin(a, m) : m; }
+inline vf mmax(vf a, vf m, mf k) { return k ? vmax(a, m) : m; }
+inline vd mmin(vd a, vd m, md k) { return (k & (a < m)) ? a : m; }
+inline vd mmax(vd a, vd m, md k) { return (k & (a > m)) ? a : m; }
+inline void count_lanes(vf a, mf k, CountF& c) {
+  const vi one = (vi)splatf(1.0f);
+  const vf inf = splatf(__builtin_huge_valf());
+  c.fin += (vf)(k & one);
+  c.pos += (vf)((a == inf) & one);
+  c.neg += (vf)((a == -inf) & one);
+}
+inline void count_lanes(vd a, md k, CountD& c) {
+  const vl one = (vl)splatd(1.0);
+  const vd inf = splatd(__builtin_huge_val());
+  c.fin += (vd)(k & one);
+  c.pos += (vd)((a == inf) & one);
+  c.neg += (vd)((a == -inf) & one);
+}
+#endif
+
+// +inf and -inf among 16-bit floats, counted on the raw words: with AVX-512 one compare and one
+// masked add per kind for 2 * FW elements (per vector otherwise: see count_lanes), into 16-bit
+// lanes (at most kBlock / 32 per lane in a block). The finite count stays per vector (count_fin).
+#if defined(FH_ISA_AVX512)
+struct CountW {
+  __m512i pos, neg;
+};
+inline CountW count_w_zero() { return {_mm512_setzero_si512(), _mm512_setzero_si512()}; }
+template <int kPos, int kNeg>
+inline void count_inf16(const uint16_t* p, CountW& c) {
+  const __m512i w = _mm512_loadu_si512((const void*)p), one = _mm512_set1_epi16(1);
+  c.pos = _mm512_mask_add_epi16(c.pos, _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16(kPos)),
+                                c.pos, one);
+  c.neg = _mm512_mask_add_epi16(c.neg, _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16(kNeg)),
+                                c.neg, one);
+}
+inline void count_fin(mf k, CountF& c) {
+  c.fin = (vf)_mm512_mask_add_ps((__m512)c.fin, k, (__m512)c.fin, _mm512_set1_ps(1.0f));
+}
+inline void add_counts(const CountW& c, Counts& out) {
+  alignas(64) uint16_t pos[32], neg[32];
+  _mm512_store_si512((void*)pos, c.pos);
+  _mm512_store_si512((void*)neg, c.neg);
+  for (int k = 0; k < 32; ++k) {
+    out.pos += pos[k];
+    out.neg += neg[k];
+  }
+}
+#else
+struct CountW {};
+inline CountW count_w_zero() { return {}; }
+inline void count_fin(mf k, CountF& c) { c.fin += (vf)(k & (vi)splatf(1.0f)); }
+inline void add_counts(const CountW&, Counts&) {}
+#endif
+
+// Lane counters into a block's tally (called once per block).
+inline void add_counts(const CountF& c, Counts& out) {
+  for (int k = 0; k < FW; ++k) {
+    out.finite += (int64_t)c.fin[k];
+    out.pos += (int64_t)c.pos[k];
+    out.neg += (int64_t)c.neg[k];
+  }
+}
+inline void add_counts(const CountD& c, Counts& out) {
+  for (int k = 0; k < DW; ++k) {
+    out.finite += (int64_t)c.fin[k];
+    out.pos += (int64_t)c.pos[k];
+    out.neg += (int64_t)c.neg[k];
+  }
+}
+
+// One element of a masked path's scalar tail: false (and counted) when it is not finite.
+inline bool tally1(double v, Counts& c) {
+  if (is_finite(v)) {
+    ++c.finite;
+    return true;
+  }
+  c.pos += v > 0;  // NaN compares false
+  c.neg += v < 0;
+  return false;
+}
+
 inline float bits_to_float(uint32_t b) {
   float f;
   __builtin_memcpy(&f, &b, 4);
@@ -222,6 +405,7 @@ struct LoadF32 {
   }
   static int zeros2(const T*, vf a, vf b) { return count_zero(a) + count_zero(b); }
   static double load1(const T* p) { return *p; }
+  static constexpr bool kWordInfs = false;
 };
 
 struct LoadBF16 {  // bfloat16 is the high half of a float32
@@ -278,6 +462,12 @@ struct LoadBF16 {  // bfloat16 is the high half of a float32
 #endif
   }
   static double load1(const T* p) { return bits_to_float((uint32_t)*p << 16); }
+#if defined(FH_ISA_AVX512)
+  static constexpr bool kWordInfs = true;
+  static void infs2(const T* p, CountW& c) { count_inf16<0x7f80, (int16_t)0xff80>(p, c); }
+#else
+  static constexpr bool kWordInfs = false;
+#endif
 };
 
 struct LoadF16 {
@@ -305,6 +495,12 @@ struct LoadF16 {
 #endif
   }
   static double load1(const T* p) { return half_to_float(*p); }
+#if defined(FH_ISA_AVX512)
+  static constexpr bool kWordInfs = true;
+  static void infs2(const T* p, CountW& c) { count_inf16<0x7c00, (int16_t)0xfc00>(p, c); }
+#else
+  static constexpr bool kWordInfs = false;
+#endif
 };
 
 struct LoadF64 {
@@ -370,14 +566,20 @@ Partial block_slow(const typename L::T* x, int64_t n) {
   return p;
 }
 
-inline Partial block_from_sums(int64_t n, int64_t zero, double mn, double mx, double s, double q) {
+// A block's record from its sums over the finite elements (c: their tally; finite == n on the
+// unmasked paths).
+inline Partial block_from_sums(int64_t n, int64_t zero, double mn, double mx, double s, double q,
+                               Counts c) {
   Partial p = partial_empty();
   p.n = n;
-  p.finite = n;
+  p.finite = c.finite;
+  p.posinf = c.pos;
+  p.neginf = c.neg;
   p.zero = zero;
+  if (c.finite == 0) return p;  // only NaN/Inf: the empty record's moments and extremes
   p.fmin = mn;
   p.fmax = mx;
-  p.mean = s / (double)n;
+  p.mean = s / (double)c.finite;
   const double m2 = q - s * p.mean;
   p.m2 = m2 > 0.0 ? m2 : 0.0;
   p.ssq = q;
@@ -385,11 +587,12 @@ inline Partial block_from_sums(int64_t n, int64_t zero, double mn, double mx, do
 }
 
 // The end of a float-lane block: the running min/max and the sums' lanes reduced to scalars,
-// then the elements [i, n) the vector loop left, one at a time.
-template <typename L>
+// then the elements [i, n) the vector loop left, one at a time (masked: NaN/Inf counted in c and
+// skipped).
+template <typename L, bool M>
 inline void reduce_lanes_and_tail(vf mn0, vf mn1, vf mx0, vf mx1, vd s_lanes, vd q_lanes,
                                   const typename L::T* x, int64_t i, int64_t n, double& mn,
-                                  double& mx, double& s, double& q, int64_t& zero) {
+                                  double& mx, double& s, double& q, int64_t& zero, Counts& c) {
   mn0 = mn1 < mn0 ? mn1 : mn0;
   mx0 = mx1 > mx0 ? mx1 : mx0;
   mn = __builtin_huge_val();
@@ -406,6 +609,7 @@ inline void reduce_lanes_and_tail(vf mn0, vf mn1, vf mx0, vf mx1, vd s_lanes, vd
   }
   for (; i < n; ++i) {
     const double v = L::load1(x + i);
+    if (M && !tally1(v, c)) continue;
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
     zero += v == 0.0;
@@ -415,22 +619,37 @@ inline void reduce_lanes_and_tail(vf mn0, vf mn1, vf mx0, vf mx1, vd s_lanes, vd
 }
 
 // Wide path for inputs of 32 bits or fewer: float64 lanes for the sums (exact enough whatever
-// the shift or the magnitudes; non-finite blocks go on to block_slow).
-template <typename L>
+// the shift or the magnitudes). Finite float32 values cannot make a float64 sum non-finite, so
+// non-finite sums mean NaN/Inf elements: the block is redone masked, which is then exact too.
+template <typename L, bool M>
 Partial block_f32_wide(const typename L::T* x, int64_t n) {
   if (n == 0) return partial_empty();
   const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
   vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
   vd s0 = splatd(0), s1 = s0, s2 = s0, s3 = s0, q0 = s0, q1 = s0, q2 = s0, q3 = s0;
+  CountF ca = count_f_zero(), cb = ca;
+  Counts c = {M ? 0 : n, 0, 0};
   int64_t zero = 0;
   int64_t i = 0;
   for (; i + 2 * FW <= n; i += 2 * FW) {
-    const vf a = L::load(x + i), b = L::load(x + i + FW);
-    mn0 = a < mn0 ? a : mn0;
-    mn1 = b < mn1 ? b : mn1;
-    mx0 = a > mx0 ? a : mx0;
-    mx1 = b > mx1 ? b : mx1;
+    vf a = L::load(x + i), b = L::load(x + i + FW);
     zero += count_zero(a) + count_zero(b);
+    if constexpr (M) {
+      const mf ka = fin_mask(a), kb = fin_mask(b);
+      count_lanes(a, ka, ca);
+      count_lanes(b, kb, cb);
+      mn0 = mmin(a, mn0, ka);
+      mn1 = mmin(b, mn1, kb);
+      mx0 = mmax(a, mx0, ka);
+      mx1 = mmax(b, mx1, kb);
+      a = keep(a, ka);
+      b = keep(b, kb);
+    } else {
+      mn0 = a < mn0 ? a : mn0;
+      mn1 = b < mn1 ? b : mn1;
+      mx0 = a > mx0 ? a : mx0;
+      mx1 = b > mx1 ? b : mx1;
+    }
     const vd a0 = lo_d(a), a1 = hi_d(a), b0 = lo_d(b), b1 = hi_d(b);
     s0 += a0;
     s1 += a1;
@@ -443,11 +662,14 @@ Partial block_f32_wide(const typename L::T* x, int64_t n) {
   }
   s0 += s1 + s2 + s3;
   q0 += q1 + q2 + q3;
+  if constexpr (M) {
+    add_counts(ca, c);
+    add_counts(cb, c);
+  }
   double mn, mx, s, q;
-  reduce_lanes_and_tail<L>(mn0, mn1, mx0, mx1, s0, q0, x, i, n, mn, mx, s, q, zero);
-  // Finite float32 values cannot make a float64 sum non-finite: this is the NaN/Inf test.
-  if (!is_finite(s) || !is_finite(q)) return block_slow<L>(x, n);
-  return block_from_sums(n, zero, mn, mx, s, q);
+  reduce_lanes_and_tail<L, M>(mn0, mn1, mx0, mx1, s0, q0, x, i, n, mn, mx, s, q, zero, c);
+  if (!M && !(is_finite(s) && is_finite(q))) return block_f32_wide<L, true>(x, n);
+  return block_from_sums(n, zero, mn, mx, s, q, c);
 }
 
 // Magnitudes the float32 lanes serve: kFastMinAmax (stats.h) .. 2^60, whose squares, 16 to a
@@ -458,16 +680,21 @@ constexpr double kMaxCancel = kCancelBudget / 16;
 
 // Second try for a block whose mean dominates its spread (block_f32 below refused it): float32
 // lanes, sums of x^2, (x - K) and (x - K)^2 folded into float64 every 16 elements per lane, K
-// the block's first element. Blocks it cannot serve exactly either (K far from the mean too)
-// go to block_f32_wide.
-template <typename L>
+// the block's first (masked: first finite) element. Blocks it cannot serve exactly either (K far
+// from the mean too) go to block_f32_wide.
+template <typename L, bool M>
 Partial block_f32_shifted(const typename L::T* x, int64_t n) {
-  const float k = (float)L::load1(x);
+  float k = (float)L::load1(x);
+  if constexpr (M) {  // block_f32 sends a block here only when it holds a finite element
+    for (int64_t j = 0; !is_finite(k) && j < n; ++j) k = (float)L::load1(x + j);
+  }
   const vf kv = splatf(k);
   const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
   const vf zf = splatf(0.0f);
   vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
   vd sd = splatd(0), sq = sd, sp = sd;
+  CountF ca = count_f_zero(), cb = ca;
+  Counts c = {M ? 0 : n, 0, 0};
   int64_t zero = 0;
   int64_t i = 0;
   constexpr int64_t kSub = 16 * 2 * FW;  // elements per float32 sub-block
@@ -480,12 +707,28 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
       prefetch_ahead<kStep>(x + i);
       vf a, b;
       L::load2(x + i, a, b);
-      mn0 = vmin(a, mn0);
-      mn1 = vmin(b, mn1);
-      mx0 = vmax(a, mx0);
-      mx1 = vmax(b, mx1);
       zero += L::zeros2(x + i, a, b);
-      const vf da = a - kv, db = b - kv;
+      vf da, db;
+      if constexpr (M) {
+        const mf ka = fin_mask(a), kb = fin_mask(b);
+        count_lanes(a, ka, ca);
+        count_lanes(b, kb, cb);
+        mn0 = mmin(a, mn0, ka);
+        mn1 = mmin(b, mn1, kb);
+        mx0 = mmax(a, mx0, ka);
+        mx1 = mmax(b, mx1, kb);
+        da = keep(a - kv, ka);
+        db = keep(b - kv, kb);
+        a = keep(a, ka);
+        b = keep(b, kb);
+      } else {
+        mn0 = vmin(a, mn0);
+        mn1 = vmin(b, mn1);
+        mx0 = vmax(a, mx0);
+        mx1 = vmax(b, mx1);
+        da = a - kv;
+        db = b - kv;
+      }
       d0 += da;
       d1 += db;
       q0 += da * da;
@@ -499,6 +742,10 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
     sd += lo_d(d0) + hi_d(d0);
     sq += lo_d(q0) + hi_d(q0);
     sp += lo_d(p0) + hi_d(p0);
+  }
+  if constexpr (M) {
+    add_counts(ca, c);
+    add_counts(cb, c);
   }
   mn0 = mn1 < mn0 ? mn1 : mn0;
   mx0 = mx1 > mx0 ? mx1 : mx0;
@@ -514,6 +761,7 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
   }
   for (; i < n; ++i) {
     const double v = L::load1(x + i);
+    if (M && !tally1(v, c)) continue;
     const double d = v - (double)k;
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
@@ -525,12 +773,12 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
   const double amax = -mn > mx ? -mn : mx;
   if (!(is_finite(s) && is_finite(q) && is_finite(pp)) ||
       (amax != 0.0 && (amax < kFastMinAmax || amax > kF32Hi))) {
-    return block_f32_wide<L>(x, n);
+    return block_f32_wide<L, M>(x, n);
   }
-  const double m2 = q - s * s / (double)n;
-  if (q > kMaxCancel * m2) return block_f32_wide<L>(x, n);
-  Partial p = block_from_sums(n, zero, mn, mx, 0.0, 0.0);
-  p.mean = (double)k + s / (double)n;
+  const double m2 = q - s * s / (double)c.finite;
+  if (q > kMaxCancel * m2) return block_f32_wide<L, M>(x, n);
+  Partial p = block_from_sums(n, zero, mn, mx, 0.0, 0.0, c);
+  p.mean = (double)k + s / (double)c.finite;
   p.m2 = m2 > 0.0 ? m2 : 0.0;
   p.ssq = pp;
   return p;
@@ -540,18 +788,22 @@ Partial block_f32_shifted(const typename L::T* x, int64_t n) {
 // count, sums of x and x^2 folded into float64 every 16 elements per lane, so float32 rounding
 // stays ~1e-6 relative), M2 = sum x^2 - (sum x)^2 / n. That M2 is kept when the mean does not
 // dominate the spread (sum x^2 <= kMaxCancel * M2: gradients nearly always); otherwise the block
-// goes to block_f32_shifted, and a block with non-finite values or extreme magnitudes to
-// block_f32_wide. About 12 vector operations per 2 * FW elements, mask moves included: the
-// shifted sums live in block_f32_shifted and 16-bit zeros are counted on the raw words
-// (count_zero16), so that bfloat16, half the bytes per element, stays memory-bound rather than
-// compute-bound on a few cores.
-template <typename L>
+// goes to block_f32_shifted, and a block with extreme magnitudes to block_f32_wide. About 12
+// vector operations per 2 * FW elements, mask moves included: the shifted sums live in
+// block_f32_shifted and 16-bit zeros are counted on the raw words (count_zero16), so that
+// bfloat16, half the bytes per element, stays memory-bound rather than compute-bound on a few
+// cores. Non-finite sums whose cause is not a finite extreme (the largest |x| is <= 2^60 or
+// infinite) mean NaN/Inf elements: the block is redone masked (M = true), from L1.
+template <typename L, bool M>
 Partial block_f32(const typename L::T* x, int64_t n) {
-  if (n < 4 * FW) return block_f32_wide<L>(x, n);
+  if (n < 4 * FW) return block_f32_wide<L, M>(x, n);
   const vf pinf = splatf(__builtin_huge_valf()), ninf = -pinf;
   const vf zf = splatf(0.0f);
   vf mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
   vd ss = splatd(0), sp = ss;
+  CountF ca = count_f_zero(), cb = ca;
+  CountW cw = count_w_zero();
+  Counts c = {M ? 0 : n, 0, 0};
   int64_t zero = 0;
   int64_t i = 0;
   constexpr int64_t kSub = 16 * 2 * FW;  // elements per float32 sub-block
@@ -564,11 +816,32 @@ Partial block_f32(const typename L::T* x, int64_t n) {
       prefetch_ahead<kStep>(x + i);
       vf a, b;
       L::load2(x + i, a, b);
+      zero += L::zeros2(x + i, a, b);
+      if constexpr (M) {
+        const mf ka = fin_mask(a), kb = fin_mask(b);
+        if constexpr (L::kWordInfs) {
+          count_fin(ka, ca);
+          count_fin(kb, cb);
+          L::infs2(x + i, cw);
+        } else {
+          count_lanes(a, ka, ca);
+          count_lanes(b, kb, cb);
+        }
+        if (none2(ka, kb)) continue;  // all NaN/Inf (a NaN-filled tensor): nothing to sum
+        mn0 = mmin(a, mn0, ka);
+        mn1 = mmin(b, mn1, kb);
+        mx0 = mmax(a, mx0, ka);
+        mx1 = mmax(b, mx1, kb);
+        s0 = madd(s0, a, ka);
+        s1 = madd(s1, b, kb);
+        p0 = mfma(p0, a, ka);
+        p1 = mfma(p1, b, kb);
+        continue;
+      }
       mn0 = vmin(a, mn0);
       mn1 = vmin(b, mn1);
       mx0 = vmax(a, mx0);
       mx1 = vmax(b, mx1);
-      zero += L::zeros2(x + i, a, b);
       s0 += a;
       s1 += b;
       p0 += a * a;
@@ -579,35 +852,65 @@ Partial block_f32(const typename L::T* x, int64_t n) {
     ss += lo_d(s0) + hi_d(s0);
     sp += lo_d(p0) + hi_d(p0);
   }
-  double mn, mx, s, q;
-  reduce_lanes_and_tail<L>(mn0, mn1, mx0, mx1, ss, sp, x, i, n, mn, mx, s, q, zero);
-  const double amax = -mn > mx ? -mn : mx;
-  if (!(is_finite(s) && is_finite(q)) || (amax != 0.0 && (amax < kFastMinAmax || amax > kF32Hi))) {
-    return block_f32_wide<L>(x, n);
+  if constexpr (M) {
+    add_counts(ca, c);
+    add_counts(cb, c);
+    add_counts(cw, c);
   }
-  const double m2 = q - s * s / (double)n;
-  if (q > kMaxCancel * m2) return block_f32_shifted<L>(x, n);
-  return block_from_sums(n, zero, mn, mx, s, q);
+  double mn, mx, s, q;
+  reduce_lanes_and_tail<L, M>(mn0, mn1, mx0, mx1, ss, sp, x, i, n, mn, mx, s, q, zero, c);
+  const double amax = -mn > mx ? -mn : mx;
+  if (!(is_finite(s) && is_finite(q))) {
+    // unmasked, min/max skip NaN but not +-inf: a finite amax above 2^60 is an extreme square
+    if (M || (amax > kF32Hi && amax < __builtin_huge_val())) return block_f32_wide<L, M>(x, n);
+    return block_f32<L, true>(x, n);
+  }
+  if (c.finite == 0) return block_from_sums(n, zero, mn, mx, s, q, c);
+  if (amax != 0.0 && (amax < kFastMinAmax || amax > kF32Hi)) return block_f32_wide<L, M>(x, n);
+  const double m2 = q - s * s / (double)c.finite;
+  if (q > kMaxCancel * m2) return block_f32_shifted<L, M>(x, n);
+  return block_from_sums(n, zero, mn, mx, s, q, c);
 }
 
+// float64 blocks (and the widened integers): float64 lanes; NaN/Inf (non-finite sums) redo the
+// block masked; magnitudes outside [2^-480, 2^480] go to the exact scalar block_slow.
+template <bool M>
 Partial block_f64(const double* x, int64_t n) {
   if (n == 0) return partial_empty();
   const vd pinf = splatd(__builtin_huge_val()), ninf = -pinf, zero_d = splatd(0);
   vd mn0 = pinf, mn1 = pinf, mx0 = ninf, mx1 = ninf;
   vd s0 = zero_d, s1 = zero_d, q0 = zero_d, q1 = zero_d;
+  CountD ca = count_d_zero(), cb = ca;
+  Counts c = {M ? 0 : n, 0, 0};
   int64_t zero = 0;
   int64_t i = 0;
   for (; i + 2 * DW <= n; i += 2 * DW) {
-    const vd a = loadd(x + i), b = loadd(x + i + DW);
-    mn0 = a < mn0 ? a : mn0;
-    mn1 = b < mn1 ? b : mn1;
-    mx0 = a > mx0 ? a : mx0;
-    mx1 = b > mx1 ? b : mx1;
+    vd a = loadd(x + i), b = loadd(x + i + DW);
     zero += count_zero(a) + count_zero(b);
+    if constexpr (M) {
+      const md ka = fin_mask(a), kb = fin_mask(b);
+      count_lanes(a, ka, ca);
+      count_lanes(b, kb, cb);
+      mn0 = mmin(a, mn0, ka);
+      mn1 = mmin(b, mn1, kb);
+      mx0 = mmax(a, mx0, ka);
+      mx1 = mmax(b, mx1, kb);
+      a = keep(a, ka);
+      b = keep(b, kb);
+    } else {
+      mn0 = a < mn0 ? a : mn0;
+      mn1 = b < mn1 ? b : mn1;
+      mx0 = a > mx0 ? a : mx0;
+      mx1 = b > mx1 ? b : mx1;
+    }
     s0 += a;
     s1 += b;
     q0 += a * a;
     q1 += b * b;
+  }
+  if constexpr (M) {
+    add_counts(ca, c);
+    add_counts(cb, c);
   }
   mn0 = mn1 < mn0 ? mn1 : mn0;
   mx0 = mx1 > mx0 ? mx1 : mx0;
@@ -622,6 +925,7 @@ Partial block_f64(const double* x, int64_t n) {
   }
   for (; i < n; ++i) {
     const double v = x[i];
+    if (M && !tally1(v, c)) continue;
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
     zero += v == 0.0;
@@ -629,10 +933,16 @@ Partial block_f64(const double* x, int64_t n) {
     q += v * v;
   }
   const double amax = -mn > mx ? -mn : mx;
-  const bool safe = is_finite(s) && is_finite(q) &&
-                    (amax == 0.0 || (amax >= kSafeLo && amax <= kSafeHi));
-  if (!safe) return block_slow<LoadF64>(x, n);
-  return block_from_sums(n, zero, mn, mx, s, q);
+  const bool sums = is_finite(s) && is_finite(q);
+  // unmasked: +-inf shows in amax, NaN only in the sums; finite extremes show in amax
+  if (!M && !sums && !(amax > kSafeHi && amax < __builtin_huge_val())) {
+    return block_f64<true>(x, n);
+  }
+  if (c.finite == 0) return block_from_sums(n, zero, mn, mx, s, q, c);
+  if (!sums || (amax != 0.0 && (amax < kSafeLo || amax > kSafeHi))) {
+    return block_slow<LoadF64>(x, n);
+  }
+  return block_from_sums(n, zero, mn, mx, s, q, c);
 }
 
 // Rare element types (float8, integers, bool) are widened into an L1-resident buffer first.
@@ -644,8 +954,6 @@ void widen(const void* data, int64_t begin, int64_t n, double* out) {
 
 // ---- mixed-precision range counts (only when asked: a second look at the L1-resident block,
 // not a second read from memory) -----------------------------------------------------------
-
-typedef int vi __attribute__((vector_size(sizeof(vf))));
 
 // over: finite |x| > hi; under: 0 < |x| < lo. NaN compares false everywhere and +-inf is
 // excluded from over, so only finite values count.
@@ -689,28 +997,29 @@ void count_range_f64(const double* x, int64_t n, double hi, double lo, int64_t* 
   *under = uc;
 }
 
-// A float-lane block: its statistics, then (when asked) its range counts.
+// A float-lane block: its statistics (masked first when asked), then its range counts.
 template <typename L>
-Partial block_lanes(const typename L::T* x, int64_t n, double hi, double lo, bool ranged) {
-  Partial p = block_f32<L>(x, n);
+Partial block_lanes(const typename L::T* x, int64_t n, double hi, double lo, bool ranged,
+                    bool masked) {
+  Partial p = masked ? block_f32<L, true>(x, n) : block_f32<L, false>(x, n);
   if (ranged) count_range<L>(x, n, hi, lo, &p.over, &p.under);
   return p;
 }
 
 Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float* fbuf,
-                    double* dbuf, double hi, double lo) {
+                    double* dbuf, double hi, double lo, bool masked) {
   const bool ranged = hi < __builtin_huge_val() || lo > 0.0;
   Partial p;
   switch (dtype) {
     case kF32:
-      return block_lanes<LoadF32>((const float*)data + begin, n, hi, lo, ranged);
+      return block_lanes<LoadF32>((const float*)data + begin, n, hi, lo, ranged, masked);
     case kBF16:
-      return block_lanes<LoadBF16>((const uint16_t*)data + begin, n, hi, lo, ranged);
+      return block_lanes<LoadBF16>((const uint16_t*)data + begin, n, hi, lo, ranged, masked);
     case kF16:
-      return block_lanes<LoadF16>((const uint16_t*)data + begin, n, hi, lo, ranged);
+      return block_lanes<LoadF16>((const uint16_t*)data + begin, n, hi, lo, ranged, masked);
     case kF64: {
       const double* x = (const double*)data + begin;
-      p = block_f64(x, n);
+      p = masked ? block_f64<true>(x, n) : block_f64<false>(x, n);
       if (ranged) count_range_f64(x, n, hi, lo, &p.over, &p.under);
       return p;
     }
@@ -722,7 +1031,7 @@ Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float
       } else {
         for (int64_t i = 0; i < n; ++i) fbuf[i] = f8e4m3fn_to_float(x[i]);
       }
-      return block_lanes<LoadF32>(fbuf, n, hi, lo, ranged);
+      return block_lanes<LoadF32>(fbuf, n, hi, lo, ranged, masked);
     }
     case kI8:
       widen<int8_t>(data, begin, n, dbuf);
@@ -743,7 +1052,7 @@ Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float
     default:
       __builtin_trap();  // the caller validated the dtype
   }
-  p = block_f64(dbuf, n);
+  p = block_f64<false>(dbuf, n);  // integers: always finite
   if (ranged) count_range_f64(dbuf, n, hi, lo, &p.over, &p.under);
   return p;
 }
@@ -755,9 +1064,15 @@ Partial chunk_stats(const void* data, int dtype, int64_t begin, int64_t end, dou
   alignas(64) float fbuf[kBlock];
   alignas(64) double dbuf[kBlock];
   Partial acc = partial_empty();
+  // After a block with NaN/Inf, the chunk's later blocks go to the masked path first: the
+  // unmasked one would only find them again and hand the block over (the same result either
+  // way, a second pass saved).
+  bool masked = false;
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = end - b < kBlock ? end - b : kBlock;
-    acc = partial_merge(acc, block_stats(data, dtype, b, n, fbuf, dbuf, range_hi, range_lo));
+    const Partial p = block_stats(data, dtype, b, n, fbuf, dbuf, range_hi, range_lo, masked);
+    masked = masked || p.finite != p.n;
+    acc = partial_merge(acc, p);
   }
   return acc;
 }

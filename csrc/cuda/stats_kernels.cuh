@@ -17,7 +17,13 @@
 //       - the variance cancels (sum x^2 > 64 * M2: the mean dominates the spread);
 //   pass 2 (cancellation only): the same sums around c = the chunk's mean rounded to float32,
 //     so M2 = sum (x-c)^2 - (sum (x-c))^2 / n no longer cancels;
-//   slow path (non-finite, tiny, float64, integers): one float64 value per element, sums around
+//   masked pass (a sum is not finite while the largest |x| is not a finite extreme: NaN/Inf
+//     elements): the same loads and sums over the finite elements only (each element's
+//     finiteness selects it or 0), with finite, +inf and -inf counted per thread; it is final
+//     unless its finite values need the shifted pass (its masked form) or the slow path. A block
+//     whose last chunk held NaN/Inf reads its next chunk masked first (a NaN-filled tensor is
+//     read once); on finite data the masked sums are bitwise those of pass 1;
+//   slow path (tiny, extreme, float64, integers): one float64 value per element, sums around
 //     each thread's first value, Blue's three-bin sum of squares (no overflow or underflow for
 //     any float64), Chan's formula over a fixed tree of the block's threads, NaN/inf counted.
 // Accuracy of the fast path: each float32 term carries at most ~10 roundings of 2^-24, so
@@ -35,7 +41,8 @@
 #include "../stats.h"
 #include "../plan.h"
 
-// Test hook: tests/cuda_emu/ counts the chunks each path finishes (0 fast, 1 shifted, 2 slow).
+// Test hook: tests/cuda_emu/ counts the chunks each path finishes (0 fast, 1 shifted, 2 slow,
+// 3 masked).
 #ifndef FH_COUNT_PATH
 #define FH_COUNT_PATH(path)
 #endif
@@ -103,6 +110,7 @@ struct Sums {
   double q;  // sum of (x - c)^2; with c = 0 (pass 1) the sum of squares
   float mn, mx;
   float zero, over, under;  // counts, at most kCudaChunk each (under: |x| < lo, zeros too)
+  float fin, pinf, ninf;    // masked passes only: finite, +inf and -inf elements
 };
 static_assert(kCudaChunk <= (int64_t{1} << 24), "float counts in Sums must stay exact");
 
@@ -112,6 +120,7 @@ __device__ __forceinline__ Sums sums_empty() {
   a.mn = __builtin_huge_valf();
   a.mx = -__builtin_huge_valf();
   a.zero = a.over = a.under = 0.0f;
+  a.fin = a.pinf = a.ninf = 0.0f;
   return a;
 }
 
@@ -141,10 +150,49 @@ __device__ __forceinline__ void add_elems(Sums& a, const float* x, float c, floa
   a.q += static_cast<double>(q);
 }
 
+// The masked form of add_elems: non-finite elements add 0 to the sums (the same sum order, so
+// finite data gives the same bits) and are left out of min/max and the range counts; finite,
+// +inf and -inf elements are counted.
+template <int K, bool kShift, bool kRange>
+__device__ __forceinline__ void add_elems_masked(Sums& a, const float* x, float c, float hi,
+                                                 float lo) {
+  float s = 0.0f, q = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const float v = x[k];
+    const bool f = fabsf(v) < __builtin_huge_valf();  // false for NaN
+    const float d = f ? (kShift ? v - c : v) : 0.0f;
+    s += d;
+    q = fmaf(d, d, q);
+    a.mn = f ? fminf(a.mn, v) : a.mn;
+    a.mx = f ? fmaxf(a.mx, v) : a.mx;
+    a.zero += v == 0.0f ? 1.0f : 0.0f;
+    a.fin += f ? 1.0f : 0.0f;
+    a.pinf += v == __builtin_huge_valf() ? 1.0f : 0.0f;
+    a.ninf += v == -__builtin_huge_valf() ? 1.0f : 0.0f;
+    if (kRange) {
+      const float ax = fabsf(v);
+      a.over += f && ax > hi ? 1.0f : 0.0f;
+      a.under += ax < lo ? 1.0f : 0.0f;  // zeros included here, taken out by the caller
+    }
+  }
+  a.s += static_cast<double>(s);
+  a.q += static_cast<double>(q);
+}
+
+template <int K, bool kShift, bool kRange, bool kMask>
+__device__ __forceinline__ void add_any(Sums& a, const float* x, float c, float hi, float lo) {
+  if constexpr (kMask) {
+    add_elems_masked<K, kShift, kRange>(a, x, c, hi, lo);
+  } else {
+    add_elems<K, kShift, kRange>(a, x, c, hi, lo);
+  }
+}
+
 // One thread's share of elements [begin, end) of a tensor: the elements before the first
 // 16-byte boundary and after the last whole vector one at a time, the vectors between four
 // loads at a time.
-template <typename V, bool kShift, bool kRange>
+template <typename V, bool kShift, bool kRange, bool kMask = false>
 __device__ Sums thread_sums(const void* ptr, int64_t begin, int64_t end, float c, float hi,
                             float lo) {
   Sums a = sums_empty();
@@ -164,25 +212,26 @@ __device__ Sums thread_sums(const void* ptr, int64_t begin, int64_t end, float c
     for (int u = 0; u < 4; ++u) {
       float x[V::kPer];
       V::unpack(r[u], x);
-      add_elems<V::kPer, kShift, kRange>(a, x, c, hi, lo);
+      add_any<V::kPer, kShift, kRange, kMask>(a, x, c, hi, lo);
     }
   }
   for (; v < nvec; v += kThreads) {
     float x[V::kPer];
     V::unpack(__ldg(vp + v), x);
-    add_elems<V::kPer, kShift, kRange>(a, x, c, hi, lo);
+    add_any<V::kPer, kShift, kRange, kMask>(a, x, c, hi, lo);
   }
   const int64_t tail = vbegin + nvec * V::kPer;
   const int64_t rest = head + (end - tail);
   for (int64_t j = threadIdx.x; j < rest; j += kThreads) {
     const float x = V::load1(ptr, j < head ? begin + j : tail + (j - head));
-    add_elems<1, kShift, kRange>(a, &x, c, hi, lo);
+    add_any<1, kShift, kRange, kMask>(a, &x, c, hi, lo);
   }
   return a;
 }
 
 // Butterfly over the warp: every lane ends with the same (bitwise) totals, since each step
 // adds the same two values in either order.
+template <bool kMask>
 __device__ __forceinline__ Sums warp_sums(Sums a) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) {
@@ -193,18 +242,24 @@ __device__ __forceinline__ Sums warp_sums(Sums a) {
     a.zero += __shfl_xor_sync(kFullMask, a.zero, m);
     a.over += __shfl_xor_sync(kFullMask, a.over, m);
     a.under += __shfl_xor_sync(kFullMask, a.under, m);
+    if (kMask) {
+      a.fin += __shfl_xor_sync(kFullMask, a.fin, m);
+      a.pinf += __shfl_xor_sync(kFullMask, a.pinf, m);
+      a.ninf += __shfl_xor_sync(kFullMask, a.ninf, m);
+    }
   }
   return a;
 }
 
 // The block's totals in every thread (each warp reduces the kWarps warp totals itself).
+template <bool kMask = false>
 __device__ __forceinline__ Sums block_sums(Sums a, Sums* smem) {
-  a = warp_sums(a);
+  a = warp_sums<kMask>(a);
   const int lane = threadIdx.x & 31;
   if (lane == 0) smem[threadIdx.x >> 5] = a;
   __syncthreads();
   Sums t = lane < kWarps ? smem[lane] : sums_empty();
-  t = warp_sums(t);
+  t = warp_sums<kMask>(t);
   __syncthreads();  // smem is reused by the next call
   return t;
 }
@@ -331,17 +386,72 @@ __device__ Partial slow_chunk(const void* ptr, int dtype, int64_t begin, int64_t
 
 // ---- one chunk -------------------------------------------------------------------------------
 
+// Largest |x| whose float32 chains of 8 squares cannot overflow (2^62): non-finite sums under it
+// (or with an infinite min/max: pass 1's min/max see +-inf, not NaN) mean NaN/Inf elements.
+constexpr double kSquaresFit = 4.611686018427388e+18;
+
+// A chunk holding NaN/Inf: the masked passes (finite elements only, NaN/+inf/-inf counted);
+// finite values that the fast path cannot serve exactly (tiny, extreme) go to slow_chunk.
+template <typename V, bool kRange>
+__device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
+                                double lo, Partial* shared, Sums* smem) {
+  const float hf = static_cast<float>(hi), lf = static_cast<float>(lo);
+  const Sums a = block_sums<true>(
+      thread_sums<V, false, kRange, true>(ptr, begin, end, 0.0f, hf, lf), smem);
+  Partial p = partial_empty();
+  p.n = end - begin;
+  p.finite = static_cast<int64_t>(a.fin);
+  p.posinf = static_cast<int64_t>(a.pinf);
+  p.neginf = static_cast<int64_t>(a.ninf);
+  p.zero = static_cast<int64_t>(a.zero);
+  p.over = kRange ? static_cast<int64_t>(a.over) : 0;
+  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
+  if (p.finite == 0) {
+    if (threadIdx.x == 0) FH_COUNT_PATH(3);
+    return p;
+  }
+  const double n = static_cast<double>(a.fin);
+  const double amax = fmax(-static_cast<double>(a.mn), static_cast<double>(a.mx));
+  if (!finite64(a.s) || !finite64(a.q) || (amax > 0.0 && amax < kFastMinAmax)) {
+    return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
+  }
+  double mean = a.s / n;
+  double m2 = a.q - a.s * mean;
+  if (!(a.q <= kMaxCancel * m2)) {
+    const float c = static_cast<float>(mean);
+    const Sums b = block_sums<true>(
+        thread_sums<V, true, false, true>(ptr, begin, end, c, hf, lf), smem);
+    if (!finite64(b.s) || !finite64(b.q)) return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
+    mean = static_cast<double>(c) + b.s / n;
+    m2 = b.q - b.s * (b.s / n);
+  }
+  if (threadIdx.x == 0) FH_COUNT_PATH(3);
+  p.fmin = a.mn;
+  p.fmax = a.mx;
+  p.mean = mean;
+  p.m2 = m2 > 0.0 ? m2 : 0.0;
+  p.ssq = a.q;
+  return p;
+}
+
+// masked_first: this block's previous chunk held NaN/Inf, so this one is read masked first (the
+// same result on finite data, one pass instead of two on a NaN-laden tensor).
 template <typename V, bool kRange>
 __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
-                              double lo, Partial* shared, Sums* smem) {
+                              double lo, Partial* shared, Sums* smem, bool masked_first) {
+  if (masked_first) return masked_chunk<V, kRange>(ptr, dtype, begin, end, hi, lo, shared, smem);
   const float hf = static_cast<float>(hi), lf = static_cast<float>(lo);
   const Sums a = block_sums(thread_sums<V, false, kRange>(ptr, begin, end, 0.0f, hf, lf), smem);
   const double n = static_cast<double>(end - begin);
   const double amax = fmax(-static_cast<double>(a.mn), static_cast<double>(a.mx));
   // (every thread holds the same totals, so every thread takes the same branch)
-  if (!finite64(a.s) || !finite64(a.q) || (amax > 0.0 && amax < kFastMinAmax)) {
-    return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
+  if (!finite64(a.s) || !finite64(a.q)) {
+    if (amax > kSquaresFit && amax < fh_inf()) {  // finite extremes (NaN possibly too)
+      return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
+    }
+    return masked_chunk<V, kRange>(ptr, dtype, begin, end, hi, lo, shared, smem);
   }
+  if (amax > 0.0 && amax < kFastMinAmax) return slow_chunk(ptr, dtype, begin, end, hi, lo, shared);
   double mean = a.s / n;
   double m2 = a.q - a.s * mean;
   const bool shifted = !(a.q <= kMaxCancel * m2);
@@ -390,6 +500,7 @@ chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double
   int64_t c = blockIdx.x;
   if (c >= n_items) return;
   ChunkItem next = items[c];
+  bool masked_first = false;  // the same in every thread: records are block-wide
   for (; c < n_items; c += gridDim.x) {
     const ChunkItem item = next;
     if (c + gridDim.x < n_items) next = items[c + gridDim.x];
@@ -398,14 +509,18 @@ chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double
     if (item.count <= 0) {
       p = partial_empty();
     } else if (item.dtype == kF32) {
-      p = fast_chunk<F32, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem);
+      p = fast_chunk<F32, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem,
+                                   masked_first);
     } else if (item.dtype == kBF16) {
-      p = fast_chunk<BF16, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem);
+      p = fast_chunk<BF16, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem,
+                                   masked_first);
     } else if (item.dtype == kF16) {
-      p = fast_chunk<F16, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem);
+      p = fast_chunk<F16, kRange>(item.ptr, item.dtype, item.begin, end, hi, lo, shared, smem,
+                                   masked_first);
     } else {
       p = slow_chunk(item.ptr, item.dtype, item.begin, end, hi, lo, shared);
     }
+    masked_first = p.finite != p.n;
     if (threadIdx.x == 0) parts[item.slot] = p;
   }
 }

@@ -6,7 +6,7 @@
 //      limits, csrc/plan.h; resident 0: the largest chunk); then per tensor: int32 dtype code
 //      (stats.h), int64 numel, int64 misalignment in bytes, numel elements' raw bytes.
 // OUT: float64 table [(n + 1) x kTableWidth], then int64 chunks finished by each path
-//      (fast, shifted, slow), then int64 chunk size, items, merge runs (0: one level), then
+//      (fast, shifted, slow, masked), then int64 chunk size, items, merge runs (0: one level), then
 //      per item in launch order int64 tensor, slot, begin, count.
 #include <atomic>
 #include <cstdio>
@@ -14,7 +14,7 @@
 
 #include "emu.h"
 
-inline std::atomic<int64_t> path_count[3];
+inline std::atomic<int64_t> path_count[4];
 #define FH_COUNT_PATH(path) (path_count[(path)]++)
 
 #include "cuda/stats_kernels.cuh"
