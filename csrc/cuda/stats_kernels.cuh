@@ -483,13 +483,11 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
 // One record per item, at its slot. kRange: range counts were asked for (range_hi < inf or
 // range_lo > 0). The next item's record is loaded before this one is reduced: it arrives while
 // the block works, instead of stalling the block between items.
-// At least 2 blocks an SM, not 3: under a budget of 85 registers (3 blocks) ptxas reuses the
-// first load's registers for the fourth in the 16-bit loops, so an iteration waits on memory
-// twice; with up to 128 (it takes about 95) the four loads of every iteration are in flight
-// before the first use (tests/test_cuda_build.py reads it in the sm_90 machine code): 2 x 256
-// threads x 64 bytes = 32 KB in flight an SM, above the ~25 KB that H200's bandwidth times its
-// latency needs (4.8 TB/s / 132 SMs x ~700 ns), where 3 blocks with half the loads waiting held
-// about 24 KB.
+// At least 2 blocks an SM, not 3: under the 85-register budget of 3 blocks ptxas reused the
+// first load's registers for the fourth in the 16-bit loops, so an iteration waited on memory
+// twice; the budget of 2 blocks (128 registers) leaves room for four loads in flight. With the
+// masked passes ptxas still keeps only three in some loops (tests/test_cuda_build.py holds the
+// line; docs/gpu.md has the figures).
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads, 2)
 chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo,

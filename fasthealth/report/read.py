@@ -326,18 +326,25 @@ class Log:
     footer: list[str] = field(default_factory=list)  # the run, the others (report/runs.py)
 
 
-def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Log:
-    """meta.json, steps.jsonl, events.jsonl and incidents.jsonl of a Monitor's log_dir, every
-    value checked, and what was wrong (``Problems``). Raises FileNotFoundError (no such
-    directory, no steps.jsonl), NotADirectoryError, or LogError (steps.jsonl unreadable, empty,
-    or without a single readable step): there is nothing to report. ``skip``: line numbers
-    by file left out (a run's abandoned branch, ``report/runs.py``)."""
+def log_directory(log_dir: str | Path) -> Path:
+    """``log_dir`` as a Path; FileNotFoundError or NotADirectoryError, with the message the
+    report prints, where it is not a directory."""
     d = Path(log_dir)
     if not d.exists():
         raise FileNotFoundError(f"fasthealth report: {d} not found (no such directory)")
     if not d.is_dir():
         raise NotADirectoryError(f"fasthealth report: {d} is not a directory: give the log_dir "
                                  "a Monitor wrote (Monitor(..., log_dir=...))")
+    return d
+
+
+def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Log:
+    """meta.json, steps.jsonl, events.jsonl and incidents.jsonl of a Monitor's log_dir, every
+    value checked, and what was wrong (``Problems``). Raises FileNotFoundError (no such
+    directory, no steps.jsonl), NotADirectoryError, or LogError (steps.jsonl unreadable, empty,
+    or without a single readable step): there is nothing to report. ``skip``: line numbers
+    by file left out (a run's abandoned branch, ``report/runs.py``)."""
+    d = log_directory(log_dir)
     steps_path = d / "steps.jsonl"
     if not steps_path.is_file():
         raise FileNotFoundError(f"fasthealth report: {steps_path} not found: is {d} a Monitor's "

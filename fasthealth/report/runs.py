@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..monitor.runs import abandoned_lines, is_run_name, run_dirs
 from ..monitor.sinks import read_jsonl
-from .read import Log, LogError, read_log
+from .read import Log, LogError, log_directory, read_log
 
 OLD_LAYOUT = "."  # the name of the run of a directory in the layout from before runs
 
@@ -79,12 +79,7 @@ def choose(log_dir: str | Path, run: str | None) -> tuple[RunInfo, list[RunInfo]
     """(the run to report, every run of the directory). Raises FileNotFoundError or
     NotADirectoryError where there is no such directory, LogError where it holds no run or no
     run ``run``."""
-    d = Path(log_dir)
-    if not d.exists():
-        raise FileNotFoundError(f"fasthealth report: {d} not found (no such directory)")
-    if not d.is_dir():
-        raise NotADirectoryError(f"fasthealth report: {d} is not a directory: give the log_dir "
-                                 "a Monitor wrote (Monitor(..., log_dir=...))")
+    d = log_directory(log_dir)
     runs = find_runs(d)
     if not runs:
         empty = [p.name for p in run_dirs(d)]
