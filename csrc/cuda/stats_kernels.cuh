@@ -392,6 +392,18 @@ constexpr double kSquaresFit = 4.611686018427388e+18;
 
 // A chunk holding NaN/Inf: the masked passes (finite elements only, NaN/+inf/-inf counted);
 // finite values that the fast path cannot serve exactly (tiny, extreme) go to slow_chunk.
+// The finite elements' range and moments of a chunk's record, from its block sums (the fast
+// and the masked passes end alike).
+__device__ __forceinline__ Partial with_moments(Partial p, const Sums& a, double mean,
+                                                double m2) {
+  p.fmin = a.mn;
+  p.fmax = a.mx;
+  p.mean = mean;
+  p.m2 = m2 > 0.0 ? m2 : 0.0;
+  p.ssq = a.q;
+  return p;
+}
+
 template <typename V, bool kRange>
 __device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
                                 double lo, Partial* shared, Sums* smem) {
@@ -426,12 +438,7 @@ __device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64
     m2 = b.q - b.s * (b.s / n);
   }
   if (threadIdx.x == 0) FH_COUNT_PATH(3);
-  p.fmin = a.mn;
-  p.fmax = a.mx;
-  p.mean = mean;
-  p.m2 = m2 > 0.0 ? m2 : 0.0;
-  p.ssq = a.q;
-  return p;
+  return with_moments(p, a, mean, m2);
 }
 
 // masked_first: this block's previous chunk held NaN/Inf, so this one is read masked first (the
@@ -470,12 +477,7 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
   p.zero = static_cast<int64_t>(a.zero);
   p.over = kRange ? static_cast<int64_t>(a.over) : 0;
   p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
-  p.fmin = a.mn;
-  p.fmax = a.mx;
-  p.mean = mean;
-  p.m2 = m2 > 0.0 ? m2 : 0.0;
-  p.ssq = a.q;
-  return p;
+  return with_moments(p, a, mean, m2);
 }
 
 // ---- the three kernels -----------------------------------------------------------------------
@@ -528,15 +530,22 @@ chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double
 // (plan.h), one block a run of chunks.
 constexpr int kMergeThreads = 128;
 
+// Records [begin, end) merged in a fixed order by a block of kMergeThreads: strided over the
+// threads, then block_merge's tree; every thread gets the result.
+__device__ __forceinline__ Partial segment_merge(const Partial* parts, int64_t begin,
+                                                 int64_t end, Partial* shared) {
+  Partial acc = partial_empty();
+  for (int64_t c = begin + threadIdx.x; c < end; c += kMergeThreads) {
+    acc = partial_merge(acc, parts[c]);
+  }
+  return block_merge<kMergeThreads>(acc, shared);
+}
+
 __global__ void __launch_bounds__(kMergeThreads)
 merge_chunks_cuda(const Partial* parts, const int64_t* first, Partial* merged) {
   __shared__ Partial shared[kMergeThreads];
   const int64_t i = blockIdx.x;
-  Partial acc = partial_empty();
-  for (int64_t c = first[i] + threadIdx.x; c < first[i + 1]; c += kMergeThreads) {
-    acc = partial_merge(acc, parts[c]);
-  }
-  const Partial r = block_merge<kMergeThreads>(acc, shared);
+  const Partial r = segment_merge(parts, first[i], first[i + 1], shared);
   if (threadIdx.x == 0) merged[i] = r;
 }
 
@@ -553,11 +562,7 @@ merge_finalize_cuda(const Partial* parts, const int64_t* first, int64_t n, Parti
   __shared__ Partial shared[kMergeThreads];
   __shared__ bool last;
   const int64_t i = blockIdx.x;
-  Partial acc = partial_empty();
-  for (int64_t c = first[i] + threadIdx.x; c < first[i + 1]; c += kMergeThreads) {
-    acc = partial_merge(acc, parts[c]);
-  }
-  const Partial r = block_merge<kMergeThreads>(acc, shared);
+  const Partial r = segment_merge(parts, first[i], first[i + 1], shared);
   if (threadIdx.x == 0) {
     per_tensor[i] = r;
     __threadfence();
@@ -567,11 +572,7 @@ merge_finalize_cuda(const Partial* parts, const int64_t* first, int64_t n, Parti
   Partial total = r;
   if (last) {  // the same in every thread of the block
     __threadfence();
-    Partial tot = partial_empty();
-    for (int64_t j = threadIdx.x; j < n; j += kMergeThreads) {
-      tot = partial_merge(tot, per_tensor[j]);
-    }
-    total = block_merge<kMergeThreads>(tot, shared);
+    total = segment_merge(per_tensor, 0, n, shared);
     if (threadIdx.x == 0) *done = 0u;  // ready for the next call and the next graph replay
   }
   if (threadIdx.x == 0) partial_finalize(r, table + i * kTableWidth);
