@@ -322,13 +322,17 @@ def test_precursor_options_name_bad_input():
 def test_device_scores_are_the_host_rules_scores():
     """The device rule scores as ``robust.spike_scores`` does: the same median, the noise
     unit of the window or its last 32 values, the log-scale floor; on a flat plateau, on a run
-    that became noisier than its window, and on a non-positive series (linear only)."""
+    that became noisier than its window, on a series with negative values (linear only), on a
+    fitted classifier's losses with zeros in them (gaps on the log scale) and on zeros only."""
     from fasthealth.monitor.robust import spike_score
 
     g = torch.Generator().manual_seed(3)
     flat = (2.3 * (1 + 0.001 * torch.randn(100, generator=g))).tolist()
     noisy = (2.3 * torch.exp(-0.03 * torch.arange(28) + 0.3 * torch.randn(28, generator=g)))
-    for series in (flat, flat + noisy.tolist(), (torch.randn(128, generator=g) - 0.5).tolist()):
+    fitted = (10 ** (-5 + 2.5 * torch.randn(128, generator=g))).clamp_max(1.0)
+    fitted[[7, 60, 125]] = 0.0  # losses that underflowed: gaps on the log scale
+    for series in (flat, flat + noisy.tolist(), (torch.randn(128, generator=g) - 0.5).tolist(),
+                   fitted.tolist(), [0.0] * 40):
         r = SkipRule(torch.device("cpu"), SkipConfig(warmup=20))
         for v in series:
             r.buf[:, r.pos[0]] = v

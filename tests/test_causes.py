@@ -315,3 +315,23 @@ def test_an_incident_of_skipped_steps_still_closes_once_the_run_is_back():
         t.observe(math.nan if step == 20 else 2.0 - step / 100, math.nan, 1.0, step != 20)
     assert t.current is None and t.incidents[0].end == 20
     assert t.incidents[0].cause == "batch", t.incidents[0].why  # back at once
+
+
+@pytest.mark.parametrize("weight_finding, cause", [
+    ({"jumps": {"q.weight": {"old_amax": 0.04, "new_amax": 1.2e37}}, "nonfinite": {}}, "weights"),
+    ({"jumps": {}, "nonfinite": {"q.weight": 3}}, "optimizer_state"),
+])
+def test_broken_optimizer_state_then_a_weight_that_jumped_is_the_weights(weight_finding, cause):
+    """Adafactor's factored moments overflow on a flipped weight's gradient before the weight
+    scan sees the weight: a finite jump in the same incident names the weights; NaN weights
+    after broken moments are the moments' effect, and the optimizer's state stays the cause."""
+    t = IncidentTracker()
+    for step in range(30):
+        events = {10: [ev(10, "optimizer_state_nonfinite")],
+                  12: [ev(12, "weight_corruption", **weight_finding)]}.get(step, [])
+        t.advance(step)
+        t.file(step, events)
+        t.observe(2.0 - step / 100, math.nan, 1.0, True)
+    inc = t.incidents[0]
+    assert inc.kinds == ["optimizer_state_nonfinite", "weight_corruption"], inc.kinds
+    assert inc.cause == cause, inc.why

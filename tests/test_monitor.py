@@ -273,6 +273,24 @@ def test_vanishing_gradients():
     assert [e.step for e in van] == [52], kinds_at(mon)
 
 
+def test_a_fitted_batch_is_no_vanishing_gradient():
+    """Gradients that vanish with their loss (a memorised batch, loss 1e-7 against a first
+    level of 2.3) are convergence; the same gradients under a loss that stayed up, or a loss of
+    exactly 0 at every step (masked out), are vanishing."""
+    def run(loss_after):
+        rule = rules.Vanishing()
+        found = []
+        for t in range(60):
+            fitted = t >= 40
+            found += [(t, f.kind) for f in rule.observe(_host(
+                t, loss=loss_after if fitted else 2.3, grad_norm=1e-6 if fitted else 1.0))]
+        return found
+
+    assert run(1e-7) == []
+    assert run(2.3) == [(42, "vanishing_grad")]
+    assert run(0.0) == [(42, "vanishing_grad")]
+
+
 def test_optimizer_state_nonfinite():
     def plant(step, batch, model, opt):
         if step == 40:
@@ -453,6 +471,26 @@ def test_a_run_noisier_than_its_window_is_judged_by_its_present_noise():
     assert noise > 3 * whole
     lin, _ = robust.spike_scores(values, 1.8 * level)
     assert lin < 6 < 0.8 * level / whole
+
+
+def test_a_loss_that_underflowed_to_zero_leaves_the_log_scale_on():
+    """A classifier that fits its batches: losses spanning 1e-7..1 with one batch at exactly 0.
+    The 0 is a gap on the log scale, which stays on: an ordinary hard batch (1.1, the window
+    holds 1.0) scores far below 6 there, where the linear scale alone (what a 0 used to leave)
+    calls it a spike."""
+    g = torch.Generator().manual_seed(5)
+    values = (10 ** (-6 + 2 * torch.randn(128, generator=g))).clamp_max(0.05).tolist()
+    values[40] = 0.0
+    values[100] = 1.0
+    lin, log = robust.spike_scores(values, 1.1)
+    assert lin > 6 and log < 3, (lin, log)
+    without_zero = robust.spike_scores([v for v in values if v > 0], 1.1)
+    assert without_zero[1] == pytest.approx(log, rel=0.1)
+    # no positive value among the recent ones: the linear score on both
+    assert robust.spike_scores([0.0] * 40, 1.0) == (math.inf, math.inf)
+    # a negative value: no log scale
+    assert robust.spike_scores([1.0, -1.0] * 20, 3.0)[1] == robust.spike_scores(
+        [1.0, -1.0] * 20, 3.0)[0]
 
 
 def test_a_growing_norm_the_loss_does_not_confirm_stays_a_notice():

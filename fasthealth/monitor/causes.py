@@ -3,7 +3,8 @@
 An incident names one of ``kinds.CAUSES`` from the evidence it has, by the first rule of
 ``CauseConfig`` that applies (each field says why it holds):
 
-1. the optimizer's state non-finite as its first alarm: ``optimizer_state``;
+1. the optimizer's state non-finite as its first alarm: ``optimizer_state`` (``weights`` when
+   a weight also jumped by orders of magnitude and stayed finite);
 2. a corrupted weight (``weight_corruption``) among its kinds: ``weights``;
 3. a learning-rate jump among its kinds: ``learning_rate``;
 4. a collapsing loss scale or an overflow streak, or non-finite gradients with a finite loss
@@ -50,7 +51,13 @@ class CauseConfig:
     optimizer_first: frozenset[str] = frozenset({"optimizer_state_nonfinite"})
     """First alarms that name the optimizer's state: broken moments found before any
     non-finite loss or gradient came from outside the step (a loaded checkpoint), not from
-    this run's gradients."""
+    this run's gradients; unless the incident also holds a finite weight jump (``jumped``)."""
+    jumped: bool = True
+    """A weight that jumped by orders of magnitude and stayed finite (``weight_corruption``'s
+    ``jumps``) names the weights even after broken optimizer state: a 1e37 weight's gradient
+    squared overflows the second moments (Adafactor's were non-finite 10 steps before the
+    weight scan saw the weight, bench/trainers hf_bert_digits_adafactor_bf16), while broken
+    moments make the weights they update NaN or Inf, not finite and huge."""
     weight_kinds: frozenset[str] = frozenset({"weight_corruption"})
     """Kinds that name the weights wherever they stand in the incident: a parameter seen
     non-finite or orders of magnitude off between two scans is damaged model state, whatever
@@ -102,6 +109,10 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
     before it has one), ``level``: the loss before it, ``scaled``: a GradScaler's scale seen."""
     trigger = inc.trigger
     if trigger in c.optimizer_first:
+        if c.jumped and any(e.kind in c.weight_kinds and e.details.get("jumps")
+                            for e in inc.events):
+            return "weights", (f"it holds a finite weight jump, which broke the optimizer's "
+                               f"state ({trigger} first)")
         return "optimizer_state", f"its first alarm is {trigger}"
     for names, cause in ((c.weight_kinds, "weights"), (c.lr_kinds, "learning_rate"),
                          (c.range_kinds, "numeric_range"), (c.batch_kinds, "batch")):

@@ -199,7 +199,9 @@ register(
          "magnitude)",
          "a checkpoint or state_dict loaded into the model, code writing to the weights, then "
          "the hardware (ECC errors: silent data corruption)", "#843c39",
-         explained_by=NONFINITE | GRADIENT, cause="weights"),
+         # broken moments write NaN into the weights they update, and a weight that jumped
+         # breaks the moments: either way one fault (causes.py tells which came first)
+         explained_by=NONFINITE | GRADIENT | {"optimizer_state_nonfinite"}, cause="weights"),
     Kind("repeated_batch", "the same batch (by sample ids, else a fingerprint) several steps "
          "in a row after the run had shown different ones", "the data loader: an iterator "
          "re-created each step, a batch variable not reassigned, a stuck sampler", "#5254a3",

@@ -58,8 +58,9 @@ def slope_t(ys: list[float]) -> tuple[float, float]:
 
 
 def noise_unit(values: list[float]) -> float:
-    """The noise unit of the step-to-step differences of ``values`` (0 with fewer than 2)."""
-    diffs = [abs(b - a) for a, b in zip(values, values[1:])]
+    """The noise unit of the step-to-step differences of ``values`` (0 with fewer than 2);
+    a difference with a NaN (a gap) on either side is left out."""
+    diffs = [abs(b - a) for a, b in zip(values, values[1:]) if a == a and b == b]
     return quantile(diffs, NOISE_QUANTILE) / NOISE_PER_SIGMA if diffs else 0.0
 
 
@@ -69,7 +70,8 @@ def level_and_noise(values: list[float], recent: int = RECENT) -> tuple[float, f
     noisier than its window: a classifier leaving a flat plateau for a fast, noisy descent
     would otherwise have that descent's ordinary swings judged against the plateau's noise."""
     noise = max(noise_unit(values), noise_unit(values[-recent:]))
-    return statistics.median(values[-recent:]), noise
+    level = [v for v in values[-recent:] if v == v]  # NaN: a gap (see spike_scores)
+    return (statistics.median(level) if level else math.nan), noise
 
 
 def _z(values: list[float], x: float, floor: float = 0.0) -> float:
@@ -80,11 +82,18 @@ def _z(values: list[float], x: float, floor: float = 0.0) -> float:
 
 def spike_scores(values: list[float], x: float) -> tuple[float, float]:
     """How far ``x`` stands above the recent level of ``values``, in noise units, on the linear
-    and on the log scale (the log one only when every value is positive, else equal to the
-    linear one; its unit at least ``MIN_LOG_NOISE``)."""
+    and on the log scale (its unit at least ``MIN_LOG_NOISE``). The log scale needs ``x > 0``
+    and no negative value; a value of exactly 0 (a loss that underflowed on a batch the model
+    fits) is a gap there, not minus infinity, nor a reason to drop the log scale: a fitted
+    classifier's losses span orders of magnitude, and on the linear scale alone its ordinary
+    hard batch scored 8.8 units (bench/trainers, pl_digits_rmsprop_one_cycle). Without a
+    positive value among the recent ones the log score is the linear one."""
     lin = _z(values, x)
-    if x > 0 and min(values) > 0:
-        return lin, _z([math.log(v) for v in values], math.log(x), MIN_LOG_NOISE)
+    if x > 0 and min(values) >= 0:
+        log = _z([math.log(v) if v > 0 else math.nan for v in values], math.log(x),
+                 MIN_LOG_NOISE)
+        if log == log:
+            return lin, log
     return lin, lin
 
 
@@ -131,10 +140,12 @@ def spike_scores_t(win: torch.Tensor, v: torch.Tensor,
                    constants: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``spike_score`` for each row of ``win`` ((series, window) float64, oldest first, NaN
     where empty) against the value of ``v`` (series,): the smaller of the linear and log
-    scores where the row and the value are positive, else the linear one. No host sync; the
+    scores where the log scale applies (as ``spike_scores`` says), else the linear one. No host sync; the
     window must hold at least ``RECENT`` slots; ``constants`` from ``score_constants``."""
     floor, qs = constants
-    both = torch.cat([win, win.clamp_min(_TINY).log()])  # rows: linear, then log scale
+    # rows: linear, then log scale, where a 0 is a gap (NaN) as in spike_scores
+    logs = torch.where(win > 0, win.clamp_min(_TINY).log(), math.nan)
+    both = torch.cat([win, logs])
     lin, log = _noise_z_t(both, torch.cat([v, v.clamp_min(_TINY).log()]), floor, qs).chunk(2)
-    positive = ((win > 0) | win.isnan()).all(1) & (v > 0)
-    return torch.where(positive, torch.minimum(lin, log), lin)
+    usable = ((win >= 0) | win.isnan()).all(1) & (v > 0) & ~log.isnan()
+    return torch.where(usable, torch.minimum(lin, log), lin)

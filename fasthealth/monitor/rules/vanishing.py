@@ -1,6 +1,7 @@
 """``vanishing_grad``, globally: the global gradient norm vanishingly small for ``patience``
 steps, below ``abs_threshold`` or ``rel_drop`` times below its recent median (a constant or
-masked-out loss, a learning-rate schedule at 0, a collapsed loss scale)."""
+masked-out loss, a learning-rate schedule at 0, a collapsed loss scale), on steps whose loss
+has not itself fallen to a fitted batch's (``fitted``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,15 @@ class VanishingConfig:
     window: int = 128
     """Norms in the recent median (``spike_window``)."""
     warmup: int = 20
-    """Norms before the relative test (``warmup_steps``)."""
+    """Norms before the relative test (``warmup_steps``); also the first losses the run's
+    first level (their median) is taken over."""
+    fitted: float = 1e-3
+    """A step whose loss is below this share of the run's first level is a batch the model
+    fits: its gradient vanishes with its loss (cross-entropy's gradient is p - y), which is
+    convergence, not a fault. A memorised digits batch at a loss of 2e-7 (first level 2.3)
+    had a gradient norm of 8e-6 against a median of 1.5 and alarmed (bench/trainers,
+    pl_digits_rmsprop_one_cycle). A loss of exactly 0 is never exempt: a masked-out or
+    multiplied-away loss is 0 at every step."""
 
 
 class Vanishing(Rule[VanishingConfig]):
@@ -40,17 +49,30 @@ class Vanishing(Rule[VanishingConfig]):
     def __init__(self, config: VanishingConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         self.norms: deque[float] = deque(maxlen=self.config.window)
+        self.first_losses: list[float] = []
         self.low = 0
         self.active = False
 
     def observe(self, s: HostStep) -> list[Finding]:
         if s.info.get("grads_present", 1) == 0:  # no .grad at all: ``no_grad``'s finding
             return []
-        return self.update(s.values["grad_norm"]) if s.values["grads_finite"] else []
+        loss = s.values["loss"]
+        if math.isfinite(loss) and len(self.first_losses) < self.config.warmup:
+            self.first_losses.append(loss)
+        return self.update(s.values["grad_norm"], loss) if s.values["grads_finite"] else []
 
-    def update(self, norm: float) -> list[Finding]:
+    def fits(self, loss: float) -> bool:
+        """Whether ``loss`` is a batch the model fits (``fitted``)."""
+        if not self.first_losses or not math.isfinite(loss) or loss <= 0:
+            return False
+        return loss < self.config.fitted * statistics.median(self.first_losses)
+
+    def update(self, norm: float, loss: float = math.nan) -> list[Finding]:
         c = self.config
         if not math.isfinite(norm):
+            return []
+        if self.fits(loss):  # neither low nor a level: the streak starts again
+            self.low = 0
             return []
         ref = statistics.median(self.norms) if len(self.norms) >= c.warmup else None
         low = norm < c.abs_threshold or (ref is not None and norm * c.rel_drop < ref)
