@@ -6,12 +6,22 @@ defaults.
     python bench/bench_trainers.py --quick         # a smoke run (100 steps, three faults)
     python bench/bench_trainers.py --final         # the held-out families too: once, at the end
 
+The split is explicit in each family (``held_out``, bench/trainers/corpus.py): the tuning set
+holds the families the monitor may be tuned on, including the five that were held out until
+issue 31's first scoring; the held-out set is five newer families, chosen after that scoring
+and never tuned on, to be scored once with ``--final``.
+
 Scores per run (bench/trainers/runner.py): a healthy run's alarms (each a false alarm); a
 faulted run's ``caught`` (an alarm at or after the fault's step within its delay), its alarm
 incidents (1 is right), ``right_cause`` (the cause of the incident that caught it equals the
-fault's expected cause); every run's steps recorded without a loss (0 is right). The log checks
-compare the trainer's own logs with and without the callback. Totals per split (tuning,
-held_out).
+fault's expected cause); every run's steps recorded without a loss (0 is right); a faulted
+run's ``effect_z`` and ``effect_ratio``, how far the fault moved the loss at its step (in noise
+units against up to 128 steps before it, and over their median). The log checks compare the
+trainer's own logs with and without the callback. Totals per split (tuning, held_out), and
+among them ``visible_faulted_runs`` and ``caught_visible``: the faulted runs (and those caught)
+whose fault a reader can expect to be seen. An acute data fault (``VISIBLE_IF_MOVED``: a
+shuffled or a garbage batch) counts as visible only when it moved the loss at least
+``VISIBLE_Z`` noise units (or made it non-finite); every other fault counts as visible.
 
 Writes bench/results/trainers.json (or --out) under ``--label`` (other labels in the file are
 kept: "before" and "after" side by side), with ``final`` saying whether the held-out set ran,
@@ -34,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from trainers import corpus, figure  # noqa: E402
+from trainers import corpus, faults, figure  # noqa: E402
 from trainers.runner import FAMILIES, log_check, run  # noqa: E402
 
 
@@ -99,9 +109,26 @@ def evaluate(families: tuple[str, ...], cfg: dict, workers: int = 2,
     return {"runs": out["run"], "log_checks": out["log"]}
 
 
+VISIBLE_IF_MOVED = tuple(n for n in ("shuffled_labels", "garbage_batch") if n in faults.ACUTE)
+VISIBLE_Z = 6.0
+
+
+def visible(r: dict) -> bool:
+    """Whether a faulted run's fault could be seen: an acute data fault only when it moved the
+    loss at least ``VISIBLE_Z`` noise units at its step (``effect_z``) or made it non-finite;
+    any other fault always."""
+    if r["fault"] not in VISIBLE_IF_MOVED:
+        return True
+    if r.get("fault_loss_finite") is False:
+        return True
+    z = r.get("effect_z")
+    return z is not None and z >= VISIBLE_Z
+
+
 def totals(runs: list[dict], checks: list[dict]) -> dict:
     healthy = [r for r in runs if not r["fault"] and "error" not in r]
     faulted = [r for r in runs if r["fault"] and "error" not in r]
+    seen = [r for r in faulted if visible(r)]
     return {
         "runs": len(runs), "errors": sum("error" in r for r in runs),
         "healthy_runs": len(healthy),
@@ -115,12 +142,13 @@ def totals(runs: list[dict], checks: list[dict]) -> dict:
         "log_checks": len(checks),
         "log_checks_identical": sum(bool(c.get("identical")) for c in checks),
         "log_check_errors": sum("error" in c for c in checks),
+        "visible_faulted_runs": len(seen), "caught_visible": sum(r["caught"] for r in seen),
     }
 
 
 def table(runs: list[dict], checks: list[dict]) -> str:
     lines = [f"{'family':40s} {'fault':16s} seed  alarms  caught delay  inc cause"
-             f"{'':16s} null"]
+             f"{'':16s} null   kinds (faulted: effect_z)"]
     for r in runs:
         if "error" in r:
             lines.append(f"{r['family']:40s} {r['fault'] or 'healthy':16s} {r['seed']:4d}  "
@@ -132,8 +160,10 @@ def table(runs: list[dict], checks: list[dict]) -> str:
             c += f"{r['alarm_incidents']:4d} {str(r['cause']):>14s}/{r['expected_cause']:<13s}"
         else:
             c = f"{'':6s} {'':5s} {r['alarm_incidents']:4d} {'':28s}"
+        z = r.get("effect_z")
+        effect = "" if not r["fault"] else f"  z={'-' if z is None else format(z, '.1f')}"
         lines.append(f"{r['family']:40s} {r['fault'] or 'healthy':16s} {r['seed']:4d} "
-                     f"{r['n_alarms']:6d}  {c} {r['null_loss_steps']:4d}   {kinds}")
+                     f"{r['n_alarms']:6d}  {c} {r['null_loss_steps']:4d}   {kinds}{effect}")
     for c in checks:
         state = c.get("error") or ("identical" if c["identical"] else c["first_difference"])
         lines.append(f"log check {c['family']}: {state}")

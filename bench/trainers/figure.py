@@ -2,7 +2,8 @@
 the fault's step as a black bar and the window it may be caught in shaded, every alarm as a
 dot coloured by its kind (notices as small grey ticks), a run that raised marked in red; on
 the right, the run's score (caught or missed, its alarm incidents, the cause when it is not
-the expected one, its steps without a loss).
+the expected one, how far the fault moved the loss in noise units (``effect_z``, where the
+run has it), its steps without a loss).
 A healthy row with a dot is a false alarm; a faulted row without a dot in its window a miss.
 """
 
@@ -46,6 +47,8 @@ def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
             mark = ("caught" if r["caught"] else "MISSED") + f", {r['alarm_incidents']} inc"
             if r["caught"]:
                 mark += ", cause ok" if r["right_cause"] else f", cause {r['cause']}"
+            if r.get("effect_z") is not None:  # runs scored before effect_z have none
+                mark += f", z {r['effect_z']:.1f}"
         elif r["n_alarms"]:
             mark = f"{r['n_alarms']} false"
         if r["null_loss_steps"]:

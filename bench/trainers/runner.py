@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from fasthealth.monitor.robust import spike_scores
 
 from . import hf, lit
 from .faults import FAULTS, Plan
@@ -56,6 +59,43 @@ def read_steps(log_dir: str) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+EFFECT_WINDOW = 128  # steps before the fault's step whose finite losses are its reference
+EFFECT_MIN = 20  # fewer finite losses than this before the fault's step: no effect_z
+
+
+def fault_effect(rows: list[dict], fault_step: int) -> dict:
+    """How far the loss at ``fault_step`` stands from the finite losses of the up to
+    ``EFFECT_WINDOW`` steps before it in ``rows`` (steps.jsonl): ``effect_z``, the smaller of
+    ``spike_scores`` (noise units), and ``effect_ratio``, the loss over their median; both
+    None when fewer than ``EFFECT_MIN`` finite losses precede it or its own loss is not finite
+    (``fault_loss_finite`` False: a null loss at the step, or its row says ``loss_finite``
+    false; None when no row has the step)."""
+    by_step: dict[int, Any] = {}
+    for r in rows:
+        if r.get("step") is not None:
+            by_step[int(r["step"])] = r  # the last row of a step
+
+    def finite(r: dict | None) -> float | None:
+        v = None if r is None or r.get("loss_finite") is False else r.get("loss")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+    at = by_step.get(fault_step)
+    x = finite(at)
+    before = [v for v in (finite(by_step.get(s))
+                          for s in range(max(0, fault_step - EFFECT_WINDOW), fault_step))
+              if v is not None]
+    out: dict[str, Any] = {"effect_z": None, "effect_ratio": None,
+                           "fault_loss_finite": None if at is None else x is not None,
+                           "effect_reference_steps": len(before)}
+    if x is None or len(before) < EFFECT_MIN:
+        return out
+    z = min(spike_scores(before, x))
+    median = statistics.median(before)
+    out["effect_z"] = round(z, 3) if math.isfinite(z) else z
+    out["effect_ratio"] = round(x / median, 4) if median != 0 else None
+    return out
 
 
 def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: int,
@@ -102,6 +142,7 @@ def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: in
         "dump": None if incident is None else incident["dump"],
         "trigger": None if incident is None else incident["trigger"],
     })
+    out.update(fault_effect(rows, fault_step))
     return out
 
 

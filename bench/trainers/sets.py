@@ -10,8 +10,9 @@ epoch is the whole run, so the trainers' loops never end an epoch with a short a
 - ``TokenWindows``: causal-LM windows (``input_ids``, ``labels`` = the same ids; the models
   shift them) of the standard library's source or the pydoc topics, tokenised by characters
   (``chars``: bench/detectors' 98 symbols) or by bytes (``bytes``: 256 ids);
-- ``Rows``: a scikit-learn table (wine, breast_cancer, digits flattened), standardised, as
-  ``x`` (float32) and ``labels``;
+- ``Rows``: a scikit-learn table (iris, wine, breast_cancer, digits flattened; diabetes, a
+  regression), standardised, as ``x`` (float32) and ``labels`` (class ids; for a regression
+  table the standardised targets, float32 of shape (targets,), and ``classes`` 0);
 - ``DigitTokens``: the digits' pixels (0..16) as 64 tokens after a [CLS] id (17), for a
   sequence classifier.
 """
@@ -70,7 +71,10 @@ class Rows(torch.utils.data.Dataset):
         g = torch.Generator().manual_seed(2000 + seed)
         reps = -(-n // len(x))
         self.order = torch.cat([torch.randperm(len(x), generator=g) for _ in range(reps)])[:n]
-        self.features, self.classes = x.shape[1], int(y.max()) + 1
+        self.features = x.shape[1]
+        self.regression = y.is_floating_point()  # data.table standardises these: (n, targets)
+        self.classes = 0 if self.regression else int(y.max()) + 1
+        self.targets = y.shape[1] if self.regression else 1
 
     def __len__(self) -> int:
         return len(self.order)
