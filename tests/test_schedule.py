@@ -23,11 +23,12 @@ def _digits():
     return torch.tensor(d.data, dtype=torch.float32) / 16, torch.tensor(d.target)
 
 
-def _sgdr_run(seed=0, steps=300, by_hand=False, known=None, **monitor):
+def _sgdr_run(seed=0, steps=300, by_hand=False, known=None, garbage_at=None, **monitor):
     """An MLP on scikit-learn's digits, SGD at lr 1 with momentum, warm restarts every 60
     steps (SGDR): at each restart the loss climbs several-fold for tens of steps, then falls
     below where it was. ``by_hand``: the same rates set on the param group directly, with no
-    scheduler (or with ``known``, a scheduler that did not set them)."""
+    scheduler (or with ``known``, a scheduler that did not set them). ``garbage_at``: a step
+    whose inputs are noise of std 5."""
     X, Y = _digits()
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -43,7 +44,8 @@ def _sgdr_run(seed=0, steps=300, by_hand=False, known=None, **monitor):
         if by_hand:
             opt.param_groups[0]["lr"] = rates[t]
         i = torch.randint(0, len(X), (64,), generator=g)
-        loss = torch.nn.functional.cross_entropy(m(X[i]), Y[i])
+        x = 5 * torch.randn(64, 64, generator=g) if t == garbage_at else X[i]
+        loss = torch.nn.functional.cross_entropy(m(x), Y[i])
         loss.backward()
         mon.step(loss)
         opt.zero_grad()
@@ -72,6 +74,34 @@ def test_without_the_restart_the_same_run_alarms(monkeypatch):
     monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
     mon, _ = _sgdr_run()
     assert any(k == "divergence" for _, k in _alarms(mon)), _alarms(mon)
+
+
+def test_a_garbage_batch_at_the_restarts_own_step_is_skipped():
+    """The restart's own step is judged against the old windows (its loss and gradients come
+    from the weights the old rate made; the windows start again after it): under
+    on_spike='skip' the device rule skips a garbage batch there."""
+    mon, _ = _sgdr_run(garbage_at=120, on_spike="skip")
+    assert _alarms(mon) == [(120, "loss_spike")], _alarms(mon)
+    spike = next(e for e in mon.events if e.kind == "loss_spike")
+    assert spike.details.get("skipped") is True, spike.details
+
+
+def test_a_bad_batch_at_the_restarts_own_step_is_a_spike_on_the_host():
+    """The same for the host rules, where a loss 1.5x a flat level (far below the 10x of the
+    window before a restart that the first steps after it are held to) is a spike only
+    against the old window: the rate set by hand, decaying to 0.01 and back to 1 at step 100."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    g = torch.Generator().manual_seed(0)
+    with fh.Monitor(m, opt, flush_every=10) as mon:
+        for t in range(130):
+            opt.param_groups[0]["lr"] = 1.0 - 0.99 * (t % 100) / 99
+            m(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+            level = 1.0 + 0.01 * torch.randn((), generator=g).item()
+            mon.step(torch.tensor(1.5 if t == 100 else level))
+            opt.zero_grad()
+    assert [s for s, k in _alarms(mon) if k == "loss_spike"] == [100], _alarms(mon)
 
 
 def test_restarts_set_by_hand_without_a_scheduler_are_taken_as_a_schedule():

@@ -135,16 +135,20 @@ class Journal:
         restart, unexplained = self.schedule.observe(s.info.get("lr"),
                                                      s.info.get("lr_scheduled"))
         s.info["lr_restart"], s.info["lr_unexplained"] = restart, unexplained
-        if restart:  # the schedule's own restart: the rules' windows start again
-            for rule in self.detectors:
-                rearm = getattr(rule, "rearm", None)  # a user's rule may not be a Rule
-                if callable(rearm):
-                    rearm()
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
         self._remember(s)
         found = [Event(s.step, f.kind, f.message, dict(f.details, **details),
                        severity=f.severity or "")
                  for rule in self.detectors for f in map(as_finding, rule.observe(s))]
+        # The schedule's own restart: the rules' windows start again, after this step. Its
+        # loss and gradients come from the weights the old rate made (the new rate moves them
+        # only in this step's update), so the old windows still judge it: a garbage batch at
+        # the restart's own step went unseen against windows just emptied.
+        if restart:
+            for rule in self.detectors:
+                rearm = getattr(rule, "rearm", None)  # a user's rule may not be a Rule
+                if callable(rearm):
+                    rearm()
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
                              s.values["grad_norm"], step_finite(s.values))

@@ -256,11 +256,11 @@ class Monitor(LongRun):
         bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
         rates = self.schedule.rates()
-        if self._restarts.observe(*rates)[0]:
-            self._rose = True
-            if self.skip_rule is not None:
-                self.skip_rule.rearm()
+        restart = self._restarts.observe(*rates)[0]
+        self._rose |= restart
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
+        if restart and self.skip_rule is not None:  # after this step: see journal._file
+            self.skip_rule.rearm()
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
         skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
         scalars = {
