@@ -140,8 +140,9 @@ def spike_scores_t(win: torch.Tensor, v: torch.Tensor,
                    constants: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``spike_score`` for each row of ``win`` ((series, window) float64, oldest first, NaN
     where empty) against the value of ``v`` (series,): the smaller of the linear and log
-    scores where the log scale applies (as ``spike_scores`` says), else the linear one. No host sync; the
-    window must hold at least ``RECENT`` slots; ``constants`` from ``score_constants``."""
+    scores where the log scale applies (as ``spike_scores`` says), else the linear one. No
+    host sync; the window must hold at least ``RECENT`` slots; ``constants`` from
+    ``score_constants``."""
     floor, qs = constants
     # rows: linear, then log scale, where a 0 is a gap (NaN) as in spike_scores
     logs = torch.where(win > 0, win.clamp_min(_TINY).log(), math.nan)
