@@ -181,6 +181,103 @@ def test_safe_to_save_plain_loop():
     mon.close()
 
 
+def _regression():
+    """A small tanh net learning a sum with SGD, and the batch of each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def batch(t):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(32, 10, generator=g)
+        return x, x[:, :3].sum(1, keepdim=True)
+    return model, batch
+
+
+def _guarded_steps(model, opt, batch, steps, before_step):
+    """Trains ``steps``; ``before_step(t)`` may harm the run; yields (step, the verdict after
+    it) where the verdict is ``guard.verdict`` (what ``safe_to_save`` returns, and why)."""
+    from fasthealth.monitor import guard
+
+    mon = fh.Monitor(model, opt, flush_every=5)
+    for t in steps:
+        before_step(t)
+        x, y = batch(t)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        mon.step(loss, batch=(x, y))
+        opt.step()
+        if t >= 95:
+            yield t, mon, guard.verdict(mon)
+    mon.close()
+
+
+def test_safe_to_save_is_false_for_a_finite_corrupted_weight(monkeypatch):
+    """A first-layer weight multiplied by 1e6 at step 100: finite (the direct pass finds
+    nothing), the loss barely moves (not broken, not harmed); the incident the weight scan
+    opens forbids saving from that scan on, by its cause (weights) and by its kind alone."""
+    from fasthealth.monitor import guard
+
+    model, batch = _regression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def corrupt(t):
+        if t == 100:
+            with torch.no_grad():
+                model[0].weight.view(-1)[0] *= 1e6
+    seen = None
+    for t, mon, v in _guarded_steps(model, opt, batch, range(131), corrupt):
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        if t < 100:
+            assert v.safe and mon.safe_to_save(), (t, v.reason)
+            continue
+        if seen is None and v.incident is not None:
+            seen = t
+        if seen is None:  # the weight scan has not run since the corruption
+            continue
+        assert seen <= 104 and not v.safe and not mon.safe_to_save(), (t, v)
+        inc = v.incident
+        assert inc is mon.incidents[-1] and inc.open and "weight_corruption" in inc.kinds
+        assert v.reason == f"its cause is weights ({inc.why})", v.reason
+        tracker = mon.journal.tracker
+        assert not tracker.broken() and not (tracker.harmed and tracker._unrecovered())
+        with monkeypatch.context() as mp:  # were the weights not its cause: its kind alone
+            mp.setattr(guard, "DAMAGED_CAUSES", frozenset())
+            alone = guard.verdict(mon)
+            assert not alone.safe and alone.incident is inc, (t, alone)
+            assert alone.reason == "it holds weight_corruption", alone.reason
+    assert seen is not None
+
+
+def test_safe_to_save_is_false_while_a_loss_harmed_by_a_rate_jump_is_not_back():
+    """The learning rate 50x for two steps (then back): the loss jumps 100-fold and comes back
+    over some 40 steps. The incident's cause is the rate (not the weights), its kinds say
+    nothing of damaged state and the run is not broken: only the loss that is not back (at the
+    last step, then the harmed median) forbids saving, and saving is allowed again once the
+    loss is back."""
+    model, batch = _regression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def jump(t):
+        for g in opt.param_groups:
+            g["lr"] *= 50 if t == 100 else 1 / 50 if t == 102 else 1
+    verdicts = {t: v for t, _, v in _guarded_steps(model, opt, batch, range(170), jump)}
+    refused = sorted(t for t, v in verdicts.items() if not v.safe)
+    # from the first step the jump harmed (its loss 7x the level, before the median of the
+    # recent losses that ``harmed`` reads has moved) until the loss is back
+    assert refused and refused[0] == 101 and refused[-1] < 160, refused
+    assert verdicts[101].reason.startswith("the loss at its last step"), verdicts[101].reason
+    assert refused[:20] == list(range(101, 121)), refused
+    assert all(verdicts[t].safe for t in range(95, 101)) and verdicts[165].safe
+    reasons = set()
+    for t in refused:
+        v = verdicts[t]
+        assert v.incident is not None and v.incident.cause == "learning_rate", (t, v)
+        assert "lr_jump" in v.incident.kinds and "weight_corruption" not in v.incident.kinds
+        reasons.add(v.reason.split(" (")[0])
+    assert "the loss it harmed has not come back yet" in reasons, reasons
+
+
 def _ranks_agree(rank, world, init_file):
     import torch.distributed as dist
 

@@ -206,3 +206,47 @@ def test_a_tensor_without_a_gradient_is_gray_in_the_heatmap_not_red(tmp_path):
     col = {s: k for k, s in enumerate(h.steps)}
     assert not h.bad[:, col[10]].any() and not h.bad[:, col[11]].any()
     assert h.bad[:, col[20]].any()
+
+
+def _legend_texts(log_dir, monkeypatch):
+    """The texts of every legend of the figure ``fasthealth report LOG_DIR`` draws."""
+    figs = []
+
+    def mark(fig, meta):
+        real(fig, meta)
+        figs.append(fig)
+    real = html.mark_figure
+    monkeypatch.setattr(html, "mark_figure", mark)
+    html.write(log_dir)
+    (fig,) = figs
+    return [t.get_text() for ax in fig.axes if ax.get_legend() is not None
+            for t in ax.get_legend().get_texts()]
+
+
+def test_a_resumes_line_is_in_the_legend_only_when_the_run_was_resumed(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True)
+
+    def train(mon, steps, nan_at=-1):
+        for step in steps:
+            opt.zero_grad()
+            loss = ((m(x) - y) ** 2).mean() * (float("nan") if step == nan_at else 1.0)
+            loss.backward()
+            mon.step(loss, batch=(x, y))
+
+    with fh.Monitor(m, opt, log_dir=tmp_path / "plain", flush_every=7) as mon:
+        train(mon, range(40), nan_at=20)
+    texts = _legend_texts(tmp_path / "plain", monkeypatch)
+    assert "loss" in texts and "resumed after this step" not in texts
+    with fh.Monitor(m, opt, log_dir=tmp_path / "resumed", flush_every=7) as mon:
+        train(mon, range(25), nan_at=20)
+        sd = mon.state_dict()
+    with fh.Monitor(m, opt, log_dir=tmp_path / "resumed", flush_every=7) as mon:
+        mon.load_state_dict(sd)
+        train(mon, range(25, 40))
+    texts = _legend_texts(tmp_path / "resumed", monkeypatch)
+    assert "loss" in texts and texts.count("resumed after this step") == 1, texts
+    assert "nonfinite_loss" in texts  # the panel's own entries are still there

@@ -253,3 +253,102 @@ def test_a_state_saved_in_one_process_resumes_in_another(tmp_path):
                            text=True, env=dict(env, PYTHONHASHSEED=seed), timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().endswith("same")
+
+
+def test_a_long_noisy_run_keeps_a_bounded_state_and_resumes_the_same():
+    """A NaN loss every 10 steps for 3000 steps: ~600 events and ~300 incidents, while the
+    state keeps the last events and incidents only (events.jsonl has them all); its size stops
+    growing past that tail, and a run resumed from it raises the same events and incidents."""
+    n, k = 3000, 2004
+    faults = {t: "nan" for t in range(9, n, 10)}
+
+    def size(mon):
+        buf = io.BytesIO()
+        torch.save(mon.state_dict(), buf)
+        return len(buf.getvalue())
+
+    m, opt = _model()
+    whole = fh.Monitor(m, opt, **OPTIONS)
+    _train(whole, m, opt, range(1500), faults)
+    half = size(whole)
+    _train(whole, m, opt, range(1500, k + 1), faults)
+    saved = _saved({"model": m.state_dict(), "opt": opt.state_dict(),
+                    "monitor": whole.state_dict()})
+    _train(whole, m, opt, range(k + 1, n), faults)
+    full = size(whole)
+    whole.close()
+    assert len(whole.events) > 500 and len(whole.incidents) > 250
+    assert full < 200_000 and full < 1.05 * half, (half, full)
+
+    ck = torch.load(io.BytesIO(saved), weights_only=True)
+    m2, opt2 = _model()
+    m2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    mon = fh.Monitor(m2, opt2, **OPTIONS)
+    mon.load_state_dict(ck["monitor"])
+    # what came with the state: the last events, every incident in its place
+    assert len(mon.incidents) == len([i for i in whole.incidents if i.start <= k])
+    assert [i.id for i in mon.incidents] == list(range(len(mon.incidents)))
+    kept = [(e.to_json(), e.repeats, e.last_step) for e in mon.events]
+    assert 200 <= len(kept) <= 300
+    assert kept == [(e.to_json(), e.repeats, e.last_step) for e in whole.events
+                    if e.step <= k][-len(kept):]
+    old = mon.incidents[0]
+    assert not old.open and old.id == 0 and "incidents.jsonl" in old.message
+    _train(mon, m2, opt2, range(k + 1, n), faults)
+    mon.close()
+    assert _key(mon.events, k) == _key(whole.events, k)
+    assert [(i.id, i.start, i.end, i.kinds, i.counts) for i in mon.incidents[-80:]] == [
+        (i.id, i.start, i.end, i.kinds, i.counts) for i in whole.incidents[-80:]]
+    assert size(mon) < 1.05 * half
+
+
+def _saved(sd) -> bytes:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def _tamper(v):
+    """Renames the first object's class in an encoded state to one outside fasthealth."""
+    if isinstance(v, dict):
+        if v.get("__t") == "obj":
+            v["cls"] = "collections:OrderedDict"
+            return True
+        return any(_tamper(x) for x in v.values())
+    return isinstance(v, list) and any(_tamper(x) for x in v)
+
+
+def test_a_refused_state_leaves_the_run_and_the_monitor_as_they_were(tmp_path):
+    """A state refused while decoding (a class named outside fasthealth) continues no run: the
+    run's meta.json is unchanged byte for byte (no resume record hiding steps nobody resumed),
+    its writer lock is free, and the Monitor starts a run of its own. A refused writer (the
+    run held by a live Monitor) leaves the Monitor as it was too."""
+    import copy
+    faults = {12: "nan"}
+    m, opt = _model()
+    with fh.Monitor(m, opt, log_dir=tmp_path, **OPTIONS) as mon:
+        _train(mon, m, opt, range(30), faults)
+        sd = mon.state_dict()  # at step 29, the run going on to 39: a resume would abandon
+        _train(mon, m, opt, range(30, 40), faults)
+    meta = (tmp_path / "run-000" / "meta.json").read_bytes()
+    bad = copy.deepcopy(sd)
+    assert _tamper(bad["objects"])
+    refused = fh.Monitor(m, opt, log_dir=tmp_path, **OPTIONS)
+    with pytest.raises(ValueError, match="outside fasthealth"):
+        refused.load_state_dict(bad)
+    assert (tmp_path / "run-000" / "meta.json").read_bytes() == meta
+    assert refused.run_id is None and refused.events == [] and refused.incidents == []
+    holder = fh.Monitor(m, opt, log_dir=tmp_path, **OPTIONS)
+    holder.load_state_dict(sd)  # the lock is free: run-000 goes on here
+    assert holder.run_id == "run-000"
+    _train(refused, m, opt, range(5), {})  # the refused Monitor: a run of its own
+    assert refused.run_id == "run-001" and refused.steps_seen == 5
+    refused.close()
+    second = fh.Monitor(m, opt, log_dir=tmp_path, **OPTIONS)
+    with pytest.raises(RuntimeError, match="being written by another Monitor"):
+        second.load_state_dict(sd)
+    assert second.run_id is None and second.events == [] and second.steps_seen == 0
+    assert second.journal.tracker.current is None and second.incidents == []
+    holder.close()
+    second.close()

@@ -298,6 +298,31 @@ def test_the_latest_run_is_the_one_resumed_last(tmp_path, capsys):
     assert "steps 0..9 (10 logged)" in listed and "incidents 1" in listed
 
 
+def test_the_list_of_other_runs_leaves_out_their_abandoned_branches(tmp_path, capsys):
+    """run-000 resumed from step 9 after it had reached 19 (a NaN at 15 on the abandoned
+    branch), then run-001 started: run-000's line in the list agrees with its own report."""
+    m, opt = model_and_opt()
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+        train(mon, m, opt, 10)
+        sd = mon.state_dict()  # at step 9
+        train(mon, m, opt, 10, nan_at=(15,), start=10)
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+        mon.load_state_dict(sd)
+        train(mon, m, opt, 4, start=10)
+    time.sleep(0.01)
+    with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:
+        train(mon, m, opt, 6)
+    assert mon.run_id == "run-001"
+    own = report.read_run(tmp_path, "run-000")[1]
+    assert [r["step"] for r in own.steps] == list(range(14)) and own.incidents == []
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "run run-001" in out
+    (listed,) = [s for s in out.splitlines() if s.strip().startswith("run-000")]
+    assert "steps 0..13 (14 logged)" in listed and "incidents 0" in listed, listed
+    assert "resumed 1x" in listed
+
+
 def test_continue_run_makes_a_missing_run(tmp_path):
     """A checkpoint moved to a new log_dir: its run is made there."""
     m, opt = model_and_opt()

@@ -20,14 +20,18 @@ class LongRun:
     def state_dict(self) -> dict[str, Any]:
         """Everything the rules and incidents need to go on as if the run had never stopped
         (docs/spec.md section 11): flushes first (one sync), then returns CPU tensors and
-        Python values, small (never the model), loadable with ``torch.load(...,
-        weights_only=True)``. Save it beside the model and the optimizer."""
+        Python values, small (never the model, and of the events and incidents only the
+        latest and the open incident's: the logs hold them all; ``state.py``), loadable with
+        ``torch.load(..., weights_only=True)``. Save it beside the model and the optimizer."""
         return state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what ``state_dict()`` returned, before the first step: the run goes on with
         its windows, open incidents, step count and run (with a ``log_dir``, its records go on
-        in that run). A state of another model's parameters is a ValueError."""
+        in that run). ``events`` then holds the state's latest events and those raised after,
+        ``incidents`` every incident by id, the older ones as ``state.Forgotten`` placeholders.
+        A state of another model's parameters, or one naming a class outside fasthealth, is a
+        ValueError that changes nothing (no run continued)."""
         state.load_state_dict(self, state_dict)
 
     @property

@@ -3,14 +3,25 @@ section 11): ``Monitor.state_dict()`` and ``Monitor.load_state_dict(sd)``.
 
 What a run's verdicts depend on lives in a handful of host objects: each rule's windows
 (``rules/``), the device skip rule's rings (``skip_rule.py``), the incident tracker with its
-open incident and every event so far (``incidents.py``), the schedule's view of the learning
-rate (``schedule.py``), the step counter and the run id. The state is those objects' fields,
-encoded as plain containers (dicts, lists, numbers, strings) and CPU tensors, so that
-``torch.load(..., weights_only=True)`` reads it without running code. What is not state stays
+open incident (``incidents.py``), the schedule's view of the learning rate (``schedule.py``),
+the step counter and the run id. The state is those objects' fields, encoded as plain
+containers (dicts, lists, numbers, strings) and CPU tensors, so that ``torch.load(...,
+weights_only=True)`` reads it without running code. What is not state stays
 out: the rules' configs (a resumed Monitor's options decide them; a rule whose config changed
 starts cold, with a warning), references to the model, the optimizer and the precursor probe's
 copies of the weights (the probe copies them again at its next due step), the batches kept for
 the next dump.
+
+The state stays small however long and noisy the run (events.jsonl and incidents.jsonl hold
+the whole history): of the events it keeps the last ``EVENTS_KEPT`` (256) and the open
+incident's (the first of each kind, on which its later repeats are counted), of the incidents
+the last ``INCIDENTS_KEPT`` (64, the open one among them). After ``load_state_dict``,
+``mon.events`` holds those kept events followed by the ones the resumed run raises, and
+``mon.incidents`` holds every incident in its place (an incident's ``id`` is its index), those
+before the kept ones as ``Forgotten`` placeholders (their id only, closed). Nothing a rule or
+the tracker decides on is lost: the tracker counts repeats on the open incident's events and
+numbers new incidents from the count, so a resumed run raises the same events and incidents
+after the stop as the run uninterrupted.
 
 Encoding is generic, by field, so that a new rule needs nothing here: an object of a
 fasthealth class becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}``
@@ -33,6 +44,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from .events import Incident
 
 Monitor = Any  # monitor.Monitor (not imported: monitor.py imports this module)
 
@@ -193,6 +206,43 @@ def _host_state(mon: Monitor) -> dict[str, Any]:
             "skip_rule": mon.skip_rule}
 
 
+EVENTS_KEPT = 256  # the latest events a state keeps (besides the open incident's)
+INCIDENTS_KEPT = 64  # the latest incidents a state keeps (the open one among them)
+
+
+@dataclasses.dataclass
+class Forgotten(Incident):
+    """An incident of a resumed run from before the ones its state kept (``INCIDENTS_KEPT``):
+    it holds its ``id`` and nothing else, closed (incidents.jsonl has it whole)."""
+
+    @classmethod
+    def at(cls, n: int) -> Forgotten:
+        return cls(id=n, start=-1, end=-1, kinds=[], cause="", severity="", open=False,
+                   why="not kept in the Monitor's state: incidents.jsonl has it")
+
+    @property
+    def message(self) -> str:
+        return f"incident #{self.id}: {self.why}"
+
+
+def kept_events(j: Any) -> list[Any]:
+    """The events a state keeps of ``j.events`` (journal.py), in order: the last
+    ``EVENTS_KEPT`` and the open incident's (what the tracker goes on counting repeats on)."""
+    cur = j.tracker.current
+    held = {id(e) for e in cur.events} if cur is not None else set()
+    first = len(j.events) - EVENTS_KEPT
+    return [e for n, e in enumerate(j.events) if n >= first or id(e) in held]
+
+
+def _kept_fields(name: str, obj: Any) -> dict[str, Any]:
+    """The fields of a host object the state keeps: the tracker's last ``INCIDENTS_KEPT``
+    incidents (the open one is the last opened), not every one of the run."""
+    fields = _fields(obj)
+    if name == "tracker":
+        fields["incidents"] = obj.incidents[-INCIDENTS_KEPT:]
+    return fields
+
+
 def state_dict(mon: Monitor) -> dict[str, Any]:
     """``Monitor.state_dict``: flushes (one sync), then the state as plain values."""
     if not mon._closed:  # closed: its last flush was done, and flush() refuses
@@ -208,7 +258,7 @@ def state_dict(mon: Monitor) -> dict[str, Any]:
         rules[key] = {"config": _config(rule),
                       "fields": enc(_fields(rule), f"rules[{key}]")}
     objects = {name: None if obj is None else {"config": _config(obj),
-                                               "fields": enc(_fields(obj), name)}
+                                               "fields": enc(_kept_fields(name, obj), name)}
                for name, obj in _host_state(mon).items()}
     j = mon.journal
     last = mon._next_step - 1 if mon.steps_seen else None
@@ -217,13 +267,17 @@ def state_dict(mon: Monitor) -> dict[str, Any]:
         "run": {"id": getattr(mon, "run_id", None), "step": last},
         "next_step": mon._next_step, "steps_seen": mon.steps_seen,
         "rules": rules, "objects": objects,
-        "journal": enc({"events": j.events, "recent_lr": j.recent_lr,
+        "journal": enc({"events": kept_events(j), "recent_lr": j.recent_lr,
                         "optimizer": j.optimizer}, "journal"),
+        "incidents": len(j.tracker.incidents),
     }
 
 
 def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
-    """``Monitor.load_state_dict``; see the module docstring."""
+    """``Monitor.load_state_dict``; see the module docstring. Everything is decoded and checked
+    before the run is continued, and the run is continued before anything is applied: a state
+    refused while decoding leaves the log directory (meta.json, the writer lock) and the
+    Monitor as they were, and so does a refused writer (another live Monitor of the run)."""
     if mon._stepped or mon._resumed:
         raise RuntimeError("fasthealth: load_state_dict must come once, before the Monitor's "
                            "first step" + (" (this one has stepped)" if mon._stepped else
@@ -240,18 +294,21 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
         raise StateError("fasthealth: the state is of a Monitor of other parameters "
                          f"(missing here: {gone[:3]}, new here: {new[:3]}, or in another "
                          "order): load it into a Monitor of the same model")
-    # the run first: a refusal (another live writer) leaves this Monitor as it was
-    run = sd.get("run") or {}
-    step = run.get("step")
-    mon._continue_run(run.get("id"), -1 if step is None or not math.isfinite(step) else step)
-    # decoded whole, in the order it was encoded (a reference names an object decoded before)
+    # 1. decoded whole, in the order it was encoded (a reference names an object decoded
+    # before), into locals: a refused state changes nothing
     dec = _Decoder()
     rules = {key: None if saved is None or "own" in saved
              else dec(saved["fields"], f"rules[{key}]") for key, saved in sd["rules"].items()}
     objects = {name: None if saved is None else dec(saved["fields"], name)
                for name, saved in sd["objects"].items()}
     journal = dec(sd["journal"], "journal")
+    events, recent_lr, optimizer = journal["events"], journal["recent_lr"], journal["optimizer"]
+    next_step, steps_seen = sd["next_step"], sd["steps_seen"]
+    total = sd.get("incidents")
+    # 2. what goes where, and what starts cold
     cold: list[str] = []
+    restore: list[tuple[Any, Any]] = []  # (an object, its fields)
+    own: list[tuple[Any, Any]] = []  # (a user's rule of its own class, its own state)
     for name, obj in _host_state(mon).items():
         saved = sd["objects"].get(name)
         if obj is None or saved is None:
@@ -259,24 +316,36 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
         if saved["config"] != _config(obj):
             cold.append(name)
             continue
-        _restore(obj, objects[name])
+        restore.append((obj, objects[name]))
     for i, rule in enumerate(mon.detectors):
         key = _rule_key(rule, i)
         saved = sd["rules"].get(key)
         if saved is None:
             cold.append(key.split(":", 1)[1])
         elif "own" in saved:
-            own: Any = rule  # a user's rule of its own class, with its own state
-            own.load_state_dict(saved["own"])
+            own.append((rule, saved["own"]))
         elif saved["config"] != _config(rule):
             cold.append(key.split(":", 1)[1])
         else:
-            _restore(rule, rules[key])
+            restore.append((rule, rules[key]))
+    # 3. the run: a refusal (another live writer) leaves this Monitor as it was
+    run = sd.get("run") or {}
+    step = run.get("step")
+    mon._continue_run(run.get("id"), -1 if step is None or not math.isfinite(step) else step)
+    # 4. applied
+    for target, fields in restore:
+        _restore(target, fields)
+    for rule, saved in own:
+        rule.load_state_dict(saved)
     j = mon.journal
-    j.events[:] = journal["events"]
-    j.recent_lr.extend(journal["recent_lr"])
-    j.optimizer = journal["optimizer"]
-    mon._next_step, mon.steps_seen, mon._resumed = sd["next_step"], sd["steps_seen"], True
+    if isinstance(total, int) and any(t is j.tracker for t, _ in restore):
+        # the incidents before the kept ones, each in its place (an incident's id is its index)
+        before = total - len(j.tracker.incidents)
+        j.tracker.incidents[:0] = [Forgotten.at(n) for n in range(before)]
+    j.events[:] = events
+    j.recent_lr.extend(recent_lr)
+    j.optimizer = optimizer
+    mon._next_step, mon.steps_seen, mon._resumed = next_step, steps_seen, True
     if cold:
         warnings.warn("fasthealth: these rules start cold (their settings differ from the "
                       f"saved run's, or they keep no state): {', '.join(cold)}", RuntimeWarning,

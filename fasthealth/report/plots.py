@@ -51,6 +51,42 @@ def _legend(ax, extra: list | None = None) -> None:
                   borderaxespad=0)
 
 
+RESUMED = "resumed after this step"  # the legend's entry for a resume's line
+
+
+def resume_steps(meta: dict) -> list[int]:
+    """The steps the run's resumes went back to (meta.json's ``resumes``), in order."""
+    resumes = meta.get("resumes")
+    return sorted({r["step"] for r in (resumes if isinstance(resumes, list) else [])
+                   if isinstance(r, dict)
+                   and isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)})
+
+
+def _resume_lines(axes: list, meta: dict) -> None:
+    """A dotted line after each step a resume went back to, in every panel (what lies right of
+    it was written after the resume), and its entry in the first panel's legend."""
+    at = resume_steps(meta)
+    if not at or not axes:
+        return
+    for ax in axes:
+        lines = [ax.axvline(k + 0.5, color="#555", ls=":", lw=1.2) for k in at]
+        if ax is axes[0]:
+            lines[0].set_label(RESUMED)
+            add_to_legend(ax, lines[:1])  # the panel made its legend before
+
+
+def add_to_legend(ax, more: list) -> None:
+    """``ax``'s legend (``_legend``'s, outside on the right) made again with the handles
+    ``more`` after its entries: for what is drawn once the panels are done (a resume's line)."""
+    old = ax.get_legend()
+    handles = list(old.legend_handles) if old is not None else []
+    labels = [t.get_text() for t in old.get_texts()] if old is not None else []
+    handles += more
+    labels += [h.get_label() for h in more]
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0)
+
+
 MIN_DRAWN = 1 / 300  # of the x range: the narrowest span or heatmap column drawn (~2 pixels)
 
 
@@ -371,5 +407,6 @@ def figure(meta: dict, steps: list[dict], events: list[dict],
     # the same margins for every panel, so that one step is one x position in all of them
     fig.subplots_adjust(left=0.17, right=0.80, top=1 - 0.45 / fig.get_figheight(),
                         bottom=0.5 / fig.get_figheight(), hspace=0.45)
+    _resume_lines(list(axes[:, 0]), meta)
     _label_incidents(axes[0, 0], incidents)
     return fig

@@ -102,15 +102,18 @@ def _when(t: float | None) -> str:
 
 
 def brief(r: RunInfo) -> str:
-    """One line on a run: its steps, start and incidents (read quickly, not checked)."""
+    """One line on a run: its steps, start and incidents (read quickly, not checked), its
+    abandoned branches left out as in its own report."""
+    gone = abandoned_lines(r.dir, r.resumes)
     try:
-        steps = [rec["step"] for _, rec in read_jsonl(r.dir / "steps.jsonl")[0]
-                 if isinstance(rec.get("step"), int)]
+        steps = [rec["step"] for n, rec in read_jsonl(r.dir / "steps.jsonl")[0]
+                 if isinstance(rec.get("step"), int) and n not in gone.get("steps.jsonl", ())]
     except OSError:
         steps = []
     try:
         incs = {(rec.get("id"), rec.get("start"))
-                for _, rec in read_jsonl(r.dir / "incidents.jsonl")[0]}
+                for n, rec in read_jsonl(r.dir / "incidents.jsonl")[0]
+                if n not in gone.get("incidents.jsonl", ())}
         n_inc = str(len(incs))
     except OSError:
         n_inc = "not recorded"
@@ -154,21 +157,7 @@ def read_run(log_dir: str | Path, run: str | None = None) -> tuple[RunInfo, Log]
 
 
 def mark_figure(fig, meta: dict) -> None:
-    """The run's id in the figure's corner, and a dotted line after each step a resume went
-    back to (what lies right of it was written after the resume)."""
+    """The run's id in the figure's corner (``plots.figure`` draws its resumes' lines)."""
     run = meta.get("run")
     if isinstance(run, str):
         fig.text(0.01, 1 - 0.1 / fig.get_figheight(), f"run {run}", fontsize=10, va="top")
-    resumes = meta.get("resumes")
-    at = sorted({r["step"] for r in (resumes if isinstance(resumes, list) else [])
-                 if isinstance(r, dict)
-                 and isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)})
-    if not at or not fig.axes:
-        return
-    first = fig.axes[0]
-    for ax in fig.axes:
-        if ax is first or first.get_shared_x_axes().joined(first, ax):  # not a colorbar
-            for k in at:
-                ax.axvline(k + 0.5, color="#555", ls=":", lw=1.2,
-                           label="resumed after this step" if ax is first and k == at[0]
-                           else None)
