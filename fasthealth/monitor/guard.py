@@ -16,7 +16,11 @@ one for it. ``verdict`` says no in two cases:
    - the run is broken at its last step (a non-finite loss or gradient, or a loss a million
      times its level: ``IncidentTracker.broken``), or the incident has harmed the loss and it
      is not back yet (``harmed`` and ``_unrecovered``: a learning-rate jump whose divergence
-     moved the weights far from where they were).
+     moved the weights far from where they were), or its last step's loss is not back within
+     ``back_share`` of its level before the incident (a loss 7x then 130x its level in the
+     two steps after a rate jump, before the median that ``harmed`` reads had moved: the
+     weights that made it may be damaged; a batch the run comes back from delays the save
+     by a step or two).
 
    Not counted: notice incidents (nothing confirmed), and an alarm incident whose cause is the
    batch, the learning rate, the numeric range or the outside once the loss is back: a bad
@@ -48,6 +52,7 @@ import torch.distributed as dist
 from ..checks import multi_tensor_stats
 from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
+from .causes import back
 from .events import ALARM, Incident
 
 # ``mon`` below is a ``Monitor`` (typed Any: monitor.py imports this module, not the reverse)
@@ -84,6 +89,10 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
         return cur, "the run is broken at its last step (non-finite or a runaway loss)"
     if tracker.harmed and tracker._unrecovered():
         return cur, "the loss it harmed has not come back yet"
+    loss, level = tracker.last[0], tracker.baseline[0]
+    if level is not None and not back(loss, level, tracker.config.causes.back_share):
+        return cur, (f"the loss at its last step ({loss:.4g}) is not back at its level before "
+                     f"the incident ({level:.4g}) yet")
     return None
 
 
