@@ -215,7 +215,9 @@ def test_a_killed_writer_is_taken_over_and_its_branch_after_the_resume_abandoned
     assert resume["pid"] == os.getpid()
     (cut,) = resume["cut"]
     assert cut["file"] == "steps.jsonl" and cut["offset"] == len(whole)
-    assert cut["text"] == before["steps.jsonl"][len(whole):].decode()  # kept, in meta
+    assert cut["text"] == before["steps.jsonl"][len(whole):].decode()  # shown, in meta
+    saved = (d / cut["saved"]).read_bytes()  # and kept whole beside the file
+    assert saved == before["steps.jsonl"][len(whole):] and len(saved) == cut["bytes"]
 
     assert report.main([str(log_dir)]) == 0
     out = capsys.readouterr().out

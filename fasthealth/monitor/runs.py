@@ -9,7 +9,8 @@ that did not continue a run, each with its own ``steps.jsonl``, ``events.jsonl``
   refused with a RuntimeError naming the holder. The kernel drops the lock of a killed process,
   so a run left by a SIGKILL is taken over: its partial last lines (a write cut by the kill) are
   cut off so that each file stays one JSON object a line, and meta.json's resume record says
-  what was cut (the bytes themselves, as text), so nothing the old writer wrote is lost.
+  what was cut (its start, as text; the whole of it in ``<file>.cut-<offset>`` beside the
+  file), so nothing the old writer wrote is lost.
   Limits: ``flock`` is advisory and per host; on NFS (v4, or v3 with a lock manager) it is
   emulated with POSIX locks by Linux and may not be seen across clients on other setups, and a
   network file system may keep a dead client's lock until its lease expires. Two machines
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 JSONL = ("steps.jsonl", "events.jsonl", "incidents.jsonl")
 RUN_NAME = re.compile(r"run-(\d{3,})")
-CUT_SHOWN = 4096  # characters of a cut partial line kept in meta.json
+CUT_SHOWN = 4096  # characters of a cut partial line shown in meta.json (all of it: its file)
 
 
 def writer_root(log_dir: Path, process_group: Any, all_ranks: bool) -> Path | None:
@@ -145,9 +146,16 @@ def cut_partial_lines(run_dir: Path) -> list[dict]:
             continue
         keep = data.rfind(b"\n") + 1
         tail = data[keep:]
+        # the whole tail beside the file before the file is cut (meta.json shows its start):
+        # a kill between the two leaves the bytes twice, never nowhere
+        saved = f"{name}.cut-{keep}"
+        with open(run_dir / saved, "wb") as f:
+            f.write(tail)
+            f.flush()
+            os.fsync(f.fileno())
         with open(path, "r+b") as f:
             f.truncate(keep)
-        cut.append({"file": name, "offset": keep, "bytes": len(tail),
+        cut.append({"file": name, "offset": keep, "bytes": len(tail), "saved": saved,
                     "text": tail[:CUT_SHOWN].decode("utf-8", "backslashreplace")})
     return cut
 
