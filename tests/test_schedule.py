@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fasthealth as fh
-from fasthealth.monitor import schedule
+from fasthealth.monitor import rules, schedule
 from fasthealth.monitor.schedule import ScheduleConfig, ScheduleView, find_scheduler
 from fasthealth.monitor.skip_rule import SkipRule
 
@@ -262,3 +262,27 @@ def test_lightning_with_warm_restarts_raises_no_alarm():
 def test_lightning_with_warm_restarts_alarms_without_the_restart_test(monkeypatch):
     monkeypatch.setattr(ScheduleView, "observe", lambda self, lr, scheduled: (False, False))
     assert any(k == "divergence" for _, k in _lightning_sgdr_alarms())
+
+
+def test_rules_start_again_after_the_restarts_step_or_before_it_when_they_judge_its_update():
+    """At a restart the rules' windows start again after the restart's own step (its loss and
+    gradients are the old rate's), and before it for a rule of the step's update
+    (``REARM_BEFORE``: the update ratio precursor), whose update the new rate made."""
+    from fasthealth.monitor.rules.update_ratio import UpdateRatio
+
+    class Recorder:
+        def __init__(self, before):
+            self.REARM_BEFORE, self.calls = before, []
+
+        def observe(self, s):
+            self.calls.append(("observe", s.step))
+            return []
+
+        def rearm(self):
+            self.calls.append(("rearm", None))
+
+    early, late = Recorder(True), Recorder(False)
+    mon, _ = _sgdr_run(steps=70, detectors=[early, late])
+    assert early.calls[60:62] == [("rearm", None), ("observe", 60)], early.calls[58:63]
+    assert late.calls[60:62] == [("observe", 60), ("rearm", None)], late.calls[58:63]
+    assert UpdateRatio.REARM_BEFORE and not rules.Spike.REARM_BEFORE

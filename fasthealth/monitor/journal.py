@@ -126,6 +126,14 @@ class Journal:
                 raise NonFiniteError(fatal)
         return new
 
+    def _rearm(self, before: bool) -> None:
+        """Re-arms the rules whose ``REARM_BEFORE`` is ``before`` (a user's rule without it:
+        after)."""
+        for rule in self.detectors:
+            rearm = getattr(rule, "rearm", None)  # a user's rule may not be a Rule
+            if callable(rearm) and bool(getattr(rule, "REARM_BEFORE", False)) == before:
+                rearm()
+
     def _file(self, s: HostStep) -> None:
         """Runs the rules on step ``s`` and files its events under incidents; what the step
         then writes is kept in ``s.info``: ``found`` (every event), ``events`` (those recorded:
@@ -135,20 +143,20 @@ class Journal:
         restart, unexplained = self.schedule.observe(s.info.get("lr"),
                                                      s.info.get("lr_scheduled"))
         s.info["lr_restart"], s.info["lr_unexplained"] = restart, unexplained
+        # The schedule's own restart: the rules' windows start again. This step's loss and
+        # gradients come from the weights the old rate made (the new rate moves them only in
+        # this step's update), so the old windows still judge it and the windows start again
+        # after it (a garbage batch at the restart's own step went unseen against windows just
+        # emptied); a rule that judges the step's update starts again before it.
+        if restart:
+            self._rearm(before=True)
         details = {"step_loss": s.values["loss"], "lr": s.info["lr"]}
         self._remember(s)
         found = [Event(s.step, f.kind, f.message, dict(f.details, **details),
                        severity=f.severity or "")
                  for rule in self.detectors for f in map(as_finding, rule.observe(s))]
-        # The schedule's own restart: the rules' windows start again, after this step. Its
-        # loss and gradients come from the weights the old rate made (the new rate moves them
-        # only in this step's update), so the old windows still judge it: a garbage batch at
-        # the restart's own step went unseen against windows just emptied.
         if restart:
-            for rule in self.detectors:
-                rearm = getattr(rule, "rearm", None)  # a user's rule may not be a Rule
-                if callable(rearm):
-                    rearm()
+            self._rearm(before=False)
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
                              s.values["grad_norm"], step_finite(s.values))

@@ -74,6 +74,10 @@ class Rule(Generic[C]):
     # the rule's windows hold a level and a noise that a warm restart of the learning-rate
     # schedule makes stale: at a restart (``schedule.py``) it starts again as it was made
     REARM: ClassVar[bool] = False
+    # when: after the restart's own step (its loss and gradients come from the weights the old
+    # rate made), or before it for a rule that judges the step's update, which the new rate
+    # made (``update_ratio``)
+    REARM_BEFORE: ClassVar[bool] = False
 
     def __init__(self, config: C | None = None, ctx: Context | None = None) -> None:
         self.config: C = config if config is not None else type(self).Config()
@@ -106,8 +110,9 @@ class Rule(Generic[C]):
         raise NotImplementedError
 
     def rearm(self) -> None:
-        """Called at a restart of the learning-rate schedule, before the restart's step is
-        observed: a rule with ``REARM`` starts again as it was made (its config kept), so its
+        """Called at a restart of the learning-rate schedule, after the restart's step is
+        observed (before it with ``REARM_BEFORE``): a rule with ``REARM`` starts again as it
+        was made (its config kept), so its
         level and noise are measured under the new rate, after a warm-up of its own. Rules
         whose state must outlive a restart (the peak rate of ``lr_jump``, a stall "from the
         start") keep ``REARM`` False; a rule may override this to keep part of its state."""

@@ -39,6 +39,7 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
     precursor = True
     Config = UpdateRatioConfig
     REARM = True
+    REARM_BEFORE = True  # the restart's own update is the new rate's
     OPTIONS: ClassVar[dict[str, str]] = {}  # its warmup counts measurements, not steps
 
     @classmethod
