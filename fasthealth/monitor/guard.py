@@ -43,6 +43,7 @@ collective save would leave the others waiting).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,9 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     if tracker.harmed and tracker._unrecovered():
         return cur, "the loss it harmed has not come back yet"
     loss, level = tracker.last[0], tracker.baseline[0]
-    if level is not None and not back(loss, level, tracker.config.causes.back_share):
+    # a loss not captured at that step (NaN, with the step finite) says nothing either way
+    if level is not None and math.isfinite(loss) \
+            and not back(loss, level, tracker.config.causes.back_share):
         return cur, (f"the loss at its last step ({loss:.4g}) is not back at its level before "
                      f"the incident ({level:.4g}) yet")
     return None

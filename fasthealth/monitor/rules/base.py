@@ -112,10 +112,10 @@ class Rule(Generic[C]):
     def rearm(self) -> None:
         """Called at a restart of the learning-rate schedule, after the restart's step is
         observed (before it with ``REARM_BEFORE``): a rule with ``REARM`` starts again as it
-        was made (its config kept), so its
-        level and noise are measured under the new rate, after a warm-up of its own. Rules
-        whose state must outlive a restart (the peak rate of ``lr_jump``, a stall "from the
-        start") keep ``REARM`` False; a rule may override this to keep part of its state."""
+        was made (its config kept), so its level and noise are measured under the new rate,
+        after a warm-up of its own. Rules whose state must outlive a restart (the peak rate of
+        ``lr_jump``, a stall "from the start") keep ``REARM`` False; a rule may override this
+        to keep part of its state."""
         if type(self).REARM:
             type(self).__init__(self, self.config, self.ctx)
 
