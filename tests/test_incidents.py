@@ -307,6 +307,43 @@ def test_a_new_kind_of_alarm_after_the_run_got_over_its_incident_is_a_new_fault(
     assert t.add(75, [ev(75, "loss_spike")])[0] is other
 
 
+def corrupted(step, since, several):
+    return ev(step, "weight_corruption", scanned_since=since, several_tensors=several)
+
+
+def test_a_weight_scan_finding_dates_from_the_scan_before():
+    """A weight that jumped between the scans of steps 35 and 60 may have jumped at the
+    gradient spike of step 40: the spike's aftermath, though step 60 is past ``settle``. Found
+    by scans of steps 50 and 60, it jumped after the run got over the spike: a new fault."""
+    def spiked():
+        t = steady(1.0, grad_norm=1.0)
+        inc, _, _ = t.add(40, [ev(40, "loss_spike"), ev(40, "grad_norm_spike", value=9.0)])
+        feed(t, 1.0, 19, grad_norm=1.0)  # recovered
+        return t, inc
+
+    t, inc = spiked()
+    assert t.add(60, [corrupted(60, 35, False)])[0] is inc
+    t, inc = spiked()
+    other, opened, _ = t.add(60, [corrupted(60, 50, False)])
+    assert opened and other is not inc
+
+
+def test_several_tensors_that_jumped_are_explained_by_any_alarm_incident():
+    """An LR far too high: loss spikes from the first steps, and the weight scan finds every
+    layer 1000x up; one tensor jumping (a flipped bit) is a cause that a loss spike cannot
+    explain."""
+    def spiked():
+        t = steady(1.0)
+        inc, _, _ = t.add(40, [ev(40, "loss_spike")])
+        feed(t, 1.0, 5)
+        return t, inc
+
+    t, inc = spiked()
+    assert t.add(46, [corrupted(46, 0, True)])[0] is inc
+    t, inc = spiked()
+    assert t.add(46, [corrupted(46, 0, False)])[1]
+
+
 def test_a_loss_spike_back_to_the_level_before_is_the_run_coming_back():
     t = steady(1.6)
     inc, _, _ = t.add(40, [ev(40, "vanishing_grad")])

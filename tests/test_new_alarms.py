@@ -100,6 +100,23 @@ def test_a_flipped_exponent_bit_is_an_alarm_naming_the_tensor_by_the_next_flush(
     assert jump["old_amax"] < 10 and jump["new_amax"] == pytest.approx(abs(seen["new"]),
                                                                        rel=1e-6)
     assert e.details["since_step"] == 19
+    # what it found happened after the scan of step 19; one tensor: a cause of its own
+    assert e.details["scanned_since"] == 19 and e.details["several_tensors"] is False
+
+
+def test_several_tensors_that_jumped_together_are_reported_as_a_diverging_run():
+    def plant(step, model):
+        if step == 23:
+            with torch.no_grad():
+                model.fc1.weight.mul_(1e5)
+                model.fc2.weight.mul_(1e5)
+
+    mon, _ = run(30, plant=plant)
+    found = events(mon, "weight_corruption")
+    assert found, [(e.step, e.kind) for e in mon.events]
+    e = found[0]
+    assert set(e.details["jumps"]) == {"fc1.weight", "fc2.weight"}
+    assert e.details["several_tensors"] is True and "diverging run" in e.message
 
 
 def test_a_low_exponent_bit_is_not_orders_of_magnitude():

@@ -25,7 +25,10 @@ notice incident that an alarm joins becomes an alarm: a gradient spike that the 
 confirms.
 
 When the run is not (or no longer) harmed by an alarm incident and ``settle`` (10) steps have
-passed since its last new finding, an alarm of a kind the incident does not hold is a new fault:
+passed since its last new finding, an alarm of a kind the incident does not hold is a new fault
+(a finding of a periodic scan, a weight that jumped between two weight scans, counts from the
+scan before: an LR far too high from the first step blows the weights up within the incident it
+opens, and the next scan, 40 steps on, finds them grown 1000x):
 it closes the incident and opens its own (a damaged model spikes and diverges while it recovers;
 an oscillation 30 steps after a broken optimizer state that never moved the loss is not its
 aftermath); a loss spike back to the level before the incident is the run coming back, not a new
@@ -46,7 +49,9 @@ Broken optimizer state is explained only by an incident that already holds it, o
 value, or a gradient so large that its square overflows float32 (Adam's second moment): norm
 1.8e19 or more; a collapsing loss scale by one that holds it, a non-finite value, or any
 gradient spike (scaled for float16, a spike is what overflows: overflow after overflow backs a
-scaler off). Such an alarm closes the open incident and opens its own.
+scaler off); a weight that jumped by one that holds a non-finite value, a gradient event or
+broken optimizer state, unless several tensors jumped together (a diverging run, which any
+incident can explain). Such an alarm closes the open incident and opens its own.
 """
 
 from __future__ import annotations
@@ -136,6 +141,23 @@ def step_finite(values: dict) -> bool:
     scaled = isinstance(scale, float) and scale == scale  # not NaN: a scaler
     grads = bool(values["grads_finite"]) or (scaled and values.get("nan_count", 1) == 0)
     return bool(values["loss_finite"]) and grads
+
+
+# The detail by which a finding of a periodic scan (``weight_corruption``) names the step of the
+# scan before: what it found happened at some step after it, not necessarily at its own.
+SCANNED_SINCE = "scanned_since"
+
+
+# The detail by which ``weight_corruption`` says that several tensors jumped together: a run
+# that diverged, which any open incident can explain (an LR far too high: loss spikes first),
+# where one tensor's jump (a flipped bit) is a cause of its own.
+SEVERAL_TENSORS = "several_tensors"
+
+
+def _since(e: Event) -> int:
+    """The earliest step at which what ``e`` found may have happened."""
+    since = e.details.get(SCANNED_SINCE)
+    return min(e.step, since + 1) if isinstance(since, int) else e.step
 
 
 def _norm(e: Event) -> float:
@@ -281,15 +303,20 @@ class IncidentTracker:
         for e in events:
             k = KINDS.get(e.kind)
             by = k.explained_by if k is not None else None
+            if e.details.get(SEVERAL_TENSORS):
+                by = None  # a diverging run: any open incident can be its cause
             if e.severity != ALARM or by is None or e.kind in held or held & by:
                 continue
             if e.kind == "optimizer_state_nonfinite" and self.config.overflow_explains \
                     and self._overflowed():
                 continue  # the incident's gradients could overflow Adam's second moment
             return False
-        new_alarm = any(e.severity == ALARM and e.kind not in held and not self._returns(e)
-                        for e in events)
-        step = events[0].step
+        new = [e for e in events
+               if e.severity == ALARM and e.kind not in held and not self._returns(e)]
+        # a finding of a periodic scan dates from its window's start: what it found may have
+        # happened at any step since the scan before (``SCANNED_SINCE``)
+        step = min((_since(e) for e in new), default=events[0].step)
+        new_alarm = bool(new)
         delayed = any(KINDS[k].delayed for k in held if k in KINDS)
         waits = delayed and not self.harmed  # its harm is still to come
         if new_alarm and cur.severity == ALARM and not waits and self.settle is not None \

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..incidents import SCANNED_SINCE, SEVERAL_TENSORS
 from ..record import HostStep
 from ..scans import scan_table
 from .base import Context, Finding, Rule, listed
@@ -103,4 +104,6 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
             "tensors",
             {"nonfinite": nonfinite, "jumps": {n: {"old_amax": a0, "new_amax": a1}
                                                for n, (a0, a1) in jumps.items()},
-             "since_step": prev[0] if prev is not None else None, "step": s.step})]
+             "since_step": prev[0] if prev is not None else None, "step": s.step,
+             SCANNED_SINCE: prev[0] if prev is not None else None,
+             SEVERAL_TENSORS: bool(many and not nonfinite)})]
