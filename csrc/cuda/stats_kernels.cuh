@@ -204,10 +204,17 @@ __device__ Sums thread_sums(const void* ptr, int64_t begin, int64_t end, float c
   const int64_t nvec = (end - vbegin) / V::kPer;
   const uint4* vp = reinterpret_cast<const uint4*>(base + vbegin * V::kSize);
   int64_t v = threadIdx.x;
+  // Zero, though the compiler cannot know it (end >= 0). Or-ing the fourth vector's first word,
+  // masked by it, into the first vector's makes the first use of the first load wait for the
+  // fourth, so ptxas issues all four before any is used: without it, it sank the fourth load
+  // past the first one's use (and into its registers) in about half of the loops, two memory
+  // latencies an iteration. One LOP3 an iteration (tests/test_cuda_build.py reads the SASS).
+  const uint32_t opaque_zero = static_cast<uint32_t>(-static_cast<int32_t>(end < 0));
   for (; v + 3 * kThreads < nvec; v += 4 * kThreads) {
     uint4 r[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) r[u] = __ldg(vp + v + u * kThreads);
+    r[0].x |= r[3].x & opaque_zero;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       float x[V::kPer];
@@ -487,9 +494,9 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
 // the block works, instead of stalling the block between items.
 // At least 2 blocks an SM, not 3: under the 85-register budget of 3 blocks ptxas reused the
 // first load's registers for the fourth in the 16-bit loops, so an iteration waited on memory
-// twice; the budget of 2 blocks (128 registers) leaves room for four loads in flight. With the
-// masked passes ptxas still keeps only three in some loops (tests/test_cuda_build.py holds the
-// line; docs/gpu.md has the figures).
+// twice; the budget of 2 blocks (128 registers) leaves room for four loads in flight, and
+// thread_sums' opaque dependency makes ptxas issue them all before the first use in every loop
+// (128 registers, no spill, on sm_90 with nvcc 13.0; tests/test_cuda_build.py checks it).
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads, 2)
 chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo,
