@@ -335,3 +335,23 @@ def test_broken_optimizer_state_then_a_weight_that_jumped_is_the_weights(weight_
     inc = t.incidents[0]
     assert inc.kinds == ["optimizer_state_nonfinite", "weight_corruption"], inc.kinds
     assert inc.cause == cause, inc.why
+
+
+@pytest.mark.parametrize("several", [True, False])
+def test_weights_that_all_jumped_in_an_lr_incident_leave_it_the_learning_rate(several):
+    """An LR jump, then the weight scan finds every layer 1000x up: a diverging run, one
+    incident whose cause stays the learning rate. One tensor's jump (a flipped bit) is a fault
+    of its own, the weights."""
+    t = IncidentTracker()
+    for step in range(60):
+        events = {40: [ev(40, "lr_jump")],
+                  49: [ev(49, "weight_corruption", scanned_since=39, several_tensors=several,
+                          jumps={"a": {}, "b": {}} if several else {"a": {}})]}.get(step, [])
+        t.advance(step)
+        t.file(step, events)
+        t.observe(2.0 if step < 40 else 9.0, math.nan, 1.0, True)
+    causes = [(i.kinds, i.cause) for i in t.incidents]
+    if several:
+        assert causes == [(["lr_jump", "weight_corruption"], "learning_rate")], causes
+    else:
+        assert causes == [(["lr_jump"], "learning_rate"), (["weight_corruption"], "weights")]

@@ -5,7 +5,8 @@ An incident names one of ``kinds.CAUSES`` from the evidence it has, by the first
 
 1. the optimizer's state non-finite as its first alarm: ``optimizer_state`` (``weights`` when
    a weight also jumped by orders of magnitude and stayed finite);
-2. a corrupted weight (``weight_corruption``) among its kinds: ``weights``;
+2. a corrupted weight (``weight_corruption``) among its kinds: ``weights`` (not several
+   tensors that jumped together: a diverging run, whatever made it diverge);
 3. a learning-rate jump among its kinds: ``learning_rate``;
 4. a collapsing loss scale or an overflow streak, or non-finite gradients with a finite loss
    under a GradScaler: ``numeric_range``; a repeated batch: ``batch``;
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .events import ALARM, Incident
+from .events import ALARM, SEVERAL_TENSORS, Incident
 from .kinds import cause_of
 
 CHECK_FIRST = {
@@ -114,9 +115,12 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
             return "weights", (f"it holds a finite weight jump, which broke the optimizer's "
                                f"state ({trigger} first)")
         return "optimizer_state", f"its first alarm is {trigger}"
+    # several tensors that jumped together are a diverging run's symptom, not its cause
+    kinds = [k for k in inc.kinds if k not in c.weight_kinds or any(
+        e.kind == k and not e.details.get(SEVERAL_TENSORS) for e in inc.events)]
     for names, cause in ((c.weight_kinds, "weights"), (c.lr_kinds, "learning_rate"),
                          (c.range_kinds, "numeric_range"), (c.batch_kinds, "batch")):
-        hit = next((k for k in inc.kinds if k in names), None)
+        hit = next((k for k in kinds if k in names), None)
         if hit is not None:
             return cause, f"it holds {hit}"
     first = next((e for e in inc.events if e.severity == ALARM and e.kind == trigger), None)

@@ -20,6 +20,16 @@ import torch
 from ..stats import MultiTensorStats
 from .kinds import ALARM, NOTICE, severity_of
 
+# The detail by which a finding of a periodic scan (``weight_corruption``) names the step of the
+# scan before: what it found happened at some step after it, not necessarily at its own.
+SCANNED_SINCE = "scanned_since"
+
+
+# The detail by which ``weight_corruption`` says that several tensors jumped together: a run
+# that diverged, which any open incident can explain (an LR far too high: loss spikes first),
+# where one tensor's jump (a flipped bit) is a cause of its own.
+SEVERAL_TENSORS = "several_tensors"
+
 __all__ = ["ALARM", "NOTICE", "Event", "Incident", "NonFiniteError", "Observation", "jsonable",
            "severity_of"]
 

@@ -64,7 +64,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .causes import CHECK_FIRST, CauseConfig, judge
-from .events import ALARM, NOTICE, Event, Incident
+from .events import ALARM, NOTICE, SCANNED_SINCE, SEVERAL_TENSORS, Event, Incident
 from .kinds import GRADIENT, KINDS, cause_of
 
 SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19: its square is inf
@@ -141,17 +141,6 @@ def step_finite(values: dict) -> bool:
     scaled = isinstance(scale, float) and scale == scale  # not NaN: a scaler
     grads = bool(values["grads_finite"]) or (scaled and values.get("nan_count", 1) == 0)
     return bool(values["loss_finite"]) and grads
-
-
-# The detail by which a finding of a periodic scan (``weight_corruption``) names the step of the
-# scan before: what it found happened at some step after it, not necessarily at its own.
-SCANNED_SINCE = "scanned_since"
-
-
-# The detail by which ``weight_corruption`` says that several tensors jumped together: a run
-# that diverged, which any open incident can explain (an LR far too high: loss spikes first),
-# where one tensor's jump (a flipped bit) is a cause of its own.
-SEVERAL_TENSORS = "several_tensors"
 
 
 def _since(e: Event) -> int:

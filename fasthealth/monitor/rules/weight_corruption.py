@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..incidents import SCANNED_SINCE, SEVERAL_TENSORS
+from ..events import SCANNED_SINCE, SEVERAL_TENSORS
 from ..record import HostStep
 from ..scans import scan_table
 from .base import Context, Finding, Rule, listed
