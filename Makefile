@@ -16,7 +16,7 @@ ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env build test test-fast bench demo lint clean cuda-check
+.PHONY: env build test test-fast bench demo lint clean cuda-check gpu-prebuilt
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -99,3 +99,46 @@ cuda-check:
 		print('CUDA extension built for sm_80 and sm_90 with torch', torch.__version__)"
 	cd $(CUDA_TREE) && FASTHEALTH_REQUIRE_CPU=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" \
 		$(CUDA_PY) -m pytest -q -m "not corpus and not device_script" $(BIG) tests
+
+# The extension for the lent H200, built here ahead of time (docs/gpu.md): bench/gpu_check.sh
+# loads it there instead of compiling for ~90 s of its 420. _C loads only under the CPython and
+# the torch it was compiled against, so a separate environment holds the device's: CPython
+# $(PREBUILT_PYTHON) (3.12) and torch==$(DEVICE_TORCH) (CUDA 13.0, as pip's wheel); nvcc from
+# CUDA_HOME compiles csrc/ for sm_90 only in a copy of the tree. The library and its manifest
+# (bench/prebuilt.py: Python, torch, CUDA, architectures, the sources' hash, so the device
+# refuses a stale one) go into $(PREBUILT_DIR); then the import test and the CPU kernel tests
+# under that torch. Carry $(PREBUILT_DIR) to the device: run(..., carry=["build/prebuilt"]).
+PREBUILT_PYTHON ?= /root/.pyenv/versions/3.12.1/bin/python
+DEVICE_TORCH ?= 2.11.0
+PREBUILT_VENV ?= .venv-gpu312
+PREBUILT_PY := $(CURDIR)/$(PREBUILT_VENV)/bin/python
+PREBUILT_TREE := build/prebuilt-tree
+PREBUILT_DIR := build/prebuilt
+PREBUILT_ARCH := 9.0
+
+gpu-prebuilt:
+	@test -x $(PREBUILT_PYTHON) || { echo "gpu-prebuilt: no Python at" \
+		"PREBUILT_PYTHON=$(PREBUILT_PYTHON); set it to a CPython of the device's version" \
+		"(3.12): make gpu-prebuilt PREBUILT_PYTHON=/path/to/python3.12"; exit 1; }
+	test -x $(PREBUILT_PY) || $(PREBUILT_PYTHON) -m venv $(PREBUILT_VENV)
+	$(PREBUILT_PY) -m pip install -q torch==$(DEVICE_TORCH) ninja setuptools wheel numpy pytest \
+		hypothesis
+	rm -rf $(PREBUILT_TREE) $(PREBUILT_DIR) && mkdir -p $(PREBUILT_TREE) $(PREBUILT_DIR)
+	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(PREBUILT_TREE)
+	cd $(PREBUILT_TREE) && CUDA_HOME=$(CUDA_HOME) PATH=$(CUDA_HOME)/bin:$$PATH \
+		TORCH_CUDA_ARCH_LIST=$(PREBUILT_ARCH) FASTHEALTH_FORCE_CUDA=1 MAX_JOBS=2 \
+		$(PREBUILT_PY) setup.py -q build_ext --inplace
+	cp $(PREBUILT_TREE)/fasthealth/_C.*.so $(PREBUILT_DIR)/
+	$(PREBUILT_PY) bench/prebuilt.py write-manifest $(PREBUILT_DIR) --root $(PREBUILT_TREE) \
+		--arch $(PREBUILT_ARCH)
+	$(PREBUILT_PY) bench/prebuilt.py check $(PREBUILT_DIR) --arch $(PREBUILT_ARCH)
+	cd $(PREBUILT_TREE) && ln -sfn ../triton_kernels fasthealth/triton_kernels && \
+		$(PREBUILT_PY) -c "import pathlib, torch, fasthealth as fh; \
+		assert pathlib.Path(fh.__file__).parent == pathlib.Path('fasthealth').resolve(), fh.__file__; \
+		assert fh.ops.compiled.C is not None and fh.ops.compiled.C.with_cuda, fh.ops.compiled.load_error; \
+		assert torch._C._dispatch_has_kernel_for_dispatch_key('fasthealth::multi_tensor_stats', 'CUDA'); \
+		print('prebuilt', fh.ops.compiled.C.__file__, 'loads: CUDA kernels registered, torch', \
+		torch.__version__, 'CPU kernel variant', fh.ops.compiled.cpu_isa())"
+	cd $(PREBUILT_TREE) && OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1 \
+		$(PREBUILT_PY) -m pytest -q -x -p no:cacheprovider $(BIG) tests/test_kernels.py
+	@ls -l $(PREBUILT_DIR)

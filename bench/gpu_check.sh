@@ -5,11 +5,19 @@
 # case that ran and every step's status.
 #
 # Usage, from the repo root: bash bench/gpu_check.sh [--quick]
-# (device tool: run(command="bash bench/gpu_check.sh", timeout_s=480))
+# (device tool, after `make gpu-prebuilt` here:
+#  run(command="bash bench/gpu_check.sh", carry=["build/prebuilt"], timeout_s=480))
 #
 # Steps, most wanted first, with their limits in seconds (at most / needed to start) and the
 # time each should take on a fresh H200:
 #   env           20 /  5   ~5 s   the GPU, driver, torch, triton, nvcc         -> env.txt
+#   prebuilt      30 /  5   ~10 s  the extension built ahead of time (`make gpu-prebuilt`,
+#                                  build/prebuilt): its manifest checked against this tree,
+#                                  Python and torch (bench/prebuilt.py), the library copied
+#                                  into fasthealth/, then imported: CUDA kernels registered.
+#                                  When it loads, no build step runs; when it is refused or
+#                                  does not load, the copy is removed and the build runs
+#                                                                               -> build.txt
 #   build-cuda   170 / 60   ~90 s  the extension (sm_90, 16 jobs)               -> build.txt
 #   build-cpu     90 / 30   ~30 s  only if the CUDA build failed: the CPU extension, so that
 #                                  the Triton steps still run
@@ -24,10 +32,11 @@
 #                                  it ends its process and the tests after it run again
 #                                                                               -> tests.txt
 #   finish        30 / 10   ~5 s   the goals and h200.png
-# About 330 s in all. A step gets at most its own limit, and never more than the deadline
-# leaves after the needs of every step still to come: one that overruns cannot starve the
-# ones after it, and finish always has its time. At its limit a step gets SIGINT (pytest still
-# prints its summary, the benchmark stops between writes), then SIGKILL 10 s later.
+# About 250 s in all with the prebuilt, 340 s without. A step gets at most its own limit, and
+# never more than the deadline leaves after the needs of every step still to come: one that
+# overruns cannot starve the ones after it, and finish always has its time. At its limit a step
+# gets SIGINT (pytest still prints its summary, the benchmark stops between writes), then
+# SIGKILL 10 s later.
 # Back under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
 # h200.json h200.png; h200.json is copied into bench/results/ too.
 #
@@ -42,6 +51,14 @@
 #   FASTHEALTH_GPU_COPY=PATH           the copy of h200.json (bench/results/h200.json; none in
 #                                      a dry run), empty for none
 #   PYTHON                             the interpreter (python3)
+#   FASTHEALTH_PREBUILT=DIR            the prebuilt library and its manifest (build/prebuilt)
+#   FASTHEALTH_PREBUILT_PKG=DIR        where it is copied (fasthealth; the dry-run tests point
+#                                      it out of the tree)
+#   FASTHEALTH_GPU_DRY_PREBUILT=loads|fails|real   in a dry run, the prebuilt's import test:
+#                                      faked to pass (the default) or to fail, or run for real
+#                                      (a real library, FASTHEALTH_PREBUILT_PKG=fasthealth); the
+#                                      manifest's check, the copy and the clean-up run for real,
+#                                      and a dry run removes what it copied when it ends
 set -uo pipefail
 OUT=${OUT:-/tmp/fasthealth-gpu}
 mkdir -p "$OUT"
@@ -58,7 +75,10 @@ TEST_LIMIT=${FASTHEALTH_TEST_TIMEOUT:-40}  # per test; stuck in C code: 15 s mor
 SUMMARY=$OUT/summary.txt
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-export PY WORK TEST_FILES TEST_LIMIT
+PREBUILT=${FASTHEALTH_PREBUILT:-build/prebuilt}
+PKG=${FASTHEALTH_PREBUILT_PKG:-fasthealth}
+DRY_PREBUILT=${FASTHEALTH_GPU_DRY_PREBUILT:-loads}
+export PY WORK TEST_FILES TEST_LIMIT PREBUILT PKG DRY DRY_PREBUILT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the in-place build, when pip cannot install
 start=$(date +%s)
 : > "$SUMMARY"
@@ -70,6 +90,7 @@ declare -A MAXT MINT DONE
 ORDER=()
 plan() { ORDER+=("$1"); MAXT[$1]=$2; MINT[$1]=$3; }
 plan env 20 5
+plan prebuilt 30 5
 plan build-cuda 170 60
 plan build-cpu 90 30
 plan backends 20 5
@@ -94,17 +115,23 @@ reserve() {
   echo "$sum"
 }
 
-# record NAME STATUS SECONDS LIMIT RC [NOTE]: summary.txt, and the steps into h200.json
+# record NAME STATUS SECONDS LIMIT RC [NOTE]: summary.txt, and the steps into h200.json (the
+# note too); STATUS "not run": a step that was not needed (it does not fail the run)
 record() {
-  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" >> "$WORK/steps.tsv"
-  echo "$1: $2 in $3 s (limit $4 s, exit $5)${6:+ $6}" >> "$SUMMARY"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "${6:-}" >> "$WORK/steps.tsv"
+  if [ "$2" = "not run" ]; then
+    echo "$1: not run${6:+ $6}" >> "$SUMMARY"
+  else
+    echo "$1: $2 in $3 s (limit $4 s, exit $5)${6:+ $6}" >> "$SUMMARY"
+  fi
   "$PY" bench/gpu_results.py "${results[@]}" steps "$WORK/steps.tsv" --deadline "$DEADLINE" \
     --elapsed "$(elapsed)" ${DRY:+--dry} >> "$SUMMARY" 2>&1
 }
 
 # step NAME LOG COMMAND...: COMMAND (its output appended to LOG) under the step's limit, cut to
 # what the deadline leaves after the later steps' needs; skipped when that is under its own
-# need. STEP_END (epoch seconds) tells the command when it will be stopped. Returns its status.
+# need. STEP_END (epoch seconds) tells the command when it will be stopped; what it writes into
+# $WORK/why-NAME (one line) is recorded as the step's note. Returns its status.
 step() {
   local name=$1 log=$2; shift 2
   local limit=${MAXT[$name]} need=${MINT[$name]} own
@@ -129,9 +156,79 @@ step() {
   rc=$?
   (( rc == 124 || rc == 137 )) && status="TIMED OUT"
   (( rc != 0 && rc != 124 && rc != 137 )) && status=FAILED
-  record "$name" "$status" $(( $(date +%s) - t0 )) "$limit" "$rc"
+  local note=
+  [ -s "$WORK/why-$name" ] && note="($(tr -s '\t\n' ' ' < "$WORK/why-$name" | cut -c1-400 \
+    | sed 's/ *$//'))"
+  record "$name" "$status" $(( $(date +%s) - t0 )) "$limit" "$rc" "$note"
   return $rc
 }
+
+# use_prebuilt: the library of $PREBUILT into $PKG, when its manifest matches this tree, Python
+# and torch; then the import test the backends step needs: _C loads from there, with its CUDA
+# kernels registered. Every file it puts there is listed in $WORK/prebuilt-copied (a library
+# already there is moved aside first), so that unuse_prebuilt can take them out again even
+# after a timeout's SIGKILL; why it failed, in $WORK/why-prebuilt.
+use_prebuilt() {
+  local lib name why=$WORK/why-prebuilt
+  lib=$(ls "$PREBUILT"/_C.*.so | head -1)
+  name=${lib##*/}
+  echo "prebuilt: $lib"
+  if ! "$PY" bench/prebuilt.py check "$PREBUILT" > "$WORK/prebuilt-check.txt" 2>&1; then
+    cat "$WORK/prebuilt-check.txt"
+    sed -n 's/^prebuilt refused: //p' "$WORK/prebuilt-check.txt" \
+      | awk 'NR > 1 {printf "; "} {printf "%s", $0}' > "$why"
+    [ -s "$why" ] || tail -1 "$WORK/prebuilt-check.txt" > "$why"  # it did not get that far
+    return 1
+  fi
+  cat "$WORK/prebuilt-check.txt"
+  mkdir -p "$PKG"
+  if [ -e "$PKG/$name" ]; then
+    mv "$PKG/$name" "$WORK/previous-lib" && echo "$PKG/$name" > "$WORK/prebuilt-moved"
+  fi
+  echo "$PKG/$name" >> "$WORK/prebuilt-copied"
+  cp "$lib" "$PKG/$name" || { echo "could not copy $lib into $PKG/" > "$why"; return 1; }
+  if ! [ -e "$PKG/triton_kernels" ] && ! [ -L "$PKG/triton_kernels" ]; then  # as install() does
+    echo "$PKG/triton_kernels" >> "$WORK/prebuilt-copied"
+    ln -s "$(realpath -s --relative-to="$PKG" triton_kernels)" "$PKG/triton_kernels"
+  fi
+  local test=("$PY" -c "
+import pathlib, torch, fasthealth as fh
+C, here = fh.ops.compiled.C, pathlib.Path('$PKG').resolve()
+assert pathlib.Path(fh.__file__).parent.resolve() == here, f'fasthealth is {fh.__file__}'
+assert C is not None, f'_C does not load: {fh.ops.compiled.load_error}'
+assert pathlib.Path(C.__file__).resolve() == here / '$name', f'_C is {C.__file__}'
+assert C.with_cuda, '_C has no CUDA kernels'
+assert torch._C._dispatch_has_kernel_for_dispatch_key('fasthealth::multi_tensor_stats',
+    'CUDA'), 'no CUDA kernel registered for fasthealth::multi_tensor_stats'
+print('the prebuilt loads:', C.__file__, 'torch', torch.__version__)")
+  if [ -n "$DRY" ] && [ "$DRY_PREBUILT" != real ]; then
+    test=(bash -c "[ -f '$PKG/$name' ] && [ -f '$PKG/triton_kernels/__init__.py' ] || exit 1
+      [ '$DRY_PREBUILT' = fails ] && { echo 'AssertionError: dry run: faked load failure'; exit 1; }
+      echo 'dry run: the prebuilt loads (faked: FASTHEALTH_GPU_DRY_PREBUILT=$DRY_PREBUILT)'")
+  fi
+  "${test[@]}" > "$WORK/prebuilt-load.txt" 2>&1
+  local rc=$?
+  cat "$WORK/prebuilt-load.txt"
+  if (( rc != 0 )); then
+    echo "does not load: $(grep -v '^ \|^Traceback' "$WORK/prebuilt-load.txt" | tail -1)" \
+      > "$why"
+    return 1
+  fi
+}
+
+# unuse_prebuilt: take out what use_prebuilt put in $PKG, and put back what it moved aside
+unuse_prebuilt() {
+  local f
+  if [ -f "$WORK/prebuilt-copied" ]; then
+    while read -r f; do rm -f "$f"; done < "$WORK/prebuilt-copied"
+    rm -f "$WORK/prebuilt-copied"
+  fi
+  if [ -f "$WORK/prebuilt-moved" ]; then
+    mv "$WORK/previous-lib" "$(cat "$WORK/prebuilt-moved")" && rm -f "$WORK/prebuilt-moved"
+  fi
+  return 0
+}
+export -f use_prebuilt
 
 finish_up() {
   if ! [ -s "$RESULTS" ]; then  # gpu_results.py never ran: the steps, written from here
@@ -140,7 +237,10 @@ finish_up() {
       printf ' summary.txt)", "steps": ['
       awk -F'\t' '{printf "%s{\"name\": \"%s\", \"status\": \"%s\", \"seconds\": %d,",
                           (NR > 1 ? ", " : ""), $1, $2, $3
-                   printf " \"limit\": %d, \"rc\": %d}", $4, $5}' "$WORK/steps.tsv"
+                   printf " \"limit\": %d, \"rc\": %d", $4, $5
+                   note = $6; gsub(/["\\]/, "'"'"'", note)
+                   printf "%s}", (note != "" ? ", \"note\": \"" note "\"" : "")}' \
+        "$WORK/steps.tsv"
       printf ']}\n'
     } > "$RESULTS"
     [ -n "$COPY" ] && mkdir -p "$(dirname "$COPY")" && cp "$RESULTS" "$COPY"
@@ -154,6 +254,7 @@ finish_up() {
     done
   } >> "$SUMMARY"
   cat "$SUMMARY"
+  [ -n "$DRY" ] && unuse_prebuilt  # a dry run leaves nothing in the tree
   rm -rf "$WORK"
 }
 trap finish_up EXIT
@@ -167,6 +268,20 @@ step env "$OUT/env.txt" bash -c '
     torch.version.cuda, \"triton\", triton.__version__, \"device\",
     torch.cuda.is_available() and torch.cuda.get_device_name())"'
 
+# the prebuilt first: when it loads, nothing is built here
+prebuilt=
+if ! ls "$PREBUILT"/_C.*.so > /dev/null 2>&1; then
+  DONE[prebuilt]=1
+  record prebuilt "not run" 0 0 0 "(no prebuilt library in $PREBUILT: building here)"
+elif step prebuilt "$OUT/build.txt" bash -c use_prebuilt; then
+  prebuilt=1
+  "$PY" bench/gpu_results.py "${results[@]}" attach prebuilt "$PREBUILT/manifest.json" \
+    >> "$SUMMARY" 2>&1
+else
+  unuse_prebuilt
+  echo "the prebuilt was not used: building here" >> "$SUMMARY"
+fi
+
 install() {  # the editable install; an in-place build when pip cannot install here
   "$PY" -m pip install --no-build-isolation --no-deps -e . && return 0
   echo "pip install failed: building in place instead"
@@ -176,7 +291,10 @@ install() {  # the editable install; an in-place build when pip cannot install h
 export -f install
 build=(bash -c install)
 [ -n "$DRY" ] && build=(echo "dry run: no build")
-if ! step build-cuda "$OUT/build.txt" env FASTHEALTH_FORCE_CUDA=1 "${build[@]}"; then
+if [ -n "$prebuilt" ]; then
+  DONE[build-cuda]=1
+  record build-cuda "not run" 0 0 0 "(the prebuilt loaded)"
+elif ! step build-cuda "$OUT/build.txt" env FASTHEALTH_FORCE_CUDA=1 "${build[@]}"; then
   unset 'DONE[build-cpu]'
   echo "the CUDA build failed: building the CPU extension alone for the Triton steps" \
     >> "$SUMMARY"
@@ -289,5 +407,6 @@ grep -h "^== .* did not end" "$WORK"/tests-*.txt >> "$SUMMARY" 2>/dev/null
 step finish "$OUT/bench.txt" "$PY" bench/gpu_results.py "${results[@]}" finish \
   --plot "$OUT/h200.png"
 
-# exit status 0 when every step ran and was ok (the files come back either way)
-awk -F'\t' '$2 != "ok" {bad = 1} END {exit bad}' "$WORK/steps.tsv"
+# exit status 0 when every step that ran was ok, those not needed aside (the files come back
+# either way)
+awk -F'\t' '$2 != "ok" && $2 != "not run" {bad = 1} END {exit bad}' "$WORK/steps.tsv"

@@ -11,7 +11,10 @@ is broken. One JSON object:
   goals     the GPU goals read off the rows, recomputed at every write; a goal whose rows are
             missing says so (met: null)
   selftest  `fasthealth selftest --json`'s record
-  steps     the device script's steps: status, seconds, limit, exit status
+  steps     the device script's steps: status, seconds, limit, exit status, and a note where
+            the script gave one (why a step failed or was not run)
+  prebuilt  the manifest of the prebuilt extension, when the device script loaded it
+            (bench/prebuilt.py)
   run       the deadline, time used, whether it was a dry run
 
 Every write goes to a temporary file beside the target, then os.replace: a reader (or a run
@@ -156,7 +159,8 @@ def goals(rows: list[dict]) -> list[dict]:
 
 
 def read_steps(tsv: Path) -> list[dict]:
-    """The device script's step records: name, status, seconds, limit, rc (tab-separated)."""
+    """The device script's step records: name, status, seconds, limit, rc and, when not empty,
+    a note (tab-separated)."""
     steps = []
     try:
         lines = Path(tsv).read_text().splitlines()
@@ -167,6 +171,8 @@ def read_steps(tsv: Path) -> list[dict]:
         if len(f) >= 5:
             steps.append({"name": f[0], "status": f[1], "seconds": int(f[2]),
                           "limit": int(f[3]), "rc": int(f[4])})
+            if len(f) > 5 and f[5]:
+                steps[-1]["note"] = f[5]
     return steps
 
 

@@ -1,7 +1,8 @@
 """The device script (bench/gpu_check.sh) dry-run here, without a GPU: whichever step fails,
 hangs or finds no time left, a results file comes back with every case that ran and every
-step's status. Also the per-test limit plugin (tests/per_test_limit.py) and the results file's
-merges (bench/gpu_results.py).
+step's status; a prebuilt extension (make gpu-prebuilt) is used when its manifest matches and
+refused, with the build run instead, when it does not. Also the per-test limit plugin
+(tests/per_test_limit.py) and the results file's merges (bench/gpu_results.py).
 
 The dry run (FASTHEALTH_GPU_DRY=1) builds nothing, assumes both GPU backends, benchmarks with
 fake timings (bench_gpu.py --fake: the same case loop and writes) and runs the GPU tests for
@@ -15,9 +16,11 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import gpu_results
+import prebuilt
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,9 +67,11 @@ def dry_run(tmp_path, test_files=None, **env):
     if test_files is None:
         test_files = tmp_path / "test_quick.py"
         test_files.write_text(QUICK_TESTS)
+    # no prebuilt unless a test makes one, and never one copied into the tree's fasthealth/
     full = {**os.environ, "OUT": str(out), "FASTHEALTH_GPU_DRY": "1", "PYTHON": sys.executable,
             "FASTHEALTH_GPU_TEST_FILES": str(test_files), "FASTHEALTH_BENCH_FAKE_SLEEP": "0.05",
-            **env}
+            "FASTHEALTH_PREBUILT": str(tmp_path / "no-prebuilt"),
+            "FASTHEALTH_PREBUILT_PKG": str(tmp_path / "pkg"), **env}
     full.pop("FASTHEALTH_GPU_COPY", None)
     p = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True,
                        text=True, timeout=300)
@@ -75,8 +80,12 @@ def dry_run(tmp_path, test_files=None, **env):
     return p, out, doc
 
 
-def steps(doc):
-    return {s["name"]: s["status"] for s in doc["steps"]}
+def steps(doc, built_here=True):
+    """name: status; the prebuilt step, absent in most dry runs, is checked and left out."""
+    got = {s["name"]: s["status"] for s in doc["steps"]}
+    if built_here and got.get("prebuilt") == "not run":
+        del got["prebuilt"]
+    return got
 
 
 def written(out):
@@ -110,6 +119,10 @@ def test_dry_run_every_step_ok(tmp_path):
     assert p.returncode == 0, p.stdout
     assert (copy.stat().st_mtime_ns if copy.exists() else None) == before  # no copy: dry
     assert steps(doc) == dict.fromkeys(STEPS, "ok")
+    assert {"name": "prebuilt", "status": "not run", "seconds": 0, "limit": 0, "rc": 0,
+            "note": f"(no prebuilt library in {tmp_path / 'no-prebuilt'}: building here)"} \
+        in doc["steps"]
+    assert "prebuilt" not in doc and "dry run: no build" in (out / "build.txt").read_text()
     assert len(doc["rows"]) == N_CASES * FUSED_ROWS and all(r["fake"] for r in doc["rows"])
     assert cases_of(doc, "cuda") == cases_of(doc, "read_sum") == written(out)["bench-cuda"]
     assert cases_of(doc, "triton") == written(out)["bench-triton"]
@@ -203,6 +216,110 @@ def test_dry_run_a_hung_test_fails_alone_and_the_rest_run(tmp_path):
     assert steps(doc)["tests"] == "FAILED"
 
 
+# ---- the prebuilt extension (make gpu-prebuilt, bench/prebuilt.py) -------------------------
+
+# what the prebuilt's folder holds while the tests step runs, i.e. after the build steps
+LISTING_TEST = """
+import os
+
+
+def test_list_the_prebuilt_folder():
+    pkg = os.environ["FASTHEALTH_PREBUILT_PKG"]
+    names = sorted(os.listdir(pkg)) if os.path.isdir(pkg) else []
+    with open(os.environ["LISTING"], "w") as f:
+        f.write(" ".join(names))
+
+
+def test_on_triton_ok():  # the triton process's own test
+    pass
+"""
+
+
+def fake_prebuilt(tmp_path):
+    """A prebuilt folder whose manifest matches this tree, Python and torch (its library is
+    not one: the dry run fakes the import test), and a library already in the package folder,
+    as an earlier build leaves it."""
+    folder, pkg = tmp_path / "prebuilt", tmp_path / "pkg"
+    folder.mkdir()
+    pkg.mkdir()
+    name = "_C" + sysconfig.get_config_var("EXT_SUFFIX")
+    (folder / name).write_bytes(b"the prebuilt library")
+    (pkg / name).write_bytes(b"an earlier build")
+    prebuilt.write_manifest(folder, ROOT, "9.0")
+    return folder, pkg, name
+
+
+def prebuilt_dry_run(tmp_path, change=None, **env):
+    """A dry run with fake_prebuilt (its manifest edited by ``change``), the tests step
+    listing the package folder; checks that the tree is untouched and the folder as it was."""
+    folder, pkg, name = fake_prebuilt(tmp_path)
+    if change:
+        m = json.loads((folder / "manifest.json").read_text())
+        change(m)
+        (folder / "manifest.json").write_text(json.dumps(m))
+    tests = tmp_path / "test_listing.py"
+    tests.write_text(LISTING_TEST)
+    before = sorted(os.listdir(ROOT / "fasthealth"))
+    p, out, doc = dry_run(tmp_path, test_files=tests, FASTHEALTH_PREBUILT=str(folder),
+                          LISTING=str(tmp_path / "listing"), **env)
+    assert sorted(os.listdir(ROOT / "fasthealth")) == before  # nothing copied into the tree
+    # a dry run takes out what it copied and puts back the library it moved aside
+    assert os.listdir(pkg) == [name] and (pkg / name).read_bytes() == b"an earlier build"
+    during = (tmp_path / "listing").read_text().split()
+    return p, out, doc, during, name
+
+
+def notes(doc):
+    return {s["name"]: s.get("note") for s in doc["steps"]}
+
+
+@pytest.mark.device_script
+def test_dry_run_a_prebuilt_that_loads_replaces_the_build(tmp_path):
+    p, out, doc, during, name = prebuilt_dry_run(tmp_path)
+    assert p.returncode == 0, p.stdout
+    assert steps(doc, built_here=False) == {
+        **dict.fromkeys(STEPS, "ok"), "prebuilt": "ok", "build-cuda": "not run"}
+    assert notes(doc)["build-cuda"] == "(the prebuilt loaded)"
+    assert during == [name, "triton_kernels"]  # copied, and linked as install() does
+    assert doc["prebuilt"] == json.loads((tmp_path / "prebuilt" / "manifest.json").read_text())
+    build = (out / "build.txt").read_text()
+    assert "matches this tree, Python and torch" in build and "dry run: no build" not in build
+    assert "build-cuda: not run (the prebuilt loaded)" in (out / "summary.txt").read_text()
+
+
+@pytest.mark.device_script
+def test_dry_run_a_stale_prebuilt_is_refused_and_the_build_runs(tmp_path):
+    def stale(m):  # built from another csrc/stats.h
+        m["sources"]["files"]["csrc/stats.h"] = "0" * 64
+        m["sources"]["sha256"] = "0" * 64
+    p, out, doc, during, name = prebuilt_dry_run(tmp_path, change=stale)
+    assert p.returncode == 1  # the prebuilt failed; everything else ran
+    assert steps(doc) == {**dict.fromkeys(STEPS, "ok"), "prebuilt": "FAILED"}
+    assert notes(doc)["prebuilt"] == \
+        "(the sources changed since the build: csrc/stats.h (changed))"
+    assert during == [name]  # the earlier build's library, untouched (nothing was copied)
+    assert "prebuilt" not in doc and "dry run: no build" in (out / "build.txt").read_text()
+    assert "the prebuilt was not used: building here" in (out / "summary.txt").read_text()
+
+
+@pytest.mark.device_script
+@pytest.mark.parametrize("how", ["does not load", "FORCE_FAIL", "FORCE_HANG"])
+def test_dry_run_a_prebuilt_that_fails_is_taken_out_and_the_build_runs(tmp_path, how):
+    env = {"does not load": {"FASTHEALTH_GPU_DRY_PREBUILT": "fails"},
+           "FORCE_FAIL": {"FORCE_FAIL": "prebuilt"},
+           "FORCE_HANG": {"FORCE_HANG": "prebuilt", "FASTHEALTH_GPU_LIMITS": "prebuilt=4"}}[how]
+    p, out, doc, during, name = prebuilt_dry_run(tmp_path, **env)
+    status = "TIMED OUT" if how == "FORCE_HANG" else "FAILED"
+    assert p.returncode == 1
+    assert steps(doc) == {**dict.fromkeys(STEPS, "ok"), "prebuilt": status}
+    # by the tests step its copy is gone and the earlier library is back, then rebuilt
+    assert during == [name] and "dry run: no build" in (out / "build.txt").read_text()
+    assert "prebuilt" not in doc
+    if how == "does not load":
+        assert notes(doc)["prebuilt"] == \
+            "(does not load: AssertionError: dry run: faked load failure)"
+
+
 # ---- the results file ----------------------------------------------------------------------
 
 def row(case, dtype, provider, gpu, wall, **kw):
@@ -260,6 +377,7 @@ def test_dry_run_without_a_working_python_still_writes_the_file(tmp_path):
     got = steps(doc)
     assert p.returncode == 1 and doc["rows"] == [] and "did not write" in doc["error"]
     assert got["env"] == got["bench-cuda"] == got["tests"] == "FAILED" and len(got) == 8
+    assert doc["steps"][1]["note"].startswith("(no prebuilt library in ")  # the awk's JSON
 
 
 def test_the_new_baselines_compute_what_they_say():
