@@ -81,7 +81,7 @@ def fallback_cases():
         "normal": torch.randn(4 * c + 77, generator=g),
         "bf16, unaligned": torch.randn(2 * c + 9, generator=g).bfloat16(),
         "offset (shifted pass)": 1000 + torch.randn(2 * c, generator=g),
-        "one NaN (one exact chunk)": one_nan,
+        "one NaN (one masked chunk)": one_nan,
         "tiny (exact)": torch.randn(c, generator=g) * 1e-20,
         "huge (exact)": torch.randn(c, generator=g) * 1e25,
         "far apart (exact)": far,
@@ -141,9 +141,9 @@ def test_triton_paths_on_device():
     cases = fallback_cases()
     assert set(ts.chunk_paths([cases["normal"].cuda()])) == {0}
     assert set(ts.chunk_paths([cases["offset (shifted pass)"].cuda()])) == {1}
-    paths = ts.chunk_paths([cases["one NaN (one exact chunk)"].cuda()])
-    assert paths.count(2) == 1 and set(paths) == {0, 2}, paths
-    assert paths.index(2) == (65536 + 5) // (3 * 65536 // len(paths))  # the NaN's chunk
+    paths = ts.chunk_paths([cases["one NaN (one masked chunk)"].cuda()])
+    assert paths.count(3) == 1 and set(paths) == {0, 3}, paths  # masked, not exact
+    assert paths.index(3) == (65536 + 5) // (3 * 65536 // len(paths))  # the NaN's chunk
 
 
 def test_no_host_sync(gbackend):

@@ -162,7 +162,8 @@ def test_paths_taken():
     check_tensor(row(offset), offset, "offset (shifted pass)")
     one_nan = torch.randn(3 * chunk, generator=g)
     one_nan[chunk + 5] = NAN
-    assert ts.chunk_paths([one_nan]) == [0, 2, 0]
+    assert ts.chunk_paths([one_nan]) == [0, 3, 0]  # the NaN's chunk: the masked pass
+    check_tensor(row(one_nan), one_nan, "one NaN (masked pass)")
     assert ts.chunk_paths([torch.randn(chunk, generator=g) * 1e-20]) == [2]  # tiny squares
     assert ts.chunk_paths([torch.randn(chunk, generator=g) * 1e25]) == [2]  # huge squares
     far = torch.full((chunk,), -1.5e19)
@@ -170,6 +171,43 @@ def test_paths_taken():
     assert ts.chunk_paths([far]) == [2]
     check_tensor(row(far), far, "far apart extremes")
     assert ts.chunk_paths([torch.randn(chunk, dtype=torch.float64)]) == [2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_masked_pass_for_nonfinite_chunks(dtype):
+    """Chunks holding NaN/Inf take the masked pass (path 3), not the exact path (issue 33 item
+    3): exact counts and statistics of the finite elements, with range counts; a mean that
+    dominates takes the masked shifted pass; a chunk of nothing finite, and finite squares the
+    fast path cannot hold, still come out right (the latter by the exact path)."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    g = torch.Generator().manual_seed(5)
+    chunk = ts.CHUNK
+    laden = torch.randn(3 * chunk, generator=g)
+    laden[::7] = NAN
+    laden[3::11] = INF
+    laden[5::13] = -INF
+    laden[chunk:2 * chunk] = NAN  # nothing finite
+    laden = laden.to(dtype)
+    assert ts.chunk_paths([laden]) == [3, 3, 3]
+    check_tensor(row(laden), laden, f"NaN/Inf-laden {dtype}")
+    wide = (laden.float() * 3e4).to(dtype)  # beyond float16's range: overflow counts too
+    for t in (laden, wide):
+        table = fh.multi_tensor_stats([t], backend="triton", range_dtype=torch.float16).raw
+        check_multi(table, [t], f"NaN/Inf-laden {dtype} with range counts",
+                    range_dtype=torch.float16)
+    if dtype != torch.float16:  # (float16's own values never lie beyond its range)
+        assert table[0, fh.ops.layout.COL["overflow_count"]] > 0
+    offset = (100 + torch.randn(2 * chunk, generator=g)).to(dtype)
+    offset[17] = NAN
+    offset[chunk + 17] = -INF
+    assert ts.chunk_paths([offset]) == [3, 3]
+    check_tensor(row(offset), offset, f"masked shifted {dtype}")
+    if dtype == torch.float32:
+        huge = torch.randn(chunk, generator=g) * 1e25
+        huge[3] = NAN
+        assert ts.chunk_paths([huge]) == [2]
+        check_tensor(row(huge), huge, "huge squares and a NaN")
 
 
 def test_torch_compile_fullgraph():
@@ -199,7 +237,7 @@ def test_random_batch():
     batch = random_batch(1, 60, 4 * ts.CHUNK)
     batch += [t[1:] for t in batch[:20] if t.numel() > 1]  # misaligned views
     check_multi(fh.multi_tensor_stats(batch, backend="triton").raw, batch, "triton random")
-    assert set(ts.chunk_paths(batch)) == {0, 1, 2}  # every path was taken
+    assert set(ts.chunk_paths(batch)) == {0, 1, 2, 3}  # every path was taken
 
 
 def test_planned_chunks_and_two_level_merge(monkeypatch):

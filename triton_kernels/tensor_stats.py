@@ -13,7 +13,11 @@ the launcher.
    x^2 (at most CHUNK / BLOCK terms a lane), min/max and counts, reduced in float64; then
      - a shifted second pass around the chunk's mean when the variance cancels
        (sum x^2 > MAX_CANCEL * M2), and
-     - the exact path when a sum is not finite (NaN, inf, squares beyond float32) or the
+     - a masked pass when a sum is not finite (NaN or inf in the chunk): the same loop over
+       the finite elements only, +inf, -inf and NaN counted (and masked around the mean when
+       the variance cancels), so that a NaN-laden gradient reads each chunk twice, not
+       through the exact path (issue 33 item 3), and
+     - the exact path when a sum is still not finite (squares beyond float32) or the
        largest |x| is below 2^-40 (squares that float32 underflows).
    The exact path (also float64 and integer inputs): per BLOCK, two passes over registers
    merged with Chan's formula and a power-of-two scaled sum of squares.
@@ -83,6 +87,7 @@ C_UNDERFLOW_COUNT = tl.constexpr(layout.COL["underflow_count"])
 PATH_FAST = tl.constexpr(float(layout.PATH_FAST))
 PATH_SHIFTED = tl.constexpr(float(layout.PATH_SHIFTED))
 PATH_EXACT = tl.constexpr(float(layout.PATH_EXACT))
+PATH_MASKED = tl.constexpr(float(layout.PATH_MASKED))
 INF = tl.constexpr(float("inf"))
 # The fast path's limits (csrc/stats.h explains them): lanes sum at most CHUNK / BLOCK = 32 terms
 TINY_AMAX = tl.constexpr(layout.FAST_MIN_AMAX)
@@ -186,14 +191,25 @@ def _exact_chunk(base, start, end, hi, lo, BLOCK: tl.constexpr, ACC: tl.constexp
 
 
 @triton.jit
-def _acc_tile(x, m, s, q, mn, mx, zero, over, under, c, hi, lo, SHIFT: tl.constexpr,
-              RANGE: tl.constexpr, MASKED: tl.constexpr):
-    """Adds one tile (lanes where m, when MASKED) to the per-lane accumulators."""
+def _acc_tile(x, m, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT: tl.constexpr,
+              RANGE: tl.constexpr, MASKED: tl.constexpr, NONFINITE: tl.constexpr):
+    """Adds one tile (lanes where m, when MASKED) to the per-lane accumulators. NONFINITE: the
+    masked pass of a chunk holding NaN/Inf: only finite elements enter the sums, extremes and
+    counts, and ``bad`` counts the others, as +inf + 64 -inf + 4096 NaN (a lane sees at most
+    CHUNK / BLOCK = 32 elements: exact in float32, decoded by ``_lane_sums``)."""
     inf = float("inf")
+    if NONFINITE:
+        ax = tl.abs(x)
+        fin = m & (ax < inf)  # (NaN compares false)
+        bad += (m & (x == inf)).to(tl.float32) + 64.0 * (m & (x == -inf)).to(tl.float32) \
+            + 4096.0 * (m & (x != x)).to(tl.float32)
+        m = fin
     if SHIFT:
         d = x - c
-        if MASKED:
+        if MASKED or NONFINITE:
             d = tl.where(m, d, 0.0)
+    elif NONFINITE:
+        d = tl.where(m, x, 0.0)
     else:
         d = x  # (masked lanes were loaded as 0: no sum changes)
     s += d
@@ -201,7 +217,7 @@ def _acc_tile(x, m, s, q, mn, mx, zero, over, under, c, hi, lo, SHIFT: tl.conste
     if not SHIFT:
         # counts are float32 (exact: at most CHUNK / BLOCK a lane), which compiles to a set
         # and an add; under counts |x| < lo with the zeros, taken out by the caller
-        if MASKED:
+        if MASKED or NONFINITE:
             mn = tl.minimum(mn, tl.where(m, x, inf))
             mx = tl.maximum(mx, tl.where(m, x, -inf))
             zero += (m & (x == 0)).to(tl.float32)
@@ -213,15 +229,17 @@ def _acc_tile(x, m, s, q, mn, mx, zero, over, under, c, hi, lo, SHIFT: tl.conste
             ax = tl.abs(x)
             over += (m & (ax > hi)).to(tl.float32)
             under += (m & (ax < lo)).to(tl.float32)
-    return s, q, mn, mx, zero, over, under
+    return s, q, mn, mx, zero, over, under, bad
 
 
 @triton.jit
 def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
-               RANGE: tl.constexpr):
+               RANGE: tl.constexpr, NONFINITE: tl.constexpr):
     """Per-lane float32 sums of (x - c) and (x - c)^2 over [start, end) (c = 0 unless SHIFT),
     with min/max and counts: whole tiles four loads at a time (memory-level parallelism), the
-    rest one tile at a time, then one masked tile. Reduced to float64 across lanes."""
+    rest one tile at a time, then one masked tile. Reduced to float64 across lanes, with the
+    numbers of +inf, -inf and NaN elements (NONFINITE: finite elements only in the rest; else
+    those three are 0)."""
     s = tl.zeros((BLOCK,), tl.float32)
     q = tl.zeros((BLOCK,), tl.float32)
     mn = tl.full((BLOCK,), float("inf"), tl.float32)
@@ -229,6 +247,7 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
     zero = tl.zeros((BLOCK,), tl.float32)
     over = tl.zeros((BLOCK,), tl.float32)
     under = tl.zeros((BLOCK,), tl.float32)
+    bad = tl.zeros((BLOCK,), tl.float32)
     lane = tl.arange(0, BLOCK)
     yes = lane >= 0
     n_full = (end - start) // BLOCK
@@ -238,28 +257,42 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
         x1 = tl.load(p + BLOCK).to(tl.float32)
         x2 = tl.load(p + 2 * BLOCK).to(tl.float32)
         x3 = tl.load(p + 3 * BLOCK).to(tl.float32)
-        s, q, mn, mx, zero, over, under = _acc_tile(x0, yes, s, q, mn, mx, zero, over, under,
-                                                    c, hi, lo, SHIFT, RANGE, False)
-        s, q, mn, mx, zero, over, under = _acc_tile(x1, yes, s, q, mn, mx, zero, over, under,
-                                                    c, hi, lo, SHIFT, RANGE, False)
-        s, q, mn, mx, zero, over, under = _acc_tile(x2, yes, s, q, mn, mx, zero, over, under,
-                                                    c, hi, lo, SHIFT, RANGE, False)
-        s, q, mn, mx, zero, over, under = _acc_tile(x3, yes, s, q, mn, mx, zero, over, under,
-                                                    c, hi, lo, SHIFT, RANGE, False)
+        s, q, mn, mx, zero, over, under, bad = _acc_tile(
+            x0, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
+            NONFINITE)
+        s, q, mn, mx, zero, over, under, bad = _acc_tile(
+            x1, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
+            NONFINITE)
+        s, q, mn, mx, zero, over, under, bad = _acc_tile(
+            x2, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
+            NONFINITE)
+        s, q, mn, mx, zero, over, under, bad = _acc_tile(
+            x3, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
+            NONFINITE)
     for k in range((n_full // 4) * 4, n_full):
         x = tl.load(base + (start + k * BLOCK + lane)).to(tl.float32)
-        s, q, mn, mx, zero, over, under = _acc_tile(x, yes, s, q, mn, mx, zero, over, under,
-                                                    c, hi, lo, SHIFT, RANGE, False)
+        s, q, mn, mx, zero, over, under, bad = _acc_tile(
+            x, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
+            NONFINITE)
     off = start + n_full * BLOCK
     if off < end:
         m = off + lane < end
         x = tl.load(base + (off + lane), mask=m, other=0).to(tl.float32)
-        s, q, mn, mx, zero, over, under = _acc_tile(x, m, s, q, mn, mx, zero, over, under,
-                                                    c, hi, lo, SHIFT, RANGE, True)
+        s, q, mn, mx, zero, over, under, bad = _acc_tile(
+            x, m, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, True,
+            NONFINITE)
+    pinf = tl.zeros((), tl.float64)
+    ninf = tl.zeros((), tl.float64)
+    nan = tl.zeros((), tl.float64)
+    if NONFINITE:  # decoded per lane (six bits each), then summed
+        code = bad.to(tl.int32)
+        pinf = tl.sum((code & 63).to(tl.float64), axis=0)
+        ninf = tl.sum(((code >> 6) & 63).to(tl.float64), axis=0)
+        nan = tl.sum((code >> 12).to(tl.float64), axis=0)
     return (tl.sum(s.to(tl.float64), axis=0), tl.sum(q.to(tl.float64), axis=0),
             tl.min(mn, axis=0).to(tl.float64), tl.max(mx, axis=0).to(tl.float64),
             tl.sum(zero, axis=0).to(tl.float64), tl.sum(over, axis=0).to(tl.float64),
-            tl.sum(under, axis=0).to(tl.float64))  # (integer sums below 2^24: exact)
+            tl.sum(under, axis=0).to(tl.float64), pinf, ninf, nan)  # (integer sums < 2^24)
 
 
 @triton.jit
@@ -287,26 +320,40 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds,
         if FAST:
             # float32 lanes (at most CHUNK / BLOCK terms each), float64 across lanes; exact
             # fallbacks as in the CUDA kernel (csrc/cuda/stats_kernels.cuh)
-            s, q, fmin, fmax, zero, over, under = _lane_sums(
-                base, start, end, 0.0, hi, lo, BLOCK, False, RANGE)
-            nn = tl.maximum(n, 1.0)
+            s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
+                base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, False)
+            fin = n
             amax = tl.maximum(-fmin, fmax)
-            # a NaN or inf, a square beyond float32, or squares that float32 underflow
-            ok = (tl.abs(s) < INF) & (tl.abs(q) < INF) & ((amax <= 0) | (amax >= TINY_AMAX))
+            finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
+            path = tl.full((), PATH_FAST, tl.float64)
+            if ~finite:
+                # NaN/Inf (or a square beyond float32): the masked pass, over the finite
+                # elements only, with the non-finite ones counted (issue 33 item 3: no exact
+                # path for a chunk because it holds a NaN)
+                path = tl.full((), PATH_MASKED, tl.float64)
+                s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
+                    base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, True)
+                fin = n - pinf - ninf - nan
+                amax = tl.maximum(-fmin, fmax)  # (-inf with no finite element)
+                finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
+            # a square beyond float32, or squares that float32 underflows: the exact path
+            ok = finite & ((amax <= 0) | (amax >= TINY_AMAX))
+            nn = tl.maximum(fin, 1.0)
             mean = s / nn
             m2 = q - s * mean
-            path = tl.full((), PATH_FAST, tl.float64)
             if ok & (q > MAX_CANCEL * m2):  # the mean dominates: sums around it
-                path = tl.full((), PATH_SHIFTED, tl.float64)
+                if path == PATH_FAST:
+                    path = tl.full((), PATH_SHIFTED, tl.float64)
                 cf = mean.to(tl.float32)
-                s2, q2, _, _, _, _, _ = _lane_sums(base, start, end, cf, hi, lo, BLOCK, True,
-                                                   False)
+                if path == PATH_MASKED:
+                    s2, q2, _, _, _, _, _, _, _, _ = _lane_sums(
+                        base, start, end, cf, hi, lo, BLOCK, True, False, True)
+                else:
+                    s2, q2, _, _, _, _, _, _, _, _ = _lane_sums(
+                        base, start, end, cf, hi, lo, BLOCK, True, False, False)
                 ok = (tl.abs(s2) < INF) & (tl.abs(q2) < INF)
                 mean = cf.to(tl.float64) + s2 / nn
                 m2 = q2 - s2 * (s2 / nn)
-            fin = n
-            pinf = tl.zeros((), tl.float64)
-            ninf = tl.zeros((), tl.float64)
             m2 = tl.maximum(m2, 0.0)
             scale = tl.where(q > 0, 1.0, 0.0).to(tl.float64)
             ssq = q
@@ -503,8 +550,8 @@ def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float):
 
 def chunk_paths(tensors: list[torch.Tensor], range_hi: float = math.inf,
                 range_lo: float = 0.0) -> list[int]:
-    """Which path finished each chunk (0 fast, 1 shifted, 2 exact), in input order: for tests
-    and tuning (one sync)."""
+    """Which path finished each chunk (0 fast, 1 shifted, 2 exact, 3 masked), in input order:
+    for tests and tuning (one sync)."""
     (_, n_items, _, _, _), part = _work_list(list(tensors), range_hi, range_lo)
     return [int(p) for p in part[:n_items, layout.PARTIAL["path"]].tolist()]
 

@@ -53,7 +53,8 @@ PARTIAL_COLUMNS: tuple[str, ...] = (
 )
 PARTIAL: dict[str, int] = {name: i for i, name in enumerate(PARTIAL_COLUMNS)}
 PARTIAL_WIDTH = len(PARTIAL_COLUMNS)
-PATH_FAST, PATH_SHIFTED, PATH_EXACT = 0, 1, 2
+# the masked pass of a chunk holding NaN/Inf (Triton's record; the CUDA kernel's path counter 3)
+PATH_FAST, PATH_SHIFTED, PATH_EXACT, PATH_MASKED = 0, 1, 2, 3
 
 # enum DType in csrc/stats.h
 DTYPE_CODES: dict[torch.dtype, int] = {
