@@ -496,7 +496,7 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
 // first load's registers for the fourth in the 16-bit loops, so an iteration waited on memory
 // twice; the budget of 2 blocks (128 registers) leaves room for four loads in flight, and
 // thread_sums' opaque dependency makes ptxas issue them all before the first use in every loop
-// (128 registers, no spill, on sm_90 with nvcc 13.0; tests/test_cuda_build.py checks it).
+// (tests/test_cuda_build.py checks it, and that nothing spills).
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads, 2)
 chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo,
