@@ -18,10 +18,10 @@ taken out.
   kernel: the dispatcher's handling of the tensor list plus one check loop (as the CUDA
   launcher's), and one exception. What an eager CUDA call paid before it skipped the
   dispatcher (``_C.cuda_table`` takes the list as ``cuda_prep``'s ``work_list`` does).
-- ``triton_prep``: the Triton launcher with its three kernels replaced by no-ops: everything
+- ``triton_prep``: the Triton launcher with its kernels replaced by no-ops: everything
   Python does per call up to the launches (inputs, plan lookup, grid).
 
-The GPU's own launch costs (3 to 5 kernel launches, a few microseconds each) are not in these
+The GPU's own launch costs (2 to 4 kernel launches, a few microseconds each) are not in these
 numbers. Each figure is the median over ``--repeats`` rounds of the per-call time of a batch
 of calls (and the fastest round, ``*_min_us``: the machine may be shared); the rounds
 interleave the parts.
@@ -115,14 +115,14 @@ def parts_for(n: int):
         tk = None
     if tk is not None:
         stub = _NoLaunch()
-        real = (tk._chunk_stats_kernel, tk._merge_chunks_kernel, tk._finalize_kernel)
+        real = (tk._chunk_stats_kernel, tk._merge_chunks_kernel, tk._merge_finalize_kernel)
 
         def triton_prep():
-            tk._chunk_stats_kernel = tk._merge_chunks_kernel = tk._finalize_kernel = stub
+            tk._chunk_stats_kernel = tk._merge_chunks_kernel = tk._merge_finalize_kernel = stub
             try:
                 return tk.multi_tensor_stats_triton(ts)
             finally:
-                tk._chunk_stats_kernel, tk._merge_chunks_kernel, tk._finalize_kernel = real
+                tk._chunk_stats_kernel, tk._merge_chunks_kernel, tk._merge_finalize_kernel = real
 
         parts["triton_prep"] = triton_prep
     return parts

@@ -261,3 +261,27 @@ def test_planned_chunks_and_two_level_merge(monkeypatch):
     assert torch.equal(two.nan_to_num(7.0), again.nan_to_num(7.0))
     counts = [fh.stats.COL[k] for k in ("numel", "nan_count", "zero_count", "min", "max")]
     assert torch.equal(one[:, counts].nan_to_num(7.0), two[:, counts].nan_to_num(7.0))
+
+
+def test_last_program_counter_is_zeroed_and_reset():
+    """_merge_finalize_kernel's counter: the chunk launch zeroes whatever the scratch memory
+    held (a count left at garbage would leave the total row unwritten), and the program that
+    writes the total resets it, ready for a graph replay."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(700, generator=g), torch.randn(40, generator=g).bfloat16()]
+    done = torch.full((1,), 12345, dtype=torch.int32)
+    ts._work_list(xs, math.inf, 0.0, done)
+    assert int(done) == 0
+    # the whole call through the kernels directly: the count ends at 0, the total is right
+    n = len(xs)
+    tensor_part = torch.full((n * ts.layout.PARTIAL_WIDTH + 1,), 3.0, dtype=torch.float64)
+    done = tensor_part[n * ts.layout.PARTIAL_WIDTH:].view(torch.int32)
+    (buf, n_items, _, _, _), part = ts._work_list(xs, math.inf, 0.0, done)
+    table = torch.full((n + 1, ts.layout.TABLE_WIDTH), 7.0, dtype=torch.float64)
+    first = buf.view(torch.int64)[4 * n_items:]
+    ts._merge_finalize_kernel[(n,)](part, first, tensor_part, table, done, n,
+                                    VBLOCK=ts.VBLOCK, WIDTH=ts.layout.TABLE_WIDTH)
+    assert done.tolist() == [0, int(done[1])]
+    check_multi(table, xs, "triton, merge and finalize in one launch")

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - other Triton layouts
 from fasthealth.triton_kernels import tensor_stats as ts  # noqa: E402
 
 CHUNK_SIG = {"items64": "*i64", "items32": "*i32", "item_lo": "i32", "item_hi": "i32",
-             "part": "*fp64", "thresholds": "*fp64"}
+             "part": "*fp64", "thresholds": "*fp64", "done": "*i32"}
 CONSTS = ("BLOCK", "DTYPE", "ACC", "FAST", "ALIGNED", "RANGE")
 VARIANTS = [  # (DTYPE, ACC, FAST, ALIGNED, RANGE)
     (tl.bfloat16, tl.float32, True, True, False),
@@ -102,7 +102,16 @@ def test_merge_and_finalize_kernels_compile(arch):
                  {"part": "*fp64", "chunk_first": "*i64", "tensor_part": "*fp64"},
                  {"VBLOCK": ts.VBLOCK}, arch, 4)
     assert _local_bytes(k.asm["cubin"]) == 0
-    k = _compile(ts._finalize_kernel,
-                 {"tensor_part": "*fp64", "table": "*fp64", "n_tensors": "i32"},
+    k = _compile(ts._merge_finalize_kernel,
+                 {"src": "*fp64", "src_first": "*i64", "tensor_part": "*fp64",
+                  "table": "*fp64", "done": "*i32", "n_tensors": "i32"},
                  {"VBLOCK": ts.VBLOCK, "WIDTH": ts.layout.TABLE_WIDTH}, arch, 4)
     assert _local_bytes(k.asm["cubin"]) == 0
+    # the last-program pattern: a CTA barrier, then one acquire-release count at GPU scope,
+    # then the total's reads past L1; no other atomic (none in the results)
+    ptx = k.asm["ptx"]
+    atomics = re.findall(r"atom\.[^\s]+", ptx)
+    assert atomics and all(a.startswith("atom.global.gpu.acq_rel.add") or
+                           a.startswith("atom.acq_rel.gpu.global.add") for a in atomics), atomics
+    assert ptx.index("bar.sync") < ptx.index(atomics[0].split(" ")[0])
+    assert "ld.global.cg" in ptx

@@ -21,14 +21,16 @@ the launcher.
        largest |x| is below 2^-40 (squares that float32 underflows).
    The exact path (also float64 and integer inputs): per BLOCK, two passes over registers
    merged with Chan's formula and a power-of-two scaled sum of squares.
-2. ``_merge_chunks_kernel``: one program per tensor merges that tensor's chunk records in a
-   fixed order (vector blocks in closed form, then Chan), so results are deterministic; for a
-   tensor of more than MERGE_RUN chunks, first per run of chunks, then per tensor.
-3. ``_finalize_kernel``: program i < N turns tensor i's record into its table row; program N
-   merges all tensor records into the total row.
+2. ``_merge_chunks_kernel``, only for a tensor of more than MERGE_RUN chunks: one program
+   per run of chunks merges it into one record (the first level of a two-level merge).
+3. ``_merge_finalize_kernel``: program i merges tensor i's records (chunks, or runs) in a fixed
+   order (vector blocks in closed form, then Chan) and writes its table row; the last program
+   to finish, picked by a counter, merges the tensors' records in index order into the total
+   row, as the CUDA kernel does. Results are deterministic; the counter is the only atomic.
 
-Three launches (four with the two-level merge) plus one per dtype group, whatever the number
-of tensors. The work list, the staging of float8 and non-dense inputs and their cache are the
+One chunk launch per dtype group, then one launch (two with the two-level merge), whatever the
+number of tensors; each program of the chunk kernel loads an item's metadata one item ahead.
+The work list, the staging of float8 and non-dense inputs and their cache are the
 CUDA backend's own (csrc/work_list.h, through ``fasthealth._C.work_list``): one policy for
 pinning under capture and stream order. A second call with the same tensors launches kernels
 only (CUDA-graph capturable after one warm-up call).
@@ -296,25 +298,42 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
 
 
 @triton.jit
-def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds,
+def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, done,
                         BLOCK: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
                         FAST: tl.constexpr, ALIGNED: tl.constexpr, RANGE: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if (pid == 0) & (item_lo == 0):  # the first group zeroes _merge_finalize_kernel's counter
+        tl.store(done, 0)
     hi = tl.load(thresholds).to(ACC)
     lo = tl.load(thresholds + 1).to(ACC)
     # the exact path compares in float64 the same float32-rounded thresholds
     hi64 = hi.to(tl.float64)
     lo64 = lo.to(tl.float64)
-    for c in range(item_lo + pid, item_hi, nprog):
-        # struct ChunkItem (csrc/plan.h): int64 ptr, begin; int32 count, slot, dtype, tensor
-        base = tl.load(items64 + 4 * c).to(tl.pointer_type(DTYPE))
-        start = tl.load(items64 + 4 * c + 1)
-        end = start + tl.load(items32 + 8 * c + 4)
-        slot = tl.load(items32 + 8 * c + 5)
+    # struct ChunkItem (csrc/plan.h): int64 ptr, begin; int32 count, slot, dtype, tensor. An
+    # item's four fields are loaded one item ahead, while the chunk before it is reduced (as
+    # the CUDA kernel does): no metadata latency between two chunks of a program.
+    c0 = item_lo + pid
+    has = c0 < item_hi
+    n_ptr = tl.load(items64 + 4 * c0, mask=has, other=0)
+    n_start = tl.load(items64 + 4 * c0 + 1, mask=has, other=0)
+    n_count = tl.load(items32 + 8 * c0 + 4, mask=has, other=0)
+    n_slot = tl.load(items32 + 8 * c0 + 5, mask=has, other=0)
+    for c in range(c0, item_hi, nprog):
+        base = n_ptr.to(tl.pointer_type(DTYPE))
+        start = n_start
+        end = start + n_count
+        slot = n_slot
+        has = c + nprog < item_hi
+        n_ptr = tl.load(items64 + 4 * (c + nprog), mask=has, other=0)
+        n_start = tl.load(items64 + 4 * (c + nprog) + 1, mask=has, other=0)
+        n_count = tl.load(items32 + 8 * (c + nprog) + 4, mask=has, other=0)
+        n_slot = tl.load(items32 + 8 * (c + nprog) + 5, mask=has, other=0)
         if ALIGNED:
             base = tl.multiple_of(base, 16)  # bytes: 16-byte vector loads
-            start = tl.multiple_of(start, 16)  # elements: chunks are powers of two >= BLOCK
+            # elements: chunks are powers of two >= BLOCK; as a product, because a hint on a
+            # loop-carried value is lost
+            start = (start // 16) * 16
         n = (end - start).to(tl.float64)
         path = tl.full((), PATH_EXACT, tl.float64)
         if FAST:
@@ -376,32 +395,38 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds,
 
 
 @triton.jit
-def _merge_records(src, first, count, VBLOCK: tl.constexpr):
-    """Merge records src[first : first + count] in order: vector blocks in closed form."""
+def _column(rows, col, m, other, CACHE: tl.constexpr):
+    return tl.load(rows + col, mask=m, other=other, cache_modifier=CACHE)
+
+
+@triton.jit
+def _merge_records(src, first, count, VBLOCK: tl.constexpr, CACHE: tl.constexpr):
+    """Merge records src[first : first + count] in order: vector blocks in closed form (loads
+    with the cache modifier CACHE)."""
     inf = float("inf")
     n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _empty_record()
     for off in range(0, count, VBLOCK):
         k = off + tl.arange(0, VBLOCK)
         m = k < count
         rows = src + (first + k) * P_WIDTH
-        f_i = tl.load(rows + P_FINITE, mask=m, other=0.0)
-        mean_i = tl.where(f_i > 0, tl.load(rows + P_MEAN, mask=m, other=0.0), 0.0)
-        s_i = tl.load(rows + P_SCALE, mask=m, other=0.0)
-        n += tl.sum(tl.load(rows + P_N, mask=m, other=0.0), axis=0)
-        pinf += tl.sum(tl.load(rows + P_POSINF, mask=m, other=0.0), axis=0)
-        ninf += tl.sum(tl.load(rows + P_NEGINF, mask=m, other=0.0), axis=0)
-        zero += tl.sum(tl.load(rows + P_ZERO, mask=m, other=0.0), axis=0)
-        over += tl.sum(tl.load(rows + P_OVER, mask=m, other=0.0), axis=0)
-        under += tl.sum(tl.load(rows + P_UNDER, mask=m, other=0.0), axis=0)
-        fmin = tl.minimum(fmin, tl.min(tl.load(rows + P_FMIN, mask=m, other=inf), axis=0))
-        fmax = tl.maximum(fmax, tl.max(tl.load(rows + P_FMAX, mask=m, other=-inf), axis=0))
+        f_i = _column(rows, P_FINITE, m, 0.0, CACHE)
+        mean_i = tl.where(f_i > 0, _column(rows, P_MEAN, m, 0.0, CACHE), 0.0)
+        s_i = _column(rows, P_SCALE, m, 0.0, CACHE)
+        n += tl.sum(_column(rows, P_N, m, 0.0, CACHE), axis=0)
+        pinf += tl.sum(_column(rows, P_POSINF, m, 0.0, CACHE), axis=0)
+        ninf += tl.sum(_column(rows, P_NEGINF, m, 0.0, CACHE), axis=0)
+        zero += tl.sum(_column(rows, P_ZERO, m, 0.0, CACHE), axis=0)
+        over += tl.sum(_column(rows, P_OVER, m, 0.0, CACHE), axis=0)
+        under += tl.sum(_column(rows, P_UNDER, m, 0.0, CACHE), axis=0)
+        fmin = tl.minimum(fmin, tl.min(_column(rows, P_FMIN, m, inf, CACHE), axis=0))
+        fmax = tl.maximum(fmax, tl.max(_column(rows, P_FMAX, m, -inf, CACHE), axis=0))
         fb = tl.sum(f_i, axis=0)
         mean_b = tl.sum(f_i / tl.maximum(fb, 1.0) * mean_i, axis=0)  # weights <= 1: no overflow
         dev = tl.where(f_i > 0, mean_i - mean_b, 0.0)
-        m2_b = tl.sum(tl.load(rows + P_M2, mask=m, other=0.0) + f_i * dev * dev, axis=0)
+        m2_b = tl.sum(_column(rows, P_M2, m, 0.0, CACHE) + f_i * dev * dev, axis=0)
         sb = tl.max(s_i, axis=0)
         r = tl.where(sb > 0, s_i / tl.where(sb > 0, sb, 1.0), 0.0)
-        qb = tl.sum(tl.load(rows + P_SSQ, mask=m, other=0.0) * r * r, axis=0)
+        qb = tl.sum(_column(rows, P_SSQ, m, 0.0, CACHE) * r * r, axis=0)
         fin, mean, m2 = _chan(fin, mean, m2, fb, mean_b, m2_b)
         scale, ssq = _scaled(scale, ssq, sb, qb)
     return n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq
@@ -413,19 +438,14 @@ def _merge_chunks_kernel(part, chunk_first, tensor_part, VBLOCK: tl.constexpr):
     first = tl.load(chunk_first + i)
     count = tl.load(chunk_first + i + 1) - first
     n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
-        part, first, count, VBLOCK)
+        part, first, count, VBLOCK, "")
     _store_record(tensor_part + i * P_WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax,
                   mean, m2, scale, ssq)
 
 
 @triton.jit
-def _finalize_kernel(tensor_part, table, n_tensors, VBLOCK: tl.constexpr,
-                     WIDTH: tl.constexpr):
-    i = tl.program_id(0)
-    first = tl.where(i < n_tensors, i, 0)
-    count = tl.where(i < n_tensors, 1, n_tensors)
-    n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
-        tensor_part, first, count, VBLOCK)
+def _store_row(row, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq):
+    """A merged record as a row of the output table (the rules of csrc/stats.h)."""
     inf = float("inf")
     nan = float("nan")
     nan_n = n - fin - pinf - ninf
@@ -441,7 +461,6 @@ def _finalize_kernel(tensor_part, table, n_tensors, VBLOCK: tl.constexpr,
     mx = tl.where(pinf > 0, inf, tl.where(has, fmax, -inf))
     mean_all = tl.where((pinf > 0) & (ninf > 0), nan,
                         tl.where(pinf > 0, inf, tl.where(ninf > 0, -inf, f_mean)))
-    row = table + i * WIDTH
     tl.store(row + C_NUMEL, n)
     tl.store(row + C_NAN_COUNT, nan_n)
     tl.store(row + C_POSINF_COUNT, pinf)
@@ -462,6 +481,37 @@ def _finalize_kernel(tensor_part, table, n_tensors, VBLOCK: tl.constexpr,
     tl.store(row + C_ALL_FINITE, tl.where((nan_n == 0) & (inf_n == 0), 1.0, 0.0))
     tl.store(row + C_OVERFLOW_COUNT, over)
     tl.store(row + C_UNDERFLOW_COUNT, under)
+
+
+@triton.jit
+def _merge_finalize_kernel(src, src_first, tensor_part, table, done, n_tensors,
+                           VBLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """The last launch: program i merges tensor i's records src[src_first[i] :
+    src_first[i + 1]] in a fixed order, keeps the result in tensor_part and writes row i of
+    the table; the last program to finish (counted in ``done``, which the chunk kernel
+    zeroed and this program resets) merges the n tensors' records, in index order, into the
+    total row. Deterministic, no atomics in the results: the counter only picks the program
+    that writes the total, and any program computes the same bits from the same records. The
+    barrier and the release of the count order every record before it; its acquire orders
+    the last program's reads after all of them (CUDA's merge_finalize_cuda does the same)."""
+    i = tl.program_id(0)
+    first = tl.load(src_first + i)
+    count = tl.load(src_first + i + 1) - first
+    n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
+        src, first, count, VBLOCK, "")
+    _store_record(tensor_part + i * P_WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax,
+                  mean, m2, scale, ssq)
+    _store_row(table + i * WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2,
+               scale, ssq)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(done, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_tensors - 1:
+        # reads past L1 (.cg): records other programs wrote
+        n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
+            _merge_records(tensor_part, 0, n_tensors, VBLOCK, ".cg"))
+        _store_row(table + n_tensors * WIDTH, n, fin, pinf, ninf, zero, over, under, fmin,
+                   fmax, mean, m2, scale, ssq)
+        tl.store(done, 0)  # ready for the next call and the next graph replay
 
 
 # ---- the launcher --------------------------------------------------------------------------
@@ -516,9 +566,11 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float):
-    """(work list, chunk records [items, PARTIAL_WIDTH], resident programs) after one launch
-    per (dtype, alignment) group. The list comes from ``fasthealth._C.work_list``: inputs
+def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float,
+               done: torch.Tensor | None = None):
+    """(work list, chunk records [items, PARTIAL_WIDTH]) after one launch per (dtype,
+    alignment) group, the first of which zeroes ``done`` (_merge_finalize_kernel's counter,
+    int32; a scratch one when None). The list comes from ``fasthealth._C.work_list``: inputs
     checked, float8 and non-dense ones staged, the plan cached on the device with the range
     thresholds after it (csrc/work_list.h: the policy)."""
     if compiled.C is None:
@@ -538,10 +590,12 @@ def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float):
     end = len(b64)
     thresholds = buf.view(torch.float64)[end - 2:]
     ranged = not (math.isinf(range_hi) and range_lo == 0.0)
+    if done is None:
+        done = torch.empty(1, dtype=torch.int32, device=device)
     for code, aligned, lo, hi in groups:
         dtype, acc = _TL[code]
         programs = min(hi - lo, resident if resident > 0 else 4)
-        _chunk_stats_kernel[(programs,)](b64, b32, lo, hi, part, thresholds, BLOCK=BLOCK,
+        _chunk_stats_kernel[(programs,)](b64, b32, lo, hi, part, thresholds, done, BLOCK=BLOCK,
                                          DTYPE=dtype, ACC=acc, FAST=code in _FAST,
                                          ALIGNED=aligned, RANGE=ranged, num_warps=NUM_WARPS,
                                          maxnreg=MAX_REGISTERS)
@@ -570,20 +624,21 @@ def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = mat
 
 def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> torch.Tensor:
     tensors = tensors if type(tensors) is list else list(tensors)
-    (buf, n_items, n_runs, _, _), part = _work_list(tensors, range_hi, range_lo)
     n = len(tensors)
-    device = part.device
+    device = tensors[0].device if tensors else None
+    # the tensors' records, then _merge_finalize_kernel's counter (zeroed by the chunk kernel)
+    tensor_part = torch.empty(n * layout.PARTIAL_WIDTH + 1, dtype=torch.float64, device=device)
+    done = tensor_part[n * layout.PARTIAL_WIDTH:].view(torch.int32)
+    (buf, n_items, n_runs, _, _), part = _work_list(tensors, range_hi, range_lo, done)
     b64 = buf.view(torch.int64)
     first = 4 * n_items  # (in int64 words, after the items)
-    tensor_part = torch.empty((n, layout.PARTIAL_WIDTH), dtype=torch.float64, device=device)
-    if n_runs:  # the two-level merge: runs of chunks, then each tensor's runs
+    records, records_first = part, b64[first:]
+    if n_runs:  # the two-level merge: runs of chunks first, then each tensor's runs
         runs = first + n + 1
-        run_part = part[n_items:]
-        _merge_chunks_kernel[(n_runs,)](part, b64[runs:], run_part, VBLOCK=VBLOCK)
-        _merge_chunks_kernel[(n,)](run_part, b64[runs + n_runs + 1:], tensor_part,
-                                   VBLOCK=VBLOCK)
-    else:
-        _merge_chunks_kernel[(n,)](part, b64[first:], tensor_part, VBLOCK=VBLOCK)
+        records = part[n_items:]
+        _merge_chunks_kernel[(n_runs,)](part, b64[runs:], records, VBLOCK=VBLOCK)
+        records_first = b64[runs + n_runs + 1:]
     table = torch.empty((n + 1, layout.TABLE_WIDTH), dtype=torch.float64, device=device)
-    _finalize_kernel[(n + 1,)](tensor_part, table, n, VBLOCK=VBLOCK, WIDTH=layout.TABLE_WIDTH)
+    _merge_finalize_kernel[(n,)](records, records_first, tensor_part, table, done, n,
+                                 VBLOCK=VBLOCK, WIDTH=layout.TABLE_WIDTH)
     return table
