@@ -94,6 +94,7 @@ INF = tl.constexpr(float("inf"))
 # The fast path's limits (csrc/stats.h explains them): lanes sum at most CHUNK / BLOCK = 32 terms
 TINY_AMAX = tl.constexpr(layout.FAST_MIN_AMAX)
 MAX_CANCEL = tl.constexpr(layout.CANCEL_BUDGET / 32)
+C21 = tl.constexpr((1 << 21) - 1)  # a count's field in _lane_sums' packed counts
 
 
 @triton.jit
@@ -283,18 +284,27 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
         s, q, mn, mx, zero, over, under, bad = _acc_tile(
             x, m, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, True,
             NONFINITE)
+    # Counts cross the lanes packed three to an int64 (21 bits each; a chunk holds at most
+    # 2^20 elements: CHUNK is checked), one reduction (one set of barriers) for three counts
+    cnt = zero.to(tl.int64)
+    if RANGE:
+        cnt += (over.to(tl.int64) << 21) + (under.to(tl.int64) << 42)
+    cnt = tl.sum(cnt, axis=0)
     pinf = tl.zeros((), tl.float64)
     ninf = tl.zeros((), tl.float64)
     nan = tl.zeros((), tl.float64)
-    if NONFINITE:  # decoded per lane (six bits each), then summed
+    if NONFINITE:  # decoded per lane (six bits each), packed again, summed once
         code = bad.to(tl.int32)
-        pinf = tl.sum((code & 63).to(tl.float64), axis=0)
-        ninf = tl.sum(((code >> 6) & 63).to(tl.float64), axis=0)
-        nan = tl.sum((code >> 12).to(tl.float64), axis=0)
+        bad_n = ((code & 63).to(tl.int64) + (((code >> 6) & 63).to(tl.int64) << 21)
+                 + ((code >> 12).to(tl.int64) << 42))
+        bad_n = tl.sum(bad_n, axis=0)
+        pinf = (bad_n & C21).to(tl.float64)
+        ninf = ((bad_n >> 21) & C21).to(tl.float64)
+        nan = (bad_n >> 42).to(tl.float64)
     return (tl.sum(s.to(tl.float64), axis=0), tl.sum(q.to(tl.float64), axis=0),
             tl.min(mn, axis=0).to(tl.float64), tl.max(mx, axis=0).to(tl.float64),
-            tl.sum(zero, axis=0).to(tl.float64), tl.sum(over, axis=0).to(tl.float64),
-            tl.sum(under, axis=0).to(tl.float64), pinf, ninf, nan)  # (integer sums < 2^24)
+            (cnt & C21).to(tl.float64), ((cnt >> 21) & C21).to(tl.float64),
+            (cnt >> 42).to(tl.float64), pinf, ninf, nan)
 
 
 @triton.jit
@@ -535,6 +545,11 @@ _FAST = {layout.DTYPE_CODES[d] for d in (torch.float32, torch.float16, torch.bfl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CHUNK = int(os.environ.get("FASTHEALTH_TRITON_CHUNK", 1024 if _INTERPRET else 65536))
 BLOCK = int(os.environ.get("FASTHEALTH_TRITON_BLOCK", 256 if _INTERPRET else 2048))
+_POW2 = CHUNK & (CHUNK - 1) == 0 and BLOCK & (BLOCK - 1) == 0
+if not (_POW2 and BLOCK <= CHUNK <= (C21.value + 1) // 2):
+    raise ValueError(f"fasthealth: FASTHEALTH_TRITON_CHUNK={CHUNK} and FASTHEALTH_TRITON_BLOCK="
+                     f"{BLOCK}: powers of two with BLOCK <= CHUNK <= 2^20 are expected (counts "
+                     f"are packed 21 bits each)")
 VBLOCK = 128
 NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16-byte loads
 # Registers a thread may use in the chunk kernel: 65536 / (2 programs x 256 threads), so that
