@@ -308,6 +308,15 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
 
 
 @triton.jit
+def _item(items64, items32, c, has):
+    """Item c's pointer, begin, count and slot (0 where not ``has``)."""
+    return (tl.load(items64 + 4 * c, mask=has, other=0),
+            tl.load(items64 + 4 * c + 1, mask=has, other=0),
+            tl.load(items32 + 8 * c + 4, mask=has, other=0),
+            tl.load(items32 + 8 * c + 5, mask=has, other=0))
+
+
+@triton.jit
 def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, done,
                         BLOCK: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
                         FAST: tl.constexpr, ALIGNED: tl.constexpr, RANGE: tl.constexpr):
@@ -320,35 +329,22 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, do
     # the exact path compares in float64 the same float32-rounded thresholds
     hi64 = hi.to(tl.float64)
     lo64 = lo.to(tl.float64)
-    # struct ChunkItem (csrc/plan.h): int64 ptr, begin; int32 count, slot, dtype, tensor. An
-    # item's four fields are loaded one item ahead, while the chunk before it is reduced (as
-    # the CUDA kernel does): no metadata latency between two chunks of a program.
+    # items (struct ChunkItem, csrc/plan.h) loaded one ahead, as the CUDA kernel does
     c0 = item_lo + pid
-    has = c0 < item_hi
-    n_ptr = tl.load(items64 + 4 * c0, mask=has, other=0)
-    n_start = tl.load(items64 + 4 * c0 + 1, mask=has, other=0)
-    n_count = tl.load(items32 + 8 * c0 + 4, mask=has, other=0)
-    n_slot = tl.load(items32 + 8 * c0 + 5, mask=has, other=0)
+    n_ptr, n_start, n_count, n_slot = _item(items64, items32, c0, c0 < item_hi)
     for c in range(c0, item_hi, nprog):
         base = n_ptr.to(tl.pointer_type(DTYPE))
         start = n_start
         end = start + n_count
         slot = n_slot
-        has = c + nprog < item_hi
-        n_ptr = tl.load(items64 + 4 * (c + nprog), mask=has, other=0)
-        n_start = tl.load(items64 + 4 * (c + nprog) + 1, mask=has, other=0)
-        n_count = tl.load(items32 + 8 * (c + nprog) + 4, mask=has, other=0)
-        n_slot = tl.load(items32 + 8 * (c + nprog) + 5, mask=has, other=0)
+        n_ptr, n_start, n_count, n_slot = _item(items64, items32, c + nprog,
+                                                c + nprog < item_hi)
         if ALIGNED:
             base = tl.multiple_of(base, 16)  # bytes: 16-byte vector loads
-            # elements: chunks are powers of two >= BLOCK; as a product, because a hint on a
-            # loop-carried value is lost
-            start = (start // 16) * 16
+            start = (start // 16) * 16  # (a hint on a loop-carried value is lost)
         n = (end - start).to(tl.float64)
         path = tl.full((), PATH_EXACT, tl.float64)
         if FAST:
-            # float32 lanes (at most CHUNK / BLOCK terms each), float64 across lanes; exact
-            # fallbacks as in the CUDA kernel (csrc/cuda/stats_kernels.cuh)
             s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
                 base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, False)
             fin = n
@@ -356,9 +352,7 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, do
             finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
             path = tl.full((), PATH_FAST, tl.float64)
             if ~finite:
-                # NaN/Inf (or a square beyond float32): the masked pass, over the finite
-                # elements only, with the non-finite ones counted (issue 33 item 3: no exact
-                # path for a chunk because it holds a NaN)
+                # NaN/Inf (or a square beyond float32): the masked pass (issue 33 item 3)
                 path = tl.full((), PATH_MASKED, tl.float64)
                 s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
                     base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, True)
