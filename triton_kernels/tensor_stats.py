@@ -437,14 +437,21 @@ def _merge_records(src, first, count, VBLOCK: tl.constexpr, CACHE: tl.constexpr)
 
 
 @triton.jit
-def _merge_chunks_kernel(part, chunk_first, tensor_part, VBLOCK: tl.constexpr):
+def _merge_segment(src, seg_first, out, VBLOCK: tl.constexpr):
+    """Program i merges records src[seg_first[i] : seg_first[i + 1]] into out[i]; returns the
+    record."""
     i = tl.program_id(0)
-    first = tl.load(chunk_first + i)
-    count = tl.load(chunk_first + i + 1) - first
+    first = tl.load(seg_first + i)
     n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
-        part, first, count, VBLOCK, "")
-    _store_record(tensor_part + i * P_WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax,
-                  mean, m2, scale, ssq)
+        src, first, tl.load(seg_first + i + 1) - first, VBLOCK, "")
+    _store_record(out + i * P_WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean,
+                  m2, scale, ssq)
+    return n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq
+
+
+@triton.jit
+def _merge_chunks_kernel(part, chunk_first, tensor_part, VBLOCK: tl.constexpr):
+    _merge_segment(part, chunk_first, tensor_part, VBLOCK)
 
 
 @triton.jit
@@ -499,12 +506,8 @@ def _merge_finalize_kernel(src, src_first, tensor_part, table, done, n_tensors,
     barrier and the release of the count order every record before it; its acquire orders
     the last program's reads after all of them (CUDA's merge_finalize_cuda does the same)."""
     i = tl.program_id(0)
-    first = tl.load(src_first + i)
-    count = tl.load(src_first + i + 1) - first
-    n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_records(
-        src, first, count, VBLOCK, "")
-    _store_record(tensor_part + i * P_WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax,
-                  mean, m2, scale, ssq)
+    n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = _merge_segment(
+        src, src_first, tensor_part, VBLOCK)
     _store_row(table + i * WIDTH, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2,
                scale, ssq)
     tl.debug_barrier()
