@@ -22,6 +22,10 @@ among them ``visible_faulted_runs`` and ``caught_visible``: the faulted runs (an
 whose fault a reader can expect to be seen. An acute data fault (``VISIBLE_IF_MOVED``: a
 shuffled or a garbage batch) counts as visible only when it moved the loss at least
 ``VISIBLE_Z`` noise units (or made it non-finite); every other fault counts as visible.
+What a fault did to its run is measured against its healthy twin, the healthy run of the same
+family and seed (``harm``: the mean loss just after the fault and at the end of the run, over
+the twin's); ``missed`` lists the faulted runs not caught with those figures, so that a miss
+reads as what it cost.
 
 Writes bench/results/trainers.json (or --out) under ``--label`` (other labels in the file are
 kept: "before" and "after" side by side), with ``final`` saying whether the held-out set ran,
@@ -125,6 +129,65 @@ def visible(r: dict) -> bool:
     return z is not None and z >= VISIBLE_Z
 
 
+HARM_NEXT = 10  # steps after a fault's step whose mean loss is its short-term harm
+HARM_END = 20  # a run's last steps, whose mean loss is a fault's lasting harm
+
+
+def _mean(xs: list) -> float | None:
+    v = [x for x in xs if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b - 1, 5)
+
+
+def harm(runs: list[dict]) -> None:
+    """What each fault did to its run, against its healthy twin: the healthy run of the same
+    family and seed, which trained on the same data in the same order from the same weights up
+    to the fault's step. Adds to each faulted run ``harm_next``, the mean loss over the
+    ``HARM_NEXT`` steps after the fault's step over the twin's, minus 1; ``harm_end``, the
+    same over the run's last ``HARM_END`` steps (None where no finite loss is left);
+    ``twin_identical_before``, whether the two runs' losses agree exactly before the fault's
+    step (when not, the twin is no fair reference); and the family's ``seed_gap_end``, how far
+    two healthy seeds end apart (|seed 0's last steps over the next seed's, minus 1|): the
+    scale a lasting harm compares with. Then drops every run's ``losses``."""
+    healthy = {(r["family"], r["seed"]): r.get("losses") for r in runs
+               if not r["fault"] and "error" not in r}
+    gap: dict[str, float | None] = {}
+    for (fam, seed), ls in sorted(healthy.items()):
+        if fam in gap or not ls:
+            continue
+        other = next((v for (f, s), v in sorted(healthy.items()) if f == fam and s != seed
+                      and v), None)
+        if other is not None:
+            a, b = _mean(ls[-HARM_END:]), _mean(other[-HARM_END:])
+            g = _rel(a, b)
+            gap[fam] = None if g is None else abs(g)
+    for r in runs:
+        ls = r.get("losses")
+        twin = healthy.get((r["family"], r["seed"]))
+        if not r["fault"] or "error" in r or r.get("fault_step") is None or not ls or not twin:
+            continue
+        s, end = r["fault_step"], min(len(ls), len(twin))
+        r["twin_identical_before"] = ls[:s] == twin[:s]
+        r["harm_next"] = _rel(_mean(ls[s + 1:s + 1 + HARM_NEXT]),
+                              _mean(twin[s + 1:s + 1 + HARM_NEXT]))
+        r["harm_end"] = _rel(_mean(ls[end - HARM_END:end]), _mean(twin[end - HARM_END:end]))
+        r["seed_gap_end"] = gap.get(r["family"])
+    for r in runs:
+        r.pop("losses", None)
+
+
+def missed(runs: list[dict]) -> list[dict]:
+    """The faulted runs not caught, with how far the fault moved the loss at its step and
+    what it did to the run (``harm``)."""
+    keys = ("family", "fault", "effect_z", "effect_ratio", "harm_next", "harm_end",
+            "seed_gap_end", "twin_identical_before")
+    return [{k: r.get(k) for k in keys} for r in runs
+            if r["fault"] and "error" not in r and not r["caught"]]
+
+
 def totals(runs: list[dict], checks: list[dict]) -> dict:
     healthy = [r for r in runs if not r["fault"] and "error" not in r]
     faulted = [r for r in runs if r["fault"] and "error" not in r]
@@ -143,6 +206,7 @@ def totals(runs: list[dict], checks: list[dict]) -> dict:
         "log_checks_identical": sum(bool(c.get("identical")) for c in checks),
         "log_check_errors": sum("error" in c for c in checks),
         "visible_faulted_runs": len(seen), "caught_visible": sum(r["caught"] for r in seen),
+        "missed": missed(runs),
     }
 
 
@@ -162,6 +226,10 @@ def table(runs: list[dict], checks: list[dict]) -> str:
             c = f"{'':6s} {'':5s} {r['alarm_incidents']:4d} {'':28s}"
         z = r.get("effect_z")
         effect = "" if not r["fault"] else f"  z={'-' if z is None else format(z, '.1f')}"
+        if r["fault"] and r.get("harm_next") is not None:
+            end = r.get("harm_end")
+            effect += (f" harm next {r['harm_next']:+.2%} end "
+                       f"{'-' if end is None else format(end, '+.2%')}")
         lines.append(f"{r['family']:40s} {r['fault'] or 'healthy':16s} {r['seed']:4d} "
                      f"{r['n_alarms']:6d}  {c} {r['null_loss_steps']:4d}   {kinds}{effect}")
     for c in checks:
@@ -217,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     families = tuple(f for v in splits.values() for f in v)
     res = evaluate(families, cfg, workers=a.workers)
+    harm(res["runs"])
     split_of = {f: k for k, v in splits.items() for f in v}
     result = {
         "final": a.final, "quick": a.quick, "config": {**cfg, "seeds": list(cfg["seeds"])},

@@ -19,6 +19,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_trainers  # noqa: E402
 from trainers import corpus, faults, runner  # noqa: E402
 
 HF_FAMILY = "hf_gpt2_chars_adamw_linear"
@@ -60,6 +61,29 @@ def test_score_reads_catch_delay_incidents_and_cause():
     assert not runner.score(mon, rows, "lr_x20", 36, 60)["right_cause"]
     healthy = runner.score(mon, rows, None, -1, 60)
     assert healthy["n_alarms"] == 3 and "caught" not in healthy
+
+
+def test_harm_compares_a_fault_with_its_healthy_twin():
+    twin = [2.0] * 40
+    runs = [
+        {"family": "f", "fault": None, "seed": 0, "losses": list(twin)},
+        {"family": "f", "fault": None, "seed": 1, "losses": [2.2] * 40},
+        {"family": "f", "fault": "shuffled_labels", "seed": 0, "fault_step": 10, "caught": False,
+         "effect_z": 1.0, "losses": twin[:10] + [9.0] + [3.0] * 9 + [2.02] * 20},
+        {"family": "f", "fault": "bit_flip", "seed": 0, "fault_step": 5, "caught": True,
+         "losses": [1.0] * 5 + [None] * 35},  # differs before the fault; no loss after it
+        {"family": "g", "fault": "bit_flip", "seed": 0, "fault_step": 5, "caught": False,
+         "losses": [1.0] * 40},  # no healthy twin
+    ]
+    bench_trainers.harm(runs)
+    shuffled, flipped, lone = runs[2:]
+    assert shuffled["twin_identical_before"] and shuffled["harm_next"] == 0.451  # 2.902 / 2
+    assert shuffled["harm_end"] == 0.01 and shuffled["seed_gap_end"] == pytest.approx(1 / 11,
+                                                                                     abs=1e-5)
+    assert not flipped["twin_identical_before"] and flipped["harm_end"] is None
+    assert "harm_next" not in lone and all("losses" not in r for r in runs)
+    assert [m["fault"] for m in bench_trainers.missed(runs)] == ["shuffled_labels", "bit_flip"]
+    assert bench_trainers.missed(runs)[0]["harm_next"] == 0.451
 
 
 def test_compare_logs_tells_identical_from_different():
@@ -182,6 +206,11 @@ def test_quick_runs_are_scored(quick, family):
     k = round(faults.FAULTS[fault["fault"]].at * STEPS)
     assert fault["fault_step"] == k and fault["planted"] == [k]  # planted where it says
     _consistent(fault)
+    # the healthy run is the faulted one's twin: the same losses up to the fault's step
+    runs = [dict(healthy), dict(fault)]
+    bench_trainers.harm(runs)
+    assert runs[1]["twin_identical_before"] is True
+    assert runs[1]["harm_next"] is not None and all("losses" not in r for r in runs)
 
 
 @pytest.mark.corpus

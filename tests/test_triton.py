@@ -285,3 +285,23 @@ def test_last_program_counter_is_zeroed_and_reset():
                                     VBLOCK=ts.VBLOCK, WIDTH=ts.layout.TABLE_WIDTH)
     assert done.tolist() == [0, int(done[1])]
     check_multi(table, xs, "triton, merge and finalize in one launch")
+
+
+def test_views_of_a_work_list_are_made_once_and_bounded(monkeypatch):
+    """The launcher's typed views of a work list's buffer are made on its first call and
+    reused while the cache returns that buffer; alternating plans stay right, and the cache of
+    views keeps at most VIEWS_KEPT buffers."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    monkeypatch.setattr(ts, "_VIEWS", {})
+    monkeypatch.setattr(ts, "VIEWS_KEPT", 2)
+    g = torch.Generator().manual_seed(9)
+    sets = [[torch.randn(300 + 50 * k, generator=g), torch.randn(9, generator=g).half()]
+            for k in range(3)]
+    _, first = ts._plan(sets[0], math.inf, 0.0)
+    _, again = ts._plan(sets[0], math.inf, 0.0)
+    assert again is first and again.buf.data_ptr() == first.buf.data_ptr()
+    for xs in sets + sets[:1]:  # the first plan's views were dropped, then made again
+        check_multi(ts.multi_tensor_stats_triton(xs), xs, "triton, views cached")
+    assert len(ts._VIEWS) == 2
+    assert all(v.buf is not None and id(v.buf) == k for k, v in ts._VIEWS.items())

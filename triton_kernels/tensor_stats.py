@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -578,39 +579,84 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float,
-               done: torch.Tensor | None = None):
-    """(work list, chunk records [items, PARTIAL_WIDTH]) after one launch per (dtype,
-    alignment) group, the first of which zeroes ``done`` (_merge_finalize_kernel's counter,
-    int32; a scratch one when None). The list comes from ``fasthealth._C.work_list``: inputs
-    checked, float8 and non-dense ones staged, the plan cached on the device with the range
-    thresholds after it (csrc/work_list.h: the policy)."""
+class _Views(NamedTuple):
+    """The typed views of one work list's buffer the kernels take, made once per buffer: the
+    buffer is immutable once built, so its views hold for every call that gets it again."""
+    buf: torch.Tensor
+    b64: torch.Tensor
+    b32: torch.Tensor
+    thresholds: torch.Tensor
+    chunk_first: torch.Tensor  # each tensor's first chunk record (after the items)
+    runs: torch.Tensor | None  # the two-level merge: each run's first chunk record
+    run_first: torch.Tensor | None  # and each tensor's first run record
+
+
+# id(buffer) -> its views, holding the buffer (so the id is not reused while it is here); the
+# oldest go first. A buffer the work list cache evicted stays alive until it leaves this one.
+_VIEWS: dict[int, _Views] = {}
+VIEWS_KEPT = 64
+
+
+def _views(buf: torch.Tensor, n_tensors: int, n_items: int, n_runs: int) -> _Views:
+    v = _VIEWS.get(id(buf))
+    if v is not None and v.buf is buf:
+        return v
+    b64 = buf.view(torch.int64)
+    first = 4 * n_items  # (in int64 words, after the items)
+    runs = first + n_tensors + 1
+    v = _Views(buf, b64, buf.view(torch.int32), buf.view(torch.float64)[len(b64) - 2:],
+               b64[first:], b64[runs:] if n_runs else None,
+               b64[runs + n_runs + 1:] if n_runs else None)
+    while len(_VIEWS) >= VIEWS_KEPT:
+        _VIEWS.pop(next(iter(_VIEWS)), None)
+    _VIEWS[id(buf)] = v
+    return v
+
+
+def _plan(tensors: list[torch.Tensor], range_hi: float, range_lo: float):
+    """(work list, its views) from ``fasthealth._C.work_list``: inputs checked, float8 and
+    non-dense ones staged, the plan cached on the device with the range thresholds after it
+    (csrc/work_list.h: the policy)."""
     if compiled.C is None:
         raise RuntimeError(f"fasthealth: the triton backend plans its work in fasthealth._C, "
                            f"which is not available ({compiled.load_error})")
     if not tensors:
         raise ValueError("fasthealth: the triton backend needs at least one tensor")
     device = tensors[0].device
-    resident = _resident_programs(device)
-    limits = [CHUNK, max(BLOCK, CHUNK // 8), resident, CHUNK // 32, MERGE_RUN]
+    limits = [CHUNK, max(BLOCK, CHUNK // 8), _resident_programs(device), CHUNK // 32, MERGE_RUN]
     wl = compiled.C.work_list(tensors, True, _capturing(device), limits,
                               [float(range_hi), float(range_lo)])
-    buf, n_items, n_runs, _, groups = wl
-    part = torch.empty((n_items + n_runs, layout.PARTIAL_WIDTH), dtype=torch.float64,
-                       device=device)
-    b64, b32 = buf.view(torch.int64), buf.view(torch.int32)
-    end = len(b64)
-    thresholds = buf.view(torch.float64)[end - 2:]
-    ranged = not (math.isinf(range_hi) and range_lo == 0.0)
-    if done is None:
-        done = torch.empty(1, dtype=torch.int32, device=device)
-    for code, aligned, lo, hi in groups:
+    return wl, _views(wl[0], len(tensors), wl[1], wl[2])
+
+
+def _launch_chunks(wl, v: _Views, part: torch.Tensor, done: torch.Tensor, ranged: bool) -> None:
+    """One chunk launch per (dtype, alignment) group; the first zeroes ``done``
+    (_merge_finalize_kernel's counter, int32)."""
+    resident = _resident_programs(part.device)
+    for code, aligned, lo, hi in wl[4]:
         dtype, acc = _TL[code]
         programs = min(hi - lo, resident if resident > 0 else 4)
-        _chunk_stats_kernel[(programs,)](b64, b32, lo, hi, part, thresholds, done, BLOCK=BLOCK,
-                                         DTYPE=dtype, ACC=acc, FAST=code in _FAST,
+        _chunk_stats_kernel[(programs,)](v.b64, v.b32, lo, hi, part, v.thresholds, done,
+                                         BLOCK=BLOCK, DTYPE=dtype, ACC=acc, FAST=code in _FAST,
                                          ALIGNED=aligned, RANGE=ranged, num_warps=NUM_WARPS,
                                          maxnreg=MAX_REGISTERS)
+
+
+def _ranged(range_hi: float, range_lo: float) -> bool:
+    return not (math.isinf(range_hi) and range_lo == 0.0)
+
+
+def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float,
+               done: torch.Tensor | None = None):
+    """(work list, chunk records [items + runs, PARTIAL_WIDTH]) after the chunk launches, the
+    first of which zeroes ``done`` (a scratch counter when None): for tests and chunk_paths."""
+    wl, v = _plan(tensors, range_hi, range_lo)
+    device = tensors[0].device
+    part = torch.empty((wl[1] + wl[2], layout.PARTIAL_WIDTH), dtype=torch.float64,
+                       device=device)
+    if done is None:
+        done = torch.empty(1, dtype=torch.int32, device=device)
+    _launch_chunks(wl, v, part, done, _ranged(range_hi, range_lo))
     return wl, part
 
 
@@ -637,20 +683,24 @@ def multi_tensor_stats_triton(tensors: list[torch.Tensor], range_hi: float = mat
 def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> torch.Tensor:
     tensors = tensors if type(tensors) is list else list(tensors)
     n = len(tensors)
-    device = tensors[0].device if tensors else None
-    # the tensors' records, then _merge_finalize_kernel's counter (zeroed by the chunk kernel)
-    tensor_part = torch.empty(n * layout.PARTIAL_WIDTH + 1, dtype=torch.float64, device=device)
-    done = tensor_part[n * layout.PARTIAL_WIDTH:].view(torch.int32)
-    (buf, n_items, n_runs, _, _), part = _work_list(tensors, range_hi, range_lo, done)
-    b64 = buf.view(torch.int64)
-    first = 4 * n_items  # (in int64 words, after the items)
-    records, records_first = part, b64[first:]
+    wl, v = _plan(tensors, range_hi, range_lo)
+    n_items, n_runs = wl[1], wl[2]
+    device = tensors[0].device
+    # One scratch allocation: the tensors' records, _merge_finalize_kernel's counter (zeroed by
+    # the chunk launch; two words, so that the chunk records after it stay 16-byte aligned),
+    # then the chunk records and the runs' records.
+    head = n * layout.PARTIAL_WIDTH
+    scratch = torch.empty(head + 2 + (n_items + n_runs) * layout.PARTIAL_WIDTH,
+                          dtype=torch.float64, device=device)
+    done = scratch[head:head + 1].view(torch.int32)
+    part = scratch[head + 2:]
+    _launch_chunks(wl, v, part, done, _ranged(range_hi, range_lo))
+    records, records_first = part, v.chunk_first
     if n_runs:  # the two-level merge: runs of chunks first, then each tensor's runs
-        runs = first + n + 1
-        records = part[n_items:]
-        _merge_chunks_kernel[(n_runs,)](part, b64[runs:], records, VBLOCK=VBLOCK)
-        records_first = b64[runs + n_runs + 1:]
+        records = part[n_items * layout.PARTIAL_WIDTH:]
+        _merge_chunks_kernel[(n_runs,)](part, v.runs, records, VBLOCK=VBLOCK)
+        records_first = v.run_first
     table = torch.empty((n + 1, layout.TABLE_WIDTH), dtype=torch.float64, device=device)
-    _merge_finalize_kernel[(n,)](records, records_first, tensor_part, table, done, n,
+    _merge_finalize_kernel[(n,)](records, records_first, scratch, table, done, n,
                                  VBLOCK=VBLOCK, WIDTH=layout.TABLE_WIDTH)
     return table

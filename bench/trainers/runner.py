@@ -98,6 +98,19 @@ def fault_effect(rows: list[dict], fault_step: int) -> dict:
     return out
 
 
+def losses(rows: list[dict], steps: int) -> list[float | None]:
+    """The loss of each step 0..steps-1 (the last row of a step), None where it is missing or
+    not finite: for the harm of a fault against its healthy twin (bench_trainers.harm), which
+    drops it before the results are written."""
+    out: list[float | None] = [None] * steps
+    for r in rows:
+        s, v = r.get("step"), r.get("loss")
+        if (isinstance(s, int) and 0 <= s < steps and r.get("loss_finite") is not False
+                and isinstance(v, (int, float)) and math.isfinite(v)):
+            out[s] = float(v)
+    return out
+
+
 def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: int,
           trained_steps: int) -> dict:
     """The score of one run from its monitor (``events``, ``incidents``) and its steps.jsonl
@@ -122,6 +135,7 @@ def score(monitor: Any, rows: list[dict], fault_name: str | None, fault_step: in
         "nonfinite_loss_steps": sum(1 for r in rows if r.get("loss_finite") is False),
         "recorded_steps": len(rows), "trained_steps": trained_steps,
         "skipped_steps": [int(r["step"]) for r in rows if r.get("skipped")],
+        "losses": losses(rows, trained_steps),
     }
     if fault_name is None:
         return out
