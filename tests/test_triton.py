@@ -305,3 +305,26 @@ def test_views_of_a_work_list_are_made_once_and_bounded(monkeypatch):
         check_multi(ts.multi_tensor_stats_triton(xs), xs, "triton, views cached")
     assert len(ts._VIEWS) == 2
     assert all(v.buf is not None and id(v.buf) == k for k, v in ts._VIEWS.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_first_after_a_nonfinite_chunk(monkeypatch, dtype):
+    """A program whose chunk held NaN/Inf reads its next chunk masked first (as the CUDA kernel
+    does): a NaN-laden tensor is read once per chunk, not twice. A finite chunk read that way
+    gives the same record, and the program goes back to the fast pass after it."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    monkeypatch.setattr(ts, "RESIDENT_CPU", 1)  # one program takes the chunks in order
+    g = torch.Generator().manual_seed(17)
+    chunk = ts.CHUNK
+    x = torch.randn(5 * chunk, generator=g)
+    x[3] = NAN
+    x[3 * chunk + 9] = -INF
+    x[4 * chunk:] += 1000  # the masked shifted pass, read masked first
+    x = x.to(dtype)
+    # chunk 1 (finite) and chunk 4 (finite) follow a non-finite chunk: masked; 2 went back
+    assert ts.chunk_paths([x]) == [3, 3, 0, 3, 3]
+    check_tensor(row(x), x, f"masked first {dtype}")
+    monkeypatch.setattr(ts, "RESIDENT_CPU", 0)  # four programs: chunk 4 follows chunk 0
+    assert ts.chunk_paths([x]) == [3, 0, 0, 3, 3]
+    check_tensor(row(x), x, f"masked first, four programs {dtype}")

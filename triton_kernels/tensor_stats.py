@@ -318,6 +318,64 @@ def _item(items64, items32, c, has):
 
 
 @triton.jit
+def _fast_chunk(base, start, end, n, hi, lo, hi64, lo64, masked_first, BLOCK: tl.constexpr,
+                RANGE: tl.constexpr):
+    """A float32/bf16/fp16 chunk's record fields, path first: the fast pass, the masked pass
+    where it met NaN/Inf (or straight away when ``masked_first``: the previous chunk of this
+    program held some, so a NaN-laden tensor is read once, not twice; on finite data the
+    masked pass gives the same record), a shifted pass when the mean dominates, the exact path
+    when float32 squares cannot hold the chunk."""
+    z = tl.zeros((), tl.float64)
+    s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = z, z, z, z, z, z, z, z, z, z
+    fin = n
+    path = tl.full((), PATH_FAST, tl.float64)
+    finite = masked_first == 0
+    if masked_first == 0:
+        s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
+            base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, False)
+        finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
+    if ~finite:
+        # NaN/Inf (or a square beyond float32): the masked pass (issue 33 item 3)
+        path = tl.full((), PATH_MASKED, tl.float64)
+        s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
+            base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, True)
+        fin = n - pinf - ninf - nan
+        finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
+    amax = tl.maximum(-fmin, fmax)  # (-inf with no finite element)
+    # a square beyond float32, or squares that float32 underflows: the exact path
+    ok = finite & ((amax <= 0) | (amax >= TINY_AMAX))
+    nn = tl.maximum(fin, 1.0)
+    mean = s / nn
+    m2 = q - s * mean
+    if ok & (q > MAX_CANCEL * m2):  # the mean dominates: sums around it
+        if path == PATH_FAST:
+            path = tl.full((), PATH_SHIFTED, tl.float64)
+        cf = mean.to(tl.float32)
+        if path == PATH_MASKED:
+            s2, q2, _, _, _, _, _, _, _, _ = _lane_sums(
+                base, start, end, cf, hi, lo, BLOCK, True, False, True)
+        else:
+            s2, q2, _, _, _, _, _, _, _, _ = _lane_sums(
+                base, start, end, cf, hi, lo, BLOCK, True, False, False)
+        ok = (tl.abs(s2) < INF) & (tl.abs(q2) < INF)
+        mean = cf.to(tl.float64) + s2 / nn
+        m2 = q2 - s2 * (s2 / nn)
+    m2 = tl.maximum(m2, 0.0)
+    scale = tl.where(q > 0, 1.0, 0.0).to(tl.float64)
+    ssq = q
+    if RANGE:
+        under = tl.where(lo > 0, under - zero, 0.0)  # 0 < |x| < lo
+    else:
+        over = tl.zeros((), tl.float64)
+        under = tl.zeros((), tl.float64)
+    if ~ok:
+        path = tl.full((), PATH_EXACT, tl.float64)
+        fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
+            _exact_chunk(base, start, end, hi64, lo64, BLOCK, tl.float64))
+    return path, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq
+
+
+@triton.jit
 def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, done,
                         BLOCK: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
                         FAST: tl.constexpr, ALIGNED: tl.constexpr, RANGE: tl.constexpr):
@@ -333,6 +391,7 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, do
     # items (struct ChunkItem, csrc/plan.h) loaded one ahead, as the CUDA kernel does
     c0 = item_lo + pid
     n_ptr, n_start, n_count, n_slot = _item(items64, items32, c0, c0 < item_hi)
+    masked_first = pid * 0  # this program's previous chunk held NaN/Inf (as the CUDA kernel)
     for c in range(c0, item_hi, nprog):
         base = n_ptr.to(tl.pointer_type(DTYPE))
         start = n_start
@@ -344,53 +403,13 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, do
             base = tl.multiple_of(base, 16)  # bytes: 16-byte vector loads
             start = (start // 16) * 16  # (a hint on a loop-carried value is lost)
         n = (end - start).to(tl.float64)
-        path = tl.full((), PATH_EXACT, tl.float64)
         if FAST:
-            s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
-                base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, False)
-            fin = n
-            amax = tl.maximum(-fmin, fmax)
-            finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
-            path = tl.full((), PATH_FAST, tl.float64)
-            if ~finite:
-                # NaN/Inf (or a square beyond float32): the masked pass (issue 33 item 3)
-                path = tl.full((), PATH_MASKED, tl.float64)
-                s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
-                    base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, True)
-                fin = n - pinf - ninf - nan
-                amax = tl.maximum(-fmin, fmax)  # (-inf with no finite element)
-                finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
-            # a square beyond float32, or squares that float32 underflows: the exact path
-            ok = finite & ((amax <= 0) | (amax >= TINY_AMAX))
-            nn = tl.maximum(fin, 1.0)
-            mean = s / nn
-            m2 = q - s * mean
-            if ok & (q > MAX_CANCEL * m2):  # the mean dominates: sums around it
-                if path == PATH_FAST:
-                    path = tl.full((), PATH_SHIFTED, tl.float64)
-                cf = mean.to(tl.float32)
-                if path == PATH_MASKED:
-                    s2, q2, _, _, _, _, _, _, _, _ = _lane_sums(
-                        base, start, end, cf, hi, lo, BLOCK, True, False, True)
-                else:
-                    s2, q2, _, _, _, _, _, _, _, _ = _lane_sums(
-                        base, start, end, cf, hi, lo, BLOCK, True, False, False)
-                ok = (tl.abs(s2) < INF) & (tl.abs(q2) < INF)
-                mean = cf.to(tl.float64) + s2 / nn
-                m2 = q2 - s2 * (s2 / nn)
-            m2 = tl.maximum(m2, 0.0)
-            scale = tl.where(q > 0, 1.0, 0.0).to(tl.float64)
-            ssq = q
-            if RANGE:
-                under = tl.where(lo > 0, under - zero, 0.0)  # 0 < |x| < lo
-            else:
-                over = tl.zeros((), tl.float64)
-                under = tl.zeros((), tl.float64)
-            if ~ok:
-                path = tl.full((), PATH_EXACT, tl.float64)
-                fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
-                    _exact_chunk(base, start, end, hi64, lo64, BLOCK, tl.float64))
+            path, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
+                _fast_chunk(base, start, end, n, hi, lo, hi64, lo64, masked_first, BLOCK,
+                            RANGE))
+            masked_first = (fin != n).to(tl.int32)
         else:
+            path = tl.full((), PATH_EXACT, tl.float64)
             fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq = (
                 _exact_chunk(base, start, end, hi64, lo64, BLOCK, tl.float64))
         row = part + slot * P_WIDTH
