@@ -290,20 +290,23 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
     cnt = zero.to(tl.int64)
     if RANGE:
         cnt += (over.to(tl.int64) << 21) + (under.to(tl.int64) << 42)
-    cnt = tl.sum(cnt, axis=0)
     pinf = tl.zeros((), tl.float64)
     ninf = tl.zeros((), tl.float64)
     nan = tl.zeros((), tl.float64)
-    if NONFINITE:  # decoded per lane (six bits each), packed again, summed once
+    if NONFINITE:  # decoded per lane (six bits each), packed again, summed with the counts
         code = bad.to(tl.int32)
         bad_n = ((code & 63).to(tl.int64) + (((code >> 6) & 63).to(tl.int64) << 21)
                  + ((code >> 12).to(tl.int64) << 42))
-        bad_n = tl.sum(bad_n, axis=0)
+        cnt, bad_n = tl.split(tl.sum(tl.join(cnt, bad_n), axis=0))
         pinf = (bad_n & C21).to(tl.float64)
         ninf = ((bad_n >> 21) & C21).to(tl.float64)
         nan = (bad_n >> 42).to(tl.float64)
-    return (tl.sum(s.to(tl.float64), axis=0), tl.sum(q.to(tl.float64), axis=0),
-            tl.min(mn, axis=0).to(tl.float64), tl.max(mx, axis=0).to(tl.float64),
+    else:
+        cnt = tl.sum(cnt, axis=0)
+    # the sums, and the extremes as (-min, max), cross the lanes as pairs: one reduction each
+    s64, q64 = tl.split(tl.sum(tl.join(s.to(tl.float64), q.to(tl.float64)), axis=0))
+    nmn, mx1 = tl.split(tl.max(tl.join(-mn, mx), axis=0))
+    return (s64, q64, (-nmn).to(tl.float64), mx1.to(tl.float64),
             (cnt & C21).to(tl.float64), ((cnt >> 21) & C21).to(tl.float64),
             (cnt >> 42).to(tl.float64), pinf, ninf, nan)
 
