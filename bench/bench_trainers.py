@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", help="a line kept with the results")
     ap.add_argument("--out", default=str(HERE / "results" / "trainers.json"))
     ap.add_argument("--figure", default=str(HERE / "results" / "trainers.png"))
+    ap.add_argument("--harm-figure", default=str(HERE / "results" / "trainers_harm.png"),
+                    help="each fault's effect at its step against its lasting harm")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--redraw", action="store_true",
                     help="only draw --figure again from --out's --label (no training)")
@@ -267,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         stored = json.loads(Path(a.out).read_text())[a.label]
         figure.draw(stored["runs"], a.figure, title=f"{a.label} ({', '.join(stored['splits'])}"
                     f"{', quick' if stored['quick'] else ''})")
+        if a.harm_figure:
+            figure.draw_harm(stored["runs"], a.harm_figure, title=_harm_title(a.label),
+                             visible_z=VISIBLE_Z)
         return 0
     cfg = dict(corpus.QUICK if a.quick else corpus.FULL)
     if a.faults:
@@ -308,7 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.figure:
         figure.draw(res["runs"], a.figure, title=f"{a.label} ({', '.join(splits)}"
                     f"{', quick' if a.quick else ''})")
+    if a.harm_figure:
+        figure.draw_harm(res["runs"], a.harm_figure, title=_harm_title(a.label),
+                         visible_z=VISIBLE_Z)
     return 0
+
+
+def _harm_title(label: str) -> str:
+    return (f"{label}: each planted fault, its effect at its step and its lasting harm "
+            f"against its healthy twin")
 
 
 if __name__ == "__main__":

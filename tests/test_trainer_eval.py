@@ -20,7 +20,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_trainers  # noqa: E402
-from trainers import corpus, faults, runner  # noqa: E402
+from trainers import corpus, faults, figure, runner  # noqa: E402
 
 HF_FAMILY = "hf_gpt2_chars_adamw_linear"
 PL_FAMILY = "pl_wine_adagrad_multistep_accum2"  # accumulation: micro-batches != steps
@@ -63,7 +63,7 @@ def test_score_reads_catch_delay_incidents_and_cause():
     assert healthy["n_alarms"] == 3 and "caught" not in healthy
 
 
-def test_harm_compares_a_fault_with_its_healthy_twin():
+def test_harm_compares_a_fault_with_its_healthy_twin(tmp_path):
     twin = [2.0] * 40
     runs = [
         {"family": "f", "fault": None, "seed": 0, "losses": list(twin)},
@@ -84,6 +84,10 @@ def test_harm_compares_a_fault_with_its_healthy_twin():
     assert "harm_next" not in lone and all("losses" not in r for r in runs)
     assert [m["fault"] for m in bench_trainers.missed(runs)] == ["shuffled_labels", "bit_flip"]
     assert bench_trainers.missed(runs)[0]["harm_next"] == 0.451
+    # the harm figure takes these runs as they are (a harm of None, a run without a twin)
+    out = tmp_path / "harm.png"
+    figure.draw_harm(runs, out, title="test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compare_logs_tells_identical_from_different():

@@ -69,3 +69,62 @@ def draw(runs: list[dict], path: str | Path, title: str = "") -> None:
     fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def draw_harm(runs: list[dict], path: str | Path, title: str = "", visible_z: float = 6.0) -> None:
+    """What each planted fault did, against whether it was caught: x, how far it moved the
+    loss at its step (``effect_z``, noise units; a non-finite loss at the right edge); y, its
+    lasting harm (``harm_end``: the mean loss of the run's last steps over its healthy twin's,
+    minus 1), in units of the family's seed-to-seed gap (``seed_gap_end``; the top edge: no
+    finite loss left). Caught faults as dots, missed ones as red crosses named; squares for
+    the held-out families. A miss low on the left moved nothing and cost nothing."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_edge, y_lo, y_hi = 40.0, 1e-3, 1e2
+    fig, ax = plt.subplots(figsize=(12, 6), layout="constrained")
+    named: list[str] = []
+    for r in runs:
+        if not r.get("fault") or "error" in r or "harm_end" not in r:
+            continue
+        z = r.get("effect_z")
+        x = x_edge if z is None or not math.isfinite(z) else min(max(z, -2.0), x_edge)
+        gap, h = r.get("seed_gap_end"), r.get("harm_end")
+        if not gap:
+            continue
+        y = y_hi if h is None else min(max(abs(h) / gap, y_lo), y_hi)
+        marker = "s" if r.get("held_out") else "o"
+        if r.get("caught"):
+            ax.scatter(x, y, marker=marker, s=22, color="tab:blue", alpha=0.55, linewidths=0)
+        else:
+            ax.scatter(x, y, marker="x" if marker == "o" else "D", s=40, color="tab:red")
+            named.append(f"{len(named) + 1}  {r['family']}  {r['fault']}"
+                         f"{'  (held out)' if r.get('held_out') else ''}")
+            ax.annotate(str(len(named)), (x, y), fontsize=7, color="tab:red",
+                        xytext=(4, 3 if len(named) % 2 else -9), textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_ylim(y_lo * 0.7, y_hi * 1.5)
+    ax.set_xlim(-2.5, x_edge + 2)
+    ax.axvline(visible_z, color="grey", ls="--", lw=0.8)
+    ax.text(visible_z, y_hi, f" visible: loss moved >= {visible_z:g} units", fontsize=7,
+            va="top", color="grey")
+    ax.axhline(1.0, color="grey", ls=":", lw=0.8)
+    ax.text(-2.3, 1.05, "harm = the gap between two healthy seeds", fontsize=7, color="grey")
+    ax.set_xlabel(f"effect_z: how far the fault moved the loss at its step (noise units; "
+                  f"{x_edge:g} = beyond, or not finite)")
+    ax.set_ylabel("|harm_end| / seed gap (lasting effect on the loss; top: no finite loss)")
+    handles = [plt.Line2D([], [], ls="", marker="o", color="tab:blue", label="caught"),
+               plt.Line2D([], [], ls="", marker="x", color="tab:red", label="missed (tuning)"),
+               plt.Line2D([], [], ls="", marker="D", color="tab:red", label="missed (held out)"),
+               plt.Line2D([], [], ls="", marker="s", color="tab:blue", label="held out, caught")]
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+    if named:
+        ax.text(1.02, 1.0, "missed:\n" + "\n".join(named), transform=ax.transAxes, fontsize=7,
+                va="top", color="tab:red", family="monospace")
+    ax.set_title(title or "planted faults: what they moved and what they cost", fontsize=10)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
