@@ -217,6 +217,32 @@ def test_killed_process_leaves_a_readable_log(tmp_path, sig):
             assert steps[-1] >= done[-1] - 3 - 1
 
 
+def test_a_flush_interrupted_while_it_copies_the_record_loses_no_step(tmp_path, monkeypatch):
+    """Ctrl-C while a flush converts the record's rows (as the SIGINT test above once hit):
+    the rows stay in the record, and the exit flush writes every step."""
+    from fasthealth.monitor import record
+
+    m, opt = model_and_opt()
+    mon = fh.Monitor(m, opt, log_dir=tmp_path, flush_every=1000)
+    train(mon, m, opt, 7)
+    real, calls = record.HostStep, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(record, "HostStep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mon.flush()
+    monkeypatch.setattr(record, "HostStep", real)
+    assert mon.record.fill == 7
+    mon.close()
+    steps = [json.loads(s)["step"] for s in (mon.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(7))
+
+
 def test_report_skips_a_partial_last_line_and_escapes_what_it_shows(tmp_path):
     m, opt = model_and_opt()
     with fh.Monitor(m, opt, log_dir=tmp_path, flush_every=5) as mon:

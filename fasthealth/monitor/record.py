@@ -89,17 +89,21 @@ class DeviceRecord:
         return True
 
     def take(self) -> list[HostStep]:
-        """The filled rows on the host (one device-to-host copy); the record is then empty."""
+        """The filled rows on the host (one device-to-host copy); the record is then empty.
+        It is emptied only once every row is on the host: a KeyboardInterrupt during the copy
+        or the conversion leaves the rows in it for the exit flush (the CI's SIGINT test lost
+        two steps when the record was emptied first)."""
         k = self.fill
         if k == 0:
             return []
         host = self._buf[:k].cpu()
-        info, self._info = self._info, []
+        info = self._info
         out = []
         for j in range(k):
             values = dict(zip(SCALARS, host[j, self.scalars].tolist()))
             out.append(HostStep(info[j]["step"], values, host[j, self.norm].tolist(),
                                 host[j, self.bad].tolist(), info[j]))
+        self._info = []
         return out
 
 
