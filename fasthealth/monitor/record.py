@@ -90,9 +90,8 @@ class DeviceRecord:
 
     def take(self) -> list[HostStep]:
         """The filled rows on the host (one device-to-host copy); the record is then empty.
-        It is emptied only once every row is on the host: a KeyboardInterrupt during the copy
-        or the conversion leaves the rows in it for the exit flush (the CI's SIGINT test lost
-        two steps when the record was emptied first)."""
+        It is emptied only once every row is on the host, so that a KeyboardInterrupt during
+        the copy or the conversion leaves the rows in it for the exit flush."""
         k = self.fill
         if k == 0:
             return []
