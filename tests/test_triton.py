@@ -198,6 +198,24 @@ def test_masked_pass_for_nonfinite_chunks(dtype):
                     range_dtype=torch.float16)
     if dtype != torch.float16:  # (float16's own values never lie beyond its range)
         assert table[0, fh.ops.layout.COL["overflow_count"]] > 0
+    # zeros, values below and above float16's range and NaN/Inf together, the last ones in
+    # the masked last tile: each is counted once (under = 0 < |x| < lo, finite only)
+    mixed = torch.randn(2 * chunk + 77, generator=g)
+    mixed[::5] = 0.0
+    mixed[1::9] = 1e-6
+    mixed[2::17] = -7e4
+    mixed[3::7] = NAN
+    mixed[4::11] = INF
+    mixed[6::13] = -INF
+    mixed[-4:] = torch.tensor([NAN, 0.0, -1e-6, -INF])
+    mixed = mixed.to(dtype)
+    assert ts.chunk_paths([mixed]) == [3, 3, 3]
+    table = fh.multi_tensor_stats([mixed], backend="triton", range_dtype=torch.float16).raw
+    check_multi(table, [mixed], f"NaN/Inf, zeros and range counts {dtype}",
+                range_dtype=torch.float16)
+    col = fh.ops.layout.COL
+    assert table[0, col["zero_count"]] == float((mixed == 0).sum())
+    assert table[0, col["underflow_count"]] > 0
     offset = (100 + torch.randn(2 * chunk, generator=g)).to(dtype)
     offset[17] = NAN
     offset[chunk + 17] = -INF
@@ -328,3 +346,25 @@ def test_masked_first_after_a_nonfinite_chunk(monkeypatch, dtype):
     monkeypatch.setattr(ts, "RESIDENT_CPU", 0)  # four programs: chunk 4 follows chunk 0
     assert ts.chunk_paths([x]) == [3, 0, 0, 3, 3]
     check_tensor(row(x), x, f"masked first, four programs {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wait_all", [False, True])
+def test_in_flight_dependency_changes_no_bit(dtype, wait_all):
+    """_in_flight's or-ed dependency (opaque is 0) leaves every tile bit for bit as loaded,
+    NaN payloads, signed zeros, infinities and subnormals included, in both of its forms."""
+    from triton_probes import in_flight_kernel
+
+    g = torch.Generator().manual_seed(3)
+    block = 64
+    t = (torch.randn(4 * block, generator=g) * 10).to(dtype)
+    bits = t.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+    t[:8] = torch.tensor([NAN, -NAN, INF, -INF, 0.0, -0.0, 1e-40, -1e-40]).to(dtype)
+    bits[8] = 0x7FC5 if dtype.itemsize == 2 else 0x7FC00123  # a NaN with a payload
+    out = torch.empty(8 * block, dtype=torch.float32)
+    in_flight_kernel[(1,)](t, out, 4 * block, BLOCK=block, WAIT_ALL=wait_all)
+    got, plain = out.view(torch.int32).split(4 * block)
+    assert torch.equal(got, plain)
+    a = t.float().abs()
+    kept = ~((a > 0) & (a < torch.finfo(dtype).tiny))  # (the interpreter flushes bfloat16's
+    assert torch.equal(got[kept], t.float().view(torch.int32)[kept])  # subnormals to zero)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -122,3 +123,44 @@ def test_merge_and_finalize_kernels_compile(arch):
                            a.startswith("atom.acq_rel.gpu.global.add") for a in atomics), atomics
     assert ptx.index("bar.sync") < ptx.index(atomics[0].split(" ")[0])
     assert "ld.global.cg" in ptx
+
+
+def test_main_loops_keep_their_loads_in_flight():
+    """The fast pass's main loop issues an iteration's 16-byte loads before it uses any (four of
+    four for 16-bit types, at least four of eight for float32: 64 bytes a thread, 32 KB an SM
+    at two programs, above the ~25 KB that 4.8 TB/s at ~700 ns needs), and the masked pass for
+    chunks holding NaN/Inf costs at most 2.5x its instructions per 16-bit element (it cost
+    2.7x to 2.9x with a compare and an add per class and flags converted from booleans). Read
+    from the sm_90 machine code of the installed Triton (bench/sass_loops.py; issue 33 items 3
+    and 4). Without _in_flight's dependency, Triton 3.6's ptxas issued one of four."""
+    import sass_loops
+
+    for name, dtype, size in sass_loops.variants():
+        for ranged in (False, True):
+            k = sass_loops.compile_chunk_kernel(dtype, ranged)
+            found = sass_loops.loops(sass_loops.sass_of(k.asm["cubin"]), size)
+            assert len(found) >= 4, (name, ranged, found)  # fast, masked, shifted (two)
+            fast, masked = found[0], found[1]
+            assert fast["in_flight"] >= 4, (name, ranged, found)
+            if size == 2:
+                assert fast["in_flight"] == fast["loads"], (name, ranged, found)
+                assert masked["per_element"] <= 2.5 * fast["per_element"], (name, ranged, found)
+
+
+def test_waiting_for_all_loads_compiles_without_spills():
+    """FASTHEALTH_TRITON_WAIT_ALL=1 (the default before Triton 3.7, which this test's Triton may
+    not be): every tile waits for all four loads; the kernels still fit the register cap."""
+    code = (
+        "import triton.language as tl, sass_loops, test_triton_compile as t\n"
+        "from fasthealth.triton_kernels import tensor_stats as ts\n"
+        "assert ts.WAIT_ALL.value\n"
+        "for dtype in (tl.bfloat16, tl.float32):\n"
+        "    for ranged in (False, True):\n"
+        "        u = t._resources(sass_loops.compile_chunk_kernel(dtype, ranged).asm['cubin'])\n"
+        "        assert u['LOCAL'] == 0 and u['REG'] <= ts.MAX_REGISTERS, u\n")
+    here = os.path.dirname(__file__)
+    path = os.pathsep.join([here, os.path.join(here, os.pardir, "bench")])
+    env = dict(os.environ, FASTHEALTH_TRITON_WAIT_ALL="1", PYTHONPATH=path)
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]

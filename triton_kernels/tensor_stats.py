@@ -195,45 +195,93 @@ def _exact_chunk(base, start, end, hi, lo, BLOCK: tl.constexpr, ACC: tl.constexp
 
 
 @triton.jit
-def _acc_tile(x, m, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT: tl.constexpr,
+def _acc_tile(x, m, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT: tl.constexpr,
               RANGE: tl.constexpr, MASKED: tl.constexpr, NONFINITE: tl.constexpr):
-    """Adds one tile (lanes where m, when MASKED) to the per-lane accumulators. NONFINITE: the
-    masked pass of a chunk holding NaN/Inf: only finite elements enter the sums, extremes and
-    counts, and ``bad`` counts the others, as +inf + 64 -inf + 4096 NaN (a lane sees at most
-    CHUNK / BLOCK = 32 elements: exact in float32, decoded by ``_lane_sums``)."""
+    """Adds one tile (lanes where m, when MASKED) to the per-lane accumulators. ``cnt`` counts
+    zeros; NONFINITE (the masked pass of a chunk holding NaN/Inf): only finite elements enter
+    the sums and extremes, and ``cnt`` counts the others too, one code an element: zero 1,
+    +inf 64, -inf 4096, NaN 262144 (a lane sees at most CHUNK / BLOCK <= 32 elements: six bits
+    a field, 24 in all, exact in float32; decoded by ``_lane_sums``). ``under`` counts
+    |x| < lo with the zeros (and, NONFINITE, the non-finite elements): the caller takes them
+    out. Flags enter the counts as selects of 1.0 (a compare that sets a float), not as
+    converted booleans (a select and a conversion)."""
     inf = float("inf")
+    valid = m  # the tile's lanes before the end
     if NONFINITE:
-        ax = tl.abs(x)
-        fin = m & (ax < inf)  # (NaN compares false)
-        bad += (m & (x == inf)).to(tl.float32) + 64.0 * (m & (x == -inf)).to(tl.float32) \
-            + 4096.0 * (m & (x != x)).to(tl.float32)
-        m = fin
+        fin = tl.abs(x) < inf  # (NaN compares false; lanes past the end were loaded as 0)
+        m = m & fin
     if SHIFT:
         d = x - c
         if MASKED or NONFINITE:
             d = tl.where(m, d, 0.0)
     elif NONFINITE:
-        d = tl.where(m, x, 0.0)
+        d = tl.where(m, x, 0.0)  # non-finite elements count as 0 in the sums and the range
     else:
         d = x  # (masked lanes were loaded as 0: no sum changes)
     s += d
     q += d * d
     if not SHIFT:
-        # counts are float32 (exact: at most CHUNK / BLOCK a lane), which compiles to a set
-        # and an add; under counts |x| < lo with the zeros, taken out by the caller
+        if NONFINITE:  # one select chain an element, not a compare and an add a class
+            bad = tl.where(x != x, 262144.0, tl.where(x > 0, 64.0, 4096.0))
+            cnt += tl.where(valid & (x == 0), 1.0, tl.where(fin, 0.0, bad))
+        elif MASKED:
+            cnt += tl.where(m & (x == 0), 1.0, 0.0)
+        else:
+            cnt += tl.where(x == 0, 1.0, 0.0)
         if MASKED or NONFINITE:
             mn = tl.minimum(mn, tl.where(m, x, inf))
             mx = tl.maximum(mx, tl.where(m, x, -inf))
-            zero += (m & (x == 0)).to(tl.float32)
         else:
             mn = tl.minimum(mn, x)
             mx = tl.maximum(mx, x)
-            zero += (x == 0).to(tl.float32)
-        if RANGE:
-            ax = tl.abs(x)
-            over += (m & (ax > hi)).to(tl.float32)
-            under += (m & (ax < lo)).to(tl.float32)
-    return s, q, mn, mx, zero, over, under, bad
+        if RANGE:  # (hi > 0: the zeros that d holds for non-finite elements are not over)
+            ad = tl.abs(d)
+            over += tl.where(ad > hi, 1.0, 0.0)
+            if MASKED:
+                under += tl.where(valid & (ad < lo), 1.0, 0.0)
+            else:
+                under += tl.where(ad < lo, 1.0, 0.0)
+    return s, q, mn, mx, cnt, over, under
+
+
+@triton.jit
+def _bits(a):
+    """A 16- or 32-bit float tile's bits, as integers of its width."""
+    if a.dtype.primitive_bitwidth == 16:
+        b = a.to(tl.int16, bitcast=True)
+    else:
+        b = a.to(tl.int32, bitcast=True)
+    return b
+
+
+@triton.jit
+def _in_flight(r0, r1, r2, r3, opaque, WAIT_ALL: tl.constexpr):
+    """An iteration's four tiles as float32, unchanged (``opaque`` is 0, which the compiler
+    cannot know), but made to depend on later loads so that ptxas issues all four loads before
+    it uses any: left to itself, under the register cap, it sank loads past the first tile's
+    use (one or two tiles in flight, not four: one memory latency a tile). As ``thread_sums``
+    does in csrc/cuda/stats_kernels.cuh (issue 33 items 1 and 4). WAIT_ALL: every tile waits
+    for all four loads (the ptxas of Triton 3.6 needs it); else the first tile waits for the
+    fourth (enough for Triton 3.8 and 3.9, where waiting for all costs up to a quarter more
+    instructions in the masked loop). ``bench/sass_loops.py`` measures both."""
+    b0 = _bits(r0)
+    b3 = _bits(r3)
+    if WAIT_ALL:
+        b1 = _bits(r1)
+        b2 = _bits(r2)
+        # (b | (b & c) is b whatever c: the compiler may fold some of this; Triton 3.6's keeps
+        # enough of it, tests/test_triton_compile.py reads the machine code)
+        dep = b0 & b1 & b2 & b3 & opaque.to(b0.dtype)
+        x1 = (b1 | dep).to(r1.dtype, bitcast=True)
+        x2 = (b2 | dep).to(r2.dtype, bitcast=True)
+        x3 = (b3 | dep).to(r3.dtype, bitcast=True)
+    else:
+        dep = b3 & opaque.to(b0.dtype)
+        x1 = r1
+        x2 = r2
+        x3 = r3
+    x0 = (b0 | dep).to(r0.dtype, bitcast=True)
+    return x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
 
 
 @triton.jit
@@ -248,67 +296,63 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
     q = tl.zeros((BLOCK,), tl.float32)
     mn = tl.full((BLOCK,), float("inf"), tl.float32)
     mx = tl.full((BLOCK,), -float("inf"), tl.float32)
-    zero = tl.zeros((BLOCK,), tl.float32)
+    cnt = tl.zeros((BLOCK,), tl.float32)
     over = tl.zeros((BLOCK,), tl.float32)
     under = tl.zeros((BLOCK,), tl.float32)
-    bad = tl.zeros((BLOCK,), tl.float32)
     lane = tl.arange(0, BLOCK)
     yes = lane >= 0
     n_full = (end - start) // BLOCK
+    opaque = -(end < 0).to(tl.int32)  # 0 (end >= 0), which the compiler cannot know
     for k in range(0, n_full // 4):
         p = base + (start + k * (4 * BLOCK) + lane)
-        x0 = tl.load(p).to(tl.float32)
-        x1 = tl.load(p + BLOCK).to(tl.float32)
-        x2 = tl.load(p + 2 * BLOCK).to(tl.float32)
-        x3 = tl.load(p + 3 * BLOCK).to(tl.float32)
-        s, q, mn, mx, zero, over, under, bad = _acc_tile(
-            x0, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
-            NONFINITE)
-        s, q, mn, mx, zero, over, under, bad = _acc_tile(
-            x1, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
-            NONFINITE)
-        s, q, mn, mx, zero, over, under, bad = _acc_tile(
-            x2, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
-            NONFINITE)
-        s, q, mn, mx, zero, over, under, bad = _acc_tile(
-            x3, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
-            NONFINITE)
+        r0 = tl.load(p)
+        r1 = tl.load(p + BLOCK)
+        r2 = tl.load(p + 2 * BLOCK)
+        r3 = tl.load(p + 3 * BLOCK)
+        x0, x1, x2, x3 = _in_flight(r0, r1, r2, r3, opaque, WAIT_ALL)
+        s, q, mn, mx, cnt, over, under = _acc_tile(
+            x0, yes, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT, RANGE, False, NONFINITE)
+        s, q, mn, mx, cnt, over, under = _acc_tile(
+            x1, yes, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT, RANGE, False, NONFINITE)
+        s, q, mn, mx, cnt, over, under = _acc_tile(
+            x2, yes, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT, RANGE, False, NONFINITE)
+        s, q, mn, mx, cnt, over, under = _acc_tile(
+            x3, yes, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT, RANGE, False, NONFINITE)
     for k in range((n_full // 4) * 4, n_full):
         x = tl.load(base + (start + k * BLOCK + lane)).to(tl.float32)
-        s, q, mn, mx, zero, over, under, bad = _acc_tile(
-            x, yes, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, False,
-            NONFINITE)
+        s, q, mn, mx, cnt, over, under = _acc_tile(
+            x, yes, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT, RANGE, False, NONFINITE)
     off = start + n_full * BLOCK
     if off < end:
         m = off + lane < end
         x = tl.load(base + (off + lane), mask=m, other=0).to(tl.float32)
-        s, q, mn, mx, zero, over, under, bad = _acc_tile(
-            x, m, s, q, mn, mx, zero, over, under, bad, c, hi, lo, SHIFT, RANGE, True,
-            NONFINITE)
+        s, q, mn, mx, cnt, over, under = _acc_tile(
+            x, m, s, q, mn, mx, cnt, over, under, c, hi, lo, SHIFT, RANGE, True, NONFINITE)
     # Counts cross the lanes packed three to an int64 (21 bits each; a chunk holds at most
     # 2^20 elements: CHUNK is checked), one reduction (one set of barriers) for three counts
-    cnt = zero.to(tl.int64)
+    code = cnt.to(tl.int32)
+    zeros = (code & 63).to(tl.int64) if NONFINITE else code.to(tl.int64)
     if RANGE:
-        cnt += (over.to(tl.int64) << 21) + (under.to(tl.int64) << 42)
+        zeros += (over.to(tl.int64) << 21) + (under.to(tl.int64) << 42)
     pinf = tl.zeros((), tl.float64)
     ninf = tl.zeros((), tl.float64)
     nan = tl.zeros((), tl.float64)
-    if NONFINITE:  # decoded per lane (six bits each), packed again, summed with the counts
-        code = bad.to(tl.int32)
-        bad_n = ((code & 63).to(tl.int64) + (((code >> 6) & 63).to(tl.int64) << 21)
-                 + ((code >> 12).to(tl.int64) << 42))
-        cnt, bad_n = tl.split(tl.sum(tl.join(cnt, bad_n), axis=0))
+    if NONFINITE:  # the three classes' six-bit fields, packed again, summed with the counts
+        bad_n = ((code >> 6) & 63).to(tl.int64) + (((code >> 12) & 63).to(tl.int64) << 21) \
+            + ((code >> 18).to(tl.int64) << 42)
+        packed, bad_n = tl.split(tl.sum(tl.join(zeros, bad_n), axis=0))
         pinf = (bad_n & C21).to(tl.float64)
         ninf = ((bad_n >> 21) & C21).to(tl.float64)
         nan = (bad_n >> 42).to(tl.float64)
     else:
-        cnt = tl.sum(cnt, axis=0)
+        packed = tl.sum(zeros, axis=0)
+    under = (packed >> 42).to(tl.float64) - pinf - ninf - nan  # (see _acc_tile)
     # the sums, and the extremes as (-min, max), cross the lanes as pairs: one reduction each
     s64, q64 = tl.split(tl.sum(tl.join(s.to(tl.float64), q.to(tl.float64)), axis=0))
     nmn, mx1 = tl.split(tl.max(tl.join(-mn, mx), axis=0))
     return (s64, q64, (-nmn).to(tl.float64), mx1.to(tl.float64),
-            (cnt & C21).to(tl.float64), ((cnt >> 21) & C21).to(tl.float64),
-            (cnt >> 42).to(tl.float64), pinf, ninf, nan)
+            (packed & C21).to(tl.float64), ((packed >> 21) & C21).to(tl.float64), under,
+            pinf, ninf, nan)
 
 
 @triton.jit
@@ -566,11 +610,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CHUNK = int(os.environ.get("FASTHEALTH_TRITON_CHUNK", 1024 if _INTERPRET else 65536))
 BLOCK = int(os.environ.get("FASTHEALTH_TRITON_BLOCK", 256 if _INTERPRET else 2048))
 _POW2 = CHUNK & (CHUNK - 1) == 0 and BLOCK & (BLOCK - 1) == 0
-if not (_POW2 and BLOCK <= CHUNK <= (C21.value + 1) // 2):
+# A lane sums at most CHUNK / BLOCK terms: the fast path's error bound (MAX_CANCEL) and the
+# masked pass's six-bit count fields assume 32 at most.
+if not (_POW2 and BLOCK <= CHUNK <= min(32 * BLOCK, (C21.value + 1) // 2)):
     raise ValueError(f"fasthealth: FASTHEALTH_TRITON_CHUNK={CHUNK} and FASTHEALTH_TRITON_BLOCK="
-                     f"{BLOCK}: powers of two with BLOCK <= CHUNK <= 2^20 are expected (counts "
-                     f"are packed 21 bits each)")
+                     f"{BLOCK}: powers of two with BLOCK <= CHUNK <= 32 * BLOCK and CHUNK <= "
+                     f"2^20 are expected (a lane sums at most 32 terms; counts are packed 21 "
+                     f"bits each)")
 VBLOCK = 128
+# Each tile of an iteration waits for all four loads (_in_flight), for the ptxas of Triton
+# before 3.7 (bench/sass_loops.py: with Triton 3.6 one or two of four 16-byte loads were in
+# flight, four with it; Triton 3.8 and 3.9 keep four without it). FASTHEALTH_TRITON_WAIT_ALL=0|1
+# forces it either way.
+_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
+WAIT_ALL = tl.constexpr(os.environ.get("FASTHEALTH_TRITON_WAIT_ALL", "") == "1" or (
+    os.environ.get("FASTHEALTH_TRITON_WAIT_ALL", "") != "0" and _TRITON < (3, 7)))
 NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16-byte loads
 # Registers a thread may use in the chunk kernel: 65536 / (2 programs x 256 threads), so that
 # two programs share each SM and keep twice the loads in flight. Left to itself Triton takes a
