@@ -92,8 +92,7 @@ def test_chunk_kernel_compiles(arch, variant):
     assert not re.search(r"(ex2\.approx|cvt\.rmi)\.ftz\.f32", k.asm["ptx"])
     if fast and ranged:
         # the chunk's counts cross the lanes packed, three to one reduction (issue 33 item 4):
-        # range counts add no barrier (Triton 3.9, sm_90: 54 without them and 62 with them
-        # before, 50 for both after; 38 since the sums and the extremes cross as pairs)
+        # range counts add no barrier (docs/gpu.md has the counts)
         plain = _compile(ts._chunk_stats_kernel, CHUNK_SIG, dict(consts, RANGE=False), arch,
                          ts.NUM_WARPS, ts.MAX_REGISTERS)
         assert k.asm["ptx"].count("bar.sync") == plain.asm["ptx"].count("bar.sync")
@@ -164,3 +163,17 @@ def test_waiting_for_all_loads_compiles_without_spills():
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("chunk, block", [("131072", "2048"), ("65536", "1000")])
+def test_chunk_and_block_knobs_are_checked_at_import(chunk, block):
+    """More than 32 elements a lane (CHUNK > 32 BLOCK) would overflow the masked pass's six-bit
+    count fields and the fast path's error bound; sizes not powers of two break the plan."""
+    env = dict(os.environ, FASTHEALTH_TRITON_CHUNK=chunk, FASTHEALTH_TRITON_BLOCK=block)
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c",
+                          "import fasthealth.triton_kernels.tensor_stats"],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"FASTHEALTH_TRITON_CHUNK={chunk}" in out.stderr
+    assert f"FASTHEALTH_TRITON_BLOCK={block}" in out.stderr
