@@ -11,8 +11,8 @@ behind the GPU speed estimates of docs/gpu.md:
   ~2.4e12 bfloat16 elements (1.2e12 float32) a second, so a loop above ~14 instructions a
   bfloat16 element (~28 float32) is issue bound, not memory bound.
 
-Loops are listed in code order: for the float32/16/bfloat16 kernels the fast pass, the masked
-pass (chunks holding NaN/Inf), then the shifted passes (masked and plain).
+Loops are listed in code order: the fast pass, the masked pass (chunks holding NaN/Inf), then
+the shifted passes (masked and plain) and any other loop of four 16-byte loads or more.
 
     python bench/sass_loops.py --out bench/results/triton_sass.json
 
