@@ -144,9 +144,9 @@ def main() -> None:
         path = Path(args.out)
         table = json.loads(path.read_text()) if path.exists() else {
             "what": "main loops of the Triton chunk kernel (sm_90, aligned fast dtypes): "
-                    "per loop in code order (fast, masked, shifted masked, shifted), 16-byte "
-                    "loads an iteration, how many issued before the first use, instructions "
-                    "per element", "entries": {}}
+                    "per loop in code order (fast, masked, shifted masked, shifted, others), "
+                    "16-byte loads an iteration, how many issued before the first use, "
+                    "instructions per element", "entries": {}}
         key = f"triton {triton.__version__}, WAIT_ALL={int(ts.WAIT_ALL.value)}"
         table["entries"][key] = {"BLOCK": ts.BLOCK, "num_warps": ts.NUM_WARPS,
                                  "max_registers": ts.MAX_REGISTERS, "rows": rows}
