@@ -331,21 +331,21 @@ def _lane_sums(base, start, end, c, hi, lo, BLOCK: tl.constexpr, SHIFT: tl.const
     # Counts cross the lanes packed three to an int64 (21 bits each; a chunk holds at most
     # 2^20 elements: CHUNK is checked), one reduction (one set of barriers) for three counts
     code = cnt.to(tl.int32)
-    zeros = (code & 63).to(tl.int64) if NONFINITE else code.to(tl.int64)
+    counts = (code & 63).to(tl.int64) if NONFINITE else code.to(tl.int64)  # the zeros
     if RANGE:
-        zeros += (over.to(tl.int64) << 21) + (under.to(tl.int64) << 42)
+        counts += (over.to(tl.int64) << 21) + (under.to(tl.int64) << 42)
     pinf = tl.zeros((), tl.float64)
     ninf = tl.zeros((), tl.float64)
     nan = tl.zeros((), tl.float64)
     if NONFINITE:  # the three classes' six-bit fields, packed again, summed with the counts
         bad_n = ((code >> 6) & 63).to(tl.int64) + (((code >> 12) & 63).to(tl.int64) << 21) \
             + ((code >> 18).to(tl.int64) << 42)
-        packed, bad_n = tl.split(tl.sum(tl.join(zeros, bad_n), axis=0))
+        packed, bad_n = tl.split(tl.sum(tl.join(counts, bad_n), axis=0))
         pinf = (bad_n & C21).to(tl.float64)
         ninf = ((bad_n >> 21) & C21).to(tl.float64)
         nan = (bad_n >> 42).to(tl.float64)
     else:
-        packed = tl.sum(zeros, axis=0)
+        packed = tl.sum(counts, axis=0)
     under = (packed >> 42).to(tl.float64) - pinf - ninf - nan  # (see _acc_tile)
     # the sums, and the extremes as (-min, max), cross the lanes as pairs: one reduction each
     s64, q64 = tl.split(tl.sum(tl.join(s.to(tl.float64), q.to(tl.float64)), axis=0))
