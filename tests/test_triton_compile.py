@@ -165,15 +165,24 @@ def test_waiting_for_all_loads_compiles_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def _import_with(**knobs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **knobs)
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-c", "import fasthealth.triton_kernels.tensor_stats"],
+                          env=env, capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("chunk, block", [("131072", "2048"), ("65536", "1000")])
 def test_chunk_and_block_knobs_are_checked_at_import(chunk, block):
     """More than 32 elements a lane (CHUNK > 32 BLOCK) would overflow the masked pass's six-bit
     count fields and the fast path's error bound; sizes not powers of two break the plan."""
-    env = dict(os.environ, FASTHEALTH_TRITON_CHUNK=chunk, FASTHEALTH_TRITON_BLOCK=block)
-    env.pop("TRITON_INTERPRET", None)
-    out = subprocess.run([sys.executable, "-c",
-                          "import fasthealth.triton_kernels.tensor_stats"],
-                         env=env, capture_output=True, text=True)
+    out = _import_with(FASTHEALTH_TRITON_CHUNK=chunk, FASTHEALTH_TRITON_BLOCK=block)
     assert out.returncode != 0
     assert f"FASTHEALTH_TRITON_CHUNK={chunk}" in out.stderr
     assert f"FASTHEALTH_TRITON_BLOCK={block}" in out.stderr
+
+
+def test_wait_all_knob_is_checked_at_import():
+    out = _import_with(FASTHEALTH_TRITON_WAIT_ALL="yes")
+    assert out.returncode != 0 and "FASTHEALTH_TRITON_WAIT_ALL='yes'" in out.stderr
+    assert _import_with(FASTHEALTH_TRITON_WAIT_ALL="0").returncode == 0

@@ -623,8 +623,11 @@ VBLOCK = 128
 # flight, four with it; Triton 3.8 and 3.9 keep four without it). FASTHEALTH_TRITON_WAIT_ALL=0|1
 # forces it either way.
 _TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
-WAIT_ALL = tl.constexpr(os.environ.get("FASTHEALTH_TRITON_WAIT_ALL", "") == "1" or (
-    os.environ.get("FASTHEALTH_TRITON_WAIT_ALL", "") != "0" and _TRITON < (3, 7)))
+_WAIT_ALL = os.environ.get("FASTHEALTH_TRITON_WAIT_ALL", "")
+if _WAIT_ALL not in ("", "0", "1"):
+    raise ValueError(f"fasthealth: FASTHEALTH_TRITON_WAIT_ALL={_WAIT_ALL!r}: 0, 1 or unset is "
+                     f"expected")
+WAIT_ALL = tl.constexpr(_WAIT_ALL == "1" or (_WAIT_ALL == "" and _TRITON < (3, 7)))
 NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16-byte loads
 # Registers a thread may use in the chunk kernel: 65536 / (2 programs x 256 threads), so that
 # two programs share each SM and keep twice the loads in flight. Left to itself Triton takes a
