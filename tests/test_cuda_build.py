@@ -142,3 +142,24 @@ def test_loads_of_an_iteration_are_in_flight_before_the_first_use():
     for name, g in groups.items():
         assert len(g) >= 6, (name, g)  # three element types, plain and shifted, and masked
         assert all(n == 4 for n in g), (name, g)
+
+def test_main_loops_stay_under_the_issue_limit():
+    """issue 33 item 3: per element, the fast loops stay under what an H200 can issue while it
+    streams at its memory limit (~3.3e13 thread instructions a second over ~2.4e12 bfloat16
+    elements: 14 an element, 28 a float32 one), and each masked loop (chunks holding NaN/Inf)
+    costs at most 2.5x the dearest fast loop of its instantiation, element type for element
+    type. Read from the sm_90 machine code with bench/sass_loops.py, which records the table
+    in bench/results/cuda_sass.json (nvcc 13.0: fast 8.0 to 12.0 instructions a bfloat16
+    element, masked 16.1 to 21.1)."""
+    import sass_loops
+
+    funcs = sass_loops.cuda_functions(C.__file__, cuobjdump=_cuobjdump())
+    assert set(funcs) == {"plain", "range"}, list(funcs)
+    for kind, sass in funcs.items():
+        rows = sass_loops.cuda_loops(sass)
+        for dtype, size in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
+            fast = [r["per_element"] for r in rows if r["dtype"] == dtype and not r["masked"]]
+            masked = [r["per_element"] for r in rows if r["dtype"] == dtype and r["masked"]]
+            assert len(fast) >= 2 and len(masked) >= 2, (kind, dtype, rows)  # plain, shifted
+            assert max(fast) <= 14 * size / 2, (kind, dtype, fast)
+            assert max(masked) <= 2.5 * max(fast), (kind, dtype, masked, fast)
