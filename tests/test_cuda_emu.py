@@ -231,6 +231,29 @@ def test_masked_pass_for_nonfinite_chunks(exe, dtype):
             assert paths == (0, 0, 1, 0), paths
 
 
+@pytest.mark.parametrize("range_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_range_counts_on_the_masked_pass(exe, range_dtype):
+    """Chunks holding NaN/Inf count over and under among their finite elements only: the
+    masked loop counts from the masked value, so NaN, +inf and -inf land in its under count and
+    are taken out with the zeros; a count off by the non-finite elements fails here."""
+    g = torch.Generator().manual_seed(29)
+    n = 2 * CHUNK + 37
+    t = torch.randn(n, generator=g)
+    u = torch.rand(n, generator=g)
+    t[u < 0.05] *= 1e6  # above float16's and float8's max
+    t[(u >= 0.05) & (u < 0.1)] *= 1e-7  # below their smallest normal
+    t[(u >= 0.1) & (u < 0.12)] = 0.0
+    t[(u >= 0.12) & (u < 0.14)] = NAN
+    t[(u >= 0.14) & (u < 0.15)] = INF
+    t[(u >= 0.15) & (u < 0.16)] = -INF
+    ts = [t, t.bfloat16(), t[1:], t.bfloat16()[3:]]
+    fi = torch.finfo(range_dtype)
+    table, paths = run(exe, ts, [0, 0, 4, 6], rng=(float(fi.max), float(fi.tiny)))
+    check_multi(table, ts, f"emulated cuda masked range {range_dtype}", range_dtype=range_dtype)
+    assert paths[SLOW] == 0 and paths[MASKED] == chunks_of(ts), paths
+    assert (table[:-1, -2] > 0).all() and (table[:-1, -1] > 0).all()
+
+
 def test_chunk_after_a_nan_chunk_is_read_masked_first(exe):
     """A block whose chunk held a NaN reads its next chunk masked first: the same result (bits
     included) as when the chunk comes first, one pass."""

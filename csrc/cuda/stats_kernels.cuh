@@ -19,7 +19,8 @@
 //     so M2 = sum (x-c)^2 - (sum (x-c))^2 / n no longer cancels;
 //   masked pass (a sum is not finite while the largest |x| is not a finite extreme: NaN/Inf
 //     elements): the same loads and sums over the finite elements only (each element's
-//     finiteness selects it or 0), with finite, +inf and -inf counted per thread; it is final
+//     finiteness selects it or 0; min/max and the finite count are predicated on it, the range
+//     counts read the selected value), with finite, +inf and -inf counted per thread; it is final
 //     unless its finite values need the shifted pass (its masked form) or the slow path. A block
 //     whose last chunk held NaN/Inf reads its next chunk masked first (a NaN-filled tensor is
 //     read once); on finite data the masked sums are bitwise those of pass 1;
@@ -167,13 +168,14 @@ __device__ __forceinline__ void add_elems_masked(Sums& a, const float* x, float 
     a.mn = f ? fminf(a.mn, v) : a.mn;
     a.mx = f ? fmaxf(a.mx, v) : a.mx;
     a.zero += v == 0.0f ? 1.0f : 0.0f;
-    a.fin += f ? 1.0f : 0.0f;
+    if (f) a.fin += 1.0f;  // a predicated add on the predicate the selects use
     a.pinf += v == __builtin_huge_valf() ? 1.0f : 0.0f;
     a.ninf += v == -__builtin_huge_valf() ? 1.0f : 0.0f;
-    if (kRange) {
-      const float ax = fabsf(v);
-      a.over += f && ax > hi ? 1.0f : 0.0f;
-      a.under += ax < lo ? 1.0f : 0.0f;  // zeros included here, taken out by the caller
+    if (kRange) {  // from the masked value: non-finite elements count as under (0 < lo), and
+      // the caller takes them out with the zeros; one select fewer an element than `f && ...`
+      const float ax = fabsf(f ? v : 0.0f);
+      a.over += ax > hi ? 1.0f : 0.0f;
+      a.under += ax < lo ? 1.0f : 0.0f;
     }
   }
   a.s += static_cast<double>(s);
@@ -424,7 +426,8 @@ __device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64
   p.neginf = static_cast<int64_t>(a.ninf);
   p.zero = static_cast<int64_t>(a.zero);
   p.over = kRange ? static_cast<int64_t>(a.over) : 0;
-  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
+  // 0 < |x| < lo: a.under counted the zeros and the non-finite elements too
+  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) - (p.n - p.finite) : 0;
   if (p.finite == 0) {
     if (threadIdx.x == 0) FH_COUNT_PATH(3);
     return p;
