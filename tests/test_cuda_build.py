@@ -150,7 +150,7 @@ def test_main_loops_stay_under_the_issue_limit():
     costs at most 2.5x the dearest fast loop of its instantiation, element type for element
     type. Read from the sm_90 machine code with bench/sass_loops.py, which records the table
     in bench/results/cuda_sass.json (nvcc 13.0: fast 8.0 to 12.0 instructions a bfloat16
-    element, masked 15.3 to 19.4)."""
+    element, masked 14.4 to 18.4)."""
     import sass_loops
 
     funcs = sass_loops.cuda_functions(C.__file__, cuobjdump=_cuobjdump())

@@ -31,6 +31,7 @@ from fasthealth.ops.layout import (
     PATH_SHIFTED,
     TABLE_WIDTH,
 )
+from fasthealth.ops.reference import tensor_stats_row
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp",
@@ -231,11 +232,17 @@ def test_masked_pass_for_nonfinite_chunks(exe, dtype):
             assert paths == (0, 0, 1, 0), paths
 
 
-@pytest.mark.parametrize("range_dtype", [torch.float16, torch.float8_e4m3fn])
-def test_range_counts_on_the_masked_pass(exe, range_dtype):
-    """Chunks holding NaN/Inf count over and under among their finite elements only: the
-    masked loop counts from the masked value, so NaN, +inf and -inf land in its under count and
-    are taken out with the zeros; a count off by the non-finite elements fails here."""
+F16, E4M3 = torch.finfo(torch.float16), torch.finfo(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("rng", [(F16.max, F16.tiny), (E4M3.max, E4M3.tiny), (math.inf, F16.tiny),
+                                 (F16.max, 0.0)], ids=["f16", "e4m3", "lo_only", "hi_only"])
+def test_range_counts_on_the_masked_pass(exe, rng):
+    """Chunks holding NaN/Inf count over and under among their finite elements only. The
+    masked loop compares |x| itself: the infinities land in its over count and are taken out
+    with the +inf/-inf counts, unless range_hi is inf (range_lo alone: then they never
+    counted); zeros land in under and are taken out. Values beyond both thresholds, zeros and
+    misaligned views; a count off by the non-finite elements fails here."""
     g = torch.Generator().manual_seed(29)
     n = 2 * CHUNK + 37
     t = torch.randn(n, generator=g)
@@ -247,11 +254,16 @@ def test_range_counts_on_the_masked_pass(exe, range_dtype):
     t[(u >= 0.14) & (u < 0.15)] = INF
     t[(u >= 0.15) & (u < 0.16)] = -INF
     ts = [t, t.bfloat16(), t[1:], t.bfloat16()[3:]]
-    fi = torch.finfo(range_dtype)
-    table, paths = run(exe, ts, [0, 0, 4, 6], rng=(float(fi.max), float(fi.tiny)))
-    check_multi(table, ts, f"emulated cuda masked range {range_dtype}", range_dtype=range_dtype)
+    hi, lo = float(rng[0]), float(rng[1])
+    table, paths = run(exe, ts, [0, 0, 4, 6], rng=(hi, lo))
     assert paths[SLOW] == 0 and paths[MASKED] == chunks_of(ts), paths
-    assert (table[:-1, -2] > 0).all() and (table[:-1, -1] > 0).all()
+    ref = torch.stack([tensor_stats_row(x, hi, lo)[-2:] for x in ts])
+    assert table[:-1, -2:].tolist() == ref.tolist()
+    assert table[-1, -2:].tolist() == ref.sum(0).tolist()
+    assert (ref[:, 0] > 0).all() == (hi < math.inf) and (ref[:, 1] > 0).all() == (lo > 0)
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        if (hi, lo) == (float(torch.finfo(dtype).max), float(torch.finfo(dtype).tiny)):
+            check_multi(table, ts, f"emulated cuda masked range {dtype}", range_dtype=dtype)
 
 
 def test_chunk_after_a_nan_chunk_is_read_masked_first(exe):

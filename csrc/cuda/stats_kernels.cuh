@@ -19,8 +19,8 @@
 //     so M2 = sum (x-c)^2 - (sum (x-c))^2 / n no longer cancels;
 //   masked pass (a sum is not finite while the largest |x| is not a finite extreme: NaN/Inf
 //     elements): the same loads and sums over the finite elements only (each element's
-//     finiteness selects it or 0; min/max and the finite count are predicated on it, the range
-//     counts read the selected value), with finite, +inf and -inf counted per thread; it is final
+//     finiteness test predicates its sums, min/max and count), with finite, +inf and -inf
+//     counted per thread; it is final
 //     unless its finite values need the shifted pass (its masked form) or the slow path. A block
 //     whose last chunk held NaN/Inf reads its next chunk masked first (a NaN-filled tensor is
 //     read once); on finite data the masked sums are bitwise those of pass 1;
@@ -151,9 +151,12 @@ __device__ __forceinline__ void add_elems(Sums& a, const float* x, float c, floa
   a.q += static_cast<double>(q);
 }
 
-// The masked form of add_elems: non-finite elements add 0 to the sums (the same sum order, so
-// finite data gives the same bits) and are left out of min/max and the range counts; finite,
-// +inf and -inf elements are counted.
+// The masked form of add_elems: non-finite elements are left out of the sums (the same sum
+// order, so finite data gives the same bits), min/max and the range counts; finite, +inf and
+// -inf elements are counted. Every finite-only update is an instruction predicated on the one
+// finiteness test (no select of the value): 14 instructions an element with the four counts.
+// The range counts compare |x| itself: NaN is neither over nor under and inf is not under, so
+// only the infinities need taking out of over, which the caller does with the +inf/-inf counts.
 template <int K, bool kShift, bool kRange>
 __device__ __forceinline__ void add_elems_masked(Sums& a, const float* x, float c, float hi,
                                                  float lo) {
@@ -162,20 +165,21 @@ __device__ __forceinline__ void add_elems_masked(Sums& a, const float* x, float 
   for (int k = 0; k < K; ++k) {
     const float v = x[k];
     const bool f = fabsf(v) < __builtin_huge_valf();  // false for NaN
-    const float d = f ? (kShift ? v - c : v) : 0.0f;
-    s += d;
-    q = fmaf(d, d, q);
-    a.mn = f ? fminf(a.mn, v) : a.mn;
-    a.mx = f ? fmaxf(a.mx, v) : a.mx;
+    if (f) {
+      const float d = kShift ? v - c : v;
+      s += d;
+      q = fmaf(d, d, q);
+      a.mn = fminf(a.mn, v);
+      a.mx = fmaxf(a.mx, v);
+      a.fin += 1.0f;
+    }
     a.zero += v == 0.0f ? 1.0f : 0.0f;
-    if (f) a.fin += 1.0f;  // a predicated add on the predicate the selects use
     a.pinf += v == __builtin_huge_valf() ? 1.0f : 0.0f;
     a.ninf += v == -__builtin_huge_valf() ? 1.0f : 0.0f;
-    if (kRange) {  // from the masked value: non-finite elements count as under (0 < lo), and
-      // the caller takes them out with the zeros; one select fewer an element than `f && ...`
-      const float ax = fabsf(f ? v : 0.0f);
-      a.over += ax > hi ? 1.0f : 0.0f;
-      a.under += ax < lo ? 1.0f : 0.0f;
+    if (kRange) {
+      const float ax = fabsf(v);
+      a.over += ax > hi ? 1.0f : 0.0f;   // +inf and -inf too (hi < inf): the caller takes them out
+      a.under += ax < lo ? 1.0f : 0.0f;  // zeros too: the caller takes them out
     }
   }
   a.s += static_cast<double>(s);
@@ -425,9 +429,11 @@ __device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64
   p.posinf = static_cast<int64_t>(a.pinf);
   p.neginf = static_cast<int64_t>(a.ninf);
   p.zero = static_cast<int64_t>(a.zero);
-  p.over = kRange ? static_cast<int64_t>(a.over) : 0;
-  // 0 < |x| < lo: a.under counted the zeros and the non-finite elements too
-  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) - (p.n - p.finite) : 0;
+  // finite |x| > hi: a.over counted the infinities too, unless hi is inf (range_lo alone)
+  p.over = kRange ? static_cast<int64_t>(hf < __builtin_huge_valf() ? a.over - a.pinf - a.ninf
+                                                                    : a.over)
+                  : 0;
+  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
   if (p.finite == 0) {
     if (threadIdx.x == 0) FH_COUNT_PATH(3);
     return p;
