@@ -143,6 +143,7 @@ def test_loads_of_an_iteration_are_in_flight_before_the_first_use():
         assert len(g) >= 6, (name, g)  # three element types, plain and shifted, and masked
         assert all(n == 4 for n in g), (name, g)
 
+
 def test_main_loops_stay_under_the_issue_limit():
     """issue 33 item 3: per element, the fast loops stay under what an H200 can issue while it
     streams at its memory limit (~3.3e13 thread instructions a second over ~2.4e12 bfloat16

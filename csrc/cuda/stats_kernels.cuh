@@ -20,10 +20,10 @@
 //   masked pass (a sum is not finite while the largest |x| is not a finite extreme: NaN/Inf
 //     elements): the same loads and sums over the finite elements only (each element's
 //     finiteness test predicates its sums, min/max and count), with finite, +inf and -inf
-//     counted per thread; it is final
-//     unless its finite values need the shifted pass (its masked form) or the slow path. A block
-//     whose last chunk held NaN/Inf reads its next chunk masked first (a NaN-filled tensor is
-//     read once); on finite data the masked sums are bitwise those of pass 1;
+//     counted per thread; it is final unless its finite values need the shifted pass (its
+//     masked form) or the slow path. A block whose last chunk held NaN/Inf reads its next
+//     chunk masked first (a NaN-filled tensor is read once); on finite data the masked sums
+//     are bitwise those of pass 1;
 //   slow path (tiny, extreme, float64, integers): one float64 value per element, sums around
 //     each thread's first value, Blue's three-bin sum of squares (no overflow or underflow for
 //     any float64), Chan's formula over a fixed tree of the block's threads, NaN/inf counted.
@@ -154,7 +154,7 @@ __device__ __forceinline__ void add_elems(Sums& a, const float* x, float c, floa
 // The masked form of add_elems: non-finite elements are left out of the sums (the same sum
 // order, so finite data gives the same bits), min/max and the range counts; finite, +inf and
 // -inf elements are counted. Every finite-only update is an instruction predicated on the one
-// finiteness test (no select of the value): 14 instructions an element with the four counts.
+// finiteness test: a select of the value or 0 before each update cost an instruction more.
 // The range counts compare |x| itself: NaN is neither over nor under and inf is not under, so
 // only the infinities need taking out of over, which the caller does with the +inf/-inf counts.
 template <int K, bool kShift, bool kRange>
