@@ -346,7 +346,8 @@ fi
 # tests_one BACKEND KEXPR: the GPU tests of one backend (-k KEXPR), in its own process, which
 # is also the automatic choice there (the monitor's and NCCL's tests: never the other backend);
 # a test stuck past its limit ends that process, and the tests after it run in a new one while
-# STEP_END leaves time
+# STEP_END leaves time; a few intra-op threads each, as the processes run at once and their
+# float64 references on the host slow to a crawl when each takes every core
 tests_one() {
   local b=$1 k=$2
   local log=$WORK/tests-$b.txt ledger=$WORK/ledger-$b hang=$WORK/hang-$b.txt
@@ -355,7 +356,7 @@ tests_one() {
     echo "== tests, backend $b, process $attempt" >> "$log"
     seen=$( { wc -l < "$ledger"; } 2>/dev/null || echo 0)
     env FASTHEALTH_GPU_BACKENDS="$b" FASTHEALTH_BACKEND="${b/none/}" \
-      FASTHEALTH_TEST_TIMEOUT="$TEST_LIMIT" \
+      OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" FASTHEALTH_TEST_TIMEOUT="$TEST_LIMIT" \
       FASTHEALTH_TEST_LEDGER="$ledger" FASTHEALTH_HANG_LOG="$hang" \
       PYTHONPATH="$PWD/tests:$PYTHONPATH" "$PY" -m pytest -p per_test_limit -v --tb=short -rs \
       -p no:cacheprovider ${k:+-k "$k"} $TEST_FILES >> "$log" 2>&1

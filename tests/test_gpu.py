@@ -149,13 +149,16 @@ def test_triton_paths_on_device():
 def test_no_host_sync(gbackend):
     gpu = [t.cuda() for t in sample(1, 50)]
     fh.multi_tensor_stats(gpu, backend=gbackend)  # warm-up: builds and caches the work list
+    m = torch.nn.Linear(64, 64).cuda()  # (a copy from pageable host memory syncs: not ours)
+    x = torch.randn(8, 64, device="cuda")
+    m(x).sum().backward()  # the first matmul's library set-up, before the check
+    m.zero_grad()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         s = fh.multi_tensor_stats(gpu, backend=gbackend)
         _ = s.total.norm, s.all_finite, s.per_tensor.nan_count
-        m = torch.nn.Linear(64, 64).cuda()
-        m(torch.randn(8, 64, device="cuda")).sum().backward()
+        m(x).sum().backward()
         fh.check_grads(m, backend=gbackend)
     finally:
         torch.cuda.set_sync_debug_mode(0)

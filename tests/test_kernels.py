@@ -14,6 +14,8 @@ from cases import random_batch
 from tolerances import check_multi, check_tensor
 
 import fasthealth as fh
+from fasthealth.ops.layout import COL
+from fasthealth.ops.reference import tensor_stats_row
 
 NAN, INF = float("nan"), float("inf")
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -153,16 +155,22 @@ def test_float16_near_max_mixed(backend):
     assert math.isfinite(fh.tensor_stats(t, backend=backend).norm.item())
 
 
-def test_float64_extreme_magnitudes_exact_norm():
-    # torch's own float64 norm under/overflows here (so the reference cannot be the oracle);
-    # the compiled kernel scales its sums of squares.
-    if "cpu" not in fh.available_backends():
-        pytest.skip(f"needs the compiled CPU kernel: {fh.ops.compiled.load_error}")
+def test_float64_extreme_magnitudes_exact_norm(backend):
+    # float64 subnormals square to 0 and magnitudes near float64's maximum square to inf: the
+    # reference's norm and the kernel's both scale, and agree with the closed form
     for v in (1e200, 1e-200, 1e-310, 1.7e308):
         t = torch.full((4,), v, dtype=torch.float64)
-        s = fh.tensor_stats(t, backend="cpu")
+        s = fh.tensor_stats(t, backend=backend)
         assert s.finite_norm.item() == pytest.approx(2 * v, rel=1e-12), v
         assert s.amax.item() == v and s.finite_mean.item() == pytest.approx(v, rel=1e-12)
+        ref = tensor_stats_row(t)
+        assert ref[COL["norm"]].item() == pytest.approx(2 * v, rel=1e-12), v
+        if v < 1e300:  # the reference's float64 mean and std overflow at 1.7e308 (torch's sum)
+            check_tensor(stats_row(t, backend), t, f"float64 {v}")
+    # blocks of float64 subnormals, mixed signs and magnitudes
+    t = torch.tensor([1e-310, -3e-311, 2e-312] * 1400, dtype=torch.float64)
+    check_tensor(stats_row(t, backend), t, "float64 subnormal block")
+    assert tensor_stats_row(t)[COL["norm"]].item() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

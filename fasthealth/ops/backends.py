@@ -23,8 +23,14 @@ _validated: dict[int, list[str]] = {}  # per CUDA device index: selftest's recor
 _told = False
 
 
+# Looked up once, at import: torch.compile traces resolve() on every call, and some torch
+# versions (2.11) refuse to trace importlib's find_spec, which broke fullgraph capture of the
+# Triton backend.
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def triton_interpret() -> bool:

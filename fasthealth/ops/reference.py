@@ -31,6 +31,18 @@ def float32_threshold(x: float, dev: torch.device) -> torch.Tensor:
     return torch.full((), x, dtype=torch.float32, device=dev).double()
 
 
+def _norm(d: torch.Tensor, scaled: bool) -> torch.Tensor:
+    """The 2-norm of float64 ``d``; ``scaled``: divided by its largest finite magnitude first,
+    so that float64 subnormals (whose squares underflow to 0) and magnitudes near float64's
+    maximum (whose squares overflow) keep their norm, as the kernels' scaled sums do. Inputs of
+    32 bits or fewer, widened to float64, need no scaling."""
+    if not scaled:
+        return torch.linalg.vector_norm(d)
+    m = torch.where(torch.isfinite(d), d.abs(), 0.0).max()
+    m = torch.where(m > 0, m, 1.0)
+    return torch.linalg.vector_norm(d / m) * m
+
+
 def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 0.0
                      ) -> torch.Tensor:
     """docs/spec.md section 2 for one tensor, then the range counts: a float64 row of
@@ -76,7 +88,8 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
     out[COL["max"]] = d.max()
     out[COL["mean"]] = d.mean()
     out[COL["std"]] = d.std() if n > 1 else nan  # (torch would warn for one element)
-    out[COL["norm"]] = torch.linalg.vector_norm(d)
+    scaled = t.dtype == torch.float64
+    out[COL["norm"]] = _norm(d, scaled)
     f0 = torch.where(finite, d, 0.0)
     has_f = nf > 0
     fmin = torch.where(finite, d, _INF).min()
@@ -87,7 +100,7 @@ def tensor_stats_row(t: torch.Tensor, range_hi: float = _INF, range_lo: float = 
     out[COL["finite_max"]] = torch.where(has_f, fmax, nan)
     out[COL["finite_mean"]] = torch.where(has_f, fmean, nan)
     out[COL["finite_std"]] = torch.where(nf > 1, fvar.sqrt(), nan)
-    out[COL["finite_norm"]] = torch.linalg.vector_norm(f0)
+    out[COL["finite_norm"]] = _norm(f0, scaled)
     out[COL["amax"]] = torch.where(has_f, f0.abs().max(), nan)
     out[COL["all_finite"]] = (nan_count == 0) & (posinf + neginf == 0)
     return out
