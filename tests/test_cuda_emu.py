@@ -266,6 +266,31 @@ def test_range_counts_on_the_masked_pass(exe, rng):
             check_multi(table, ts, f"emulated cuda masked range {dtype}", range_dtype=dtype)
 
 
+@pytest.mark.parametrize("lo", [float(torch.finfo(torch.float64).tiny), 5e-46],
+                         ids=["range_float64", "below_half_the_smallest_subnormal"])
+def test_underflow_count_when_range_lo_rounds_to_zero(exe, lo):
+    """A range_lo that float32 rounds to 0 (range_dtype=torch.float64, or anything below
+    about 7e-46) counts no underflow in float32, bfloat16 and float16 inputs: the fast and
+    masked passes count |x| < lo with the zeros and take the zeros out afterwards, which must
+    not happen when nothing was counted (it gave minus the number of zeros)."""
+    g = torch.Generator().manual_seed(31)
+    n = 2 * CHUNK + 37
+    t = torch.randn(n, generator=g)
+    t[::7] = 0.0
+    t[5] = 1e-40  # a float32 subnormal: above lo once rounded (0), so not under
+    nan = t.clone()
+    nan[CHUNK + 3] = NAN  # that chunk takes the masked pass
+    ts = [t, nan, t.bfloat16(), t.half(), t[1:]]
+    hi = float(torch.finfo(torch.float64).max)
+    table, paths = run(exe, ts, [0, 0, 0, 0, 4], rng=(hi, lo))
+    assert paths[FAST] > 0 and paths[MASKED] >= 1 and paths[SLOW] == 0, paths
+    ref = torch.stack([tensor_stats_row(x, hi, lo)[-2:] for x in ts])
+    assert ref.abs().sum() == 0
+    assert table[:, -2:].tolist() == [[0.0, 0.0]] * (len(ts) + 1)
+    check_multi(table, ts, "emulated cuda, range_lo rounding to 0",
+                range_dtype=torch.float64 if lo > 1e-300 else None)
+
+
 def test_chunk_after_a_nan_chunk_is_read_masked_first(exe):
     """A block whose chunk held a NaN reads its next chunk masked first: the same result (bits
     included) as when the chunk comes first, one pass."""

@@ -433,7 +433,10 @@ __device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64
   p.over = kRange ? static_cast<int64_t>(hf < __builtin_huge_valf() ? a.over - a.pinf - a.ninf
                                                                     : a.over)
                   : 0;
-  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
+  // 0 < |x| < lo: a.under holds the zeros too. Tested on lf, the threshold that was counted
+  // against: a lo that rounds to 0 in float32 counted nothing, and taking the zeros out of
+  // nothing would leave a negative count.
+  p.under = kRange && lf > 0.0f ? static_cast<int64_t>(a.under - a.zero) : 0;
   if (p.finite == 0) {
     if (threadIdx.x == 0) FH_COUNT_PATH(3);
     return p;
@@ -492,7 +495,7 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
   p.n = p.finite = end - begin;
   p.zero = static_cast<int64_t>(a.zero);
   p.over = kRange ? static_cast<int64_t>(a.over) : 0;
-  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
+  p.under = kRange && lf > 0.0f ? static_cast<int64_t>(a.under - a.zero) : 0;  // as masked_chunk
   return with_moments(p, a, mean, m2);
 }
 
