@@ -430,9 +430,15 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, do
     nprog = tl.num_programs(0)
     if (pid == 0) & (item_lo == 0):  # the first group zeroes _merge_finalize_kernel's counter
         tl.store(done, 0)
-    hi = tl.load(thresholds).to(ACC)
-    lo = tl.load(thresholds + 1).to(ACC)
-    # the exact path compares in float64 the same float32-rounded thresholds
+    # Inputs of 32 bits or fewer compare against the thresholds rounded to float32, as the
+    # reference does (docs/spec.md section 2), whatever ACC (int32's is float64); the exact
+    # path compares in float64 the same rounded thresholds
+    if DTYPE.primitive_bitwidth <= 32:
+        hi = tl.load(thresholds).to(tl.float32).to(ACC)
+        lo = tl.load(thresholds + 1).to(tl.float32).to(ACC)
+    else:
+        hi = tl.load(thresholds).to(ACC)
+        lo = tl.load(thresholds + 1).to(ACC)
     hi64 = hi.to(tl.float64)
     lo64 = lo.to(tl.float64)
     # items (struct ChunkItem, csrc/plan.h) loaded one ahead, as the CUDA kernel does

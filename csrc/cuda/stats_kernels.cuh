@@ -385,8 +385,18 @@ __device__ Partial block_merge(Partial p, Partial* shared) {
   return r;
 }
 
+// A range threshold as the reference applies it (docs/spec.md section 2): rounded to float32
+// for inputs of 32 bits or fewer, as the fast path's float32 lanes compare, so that every chunk
+// of a tensor, whichever path finishes it, and every backend count against the same value;
+// float64 and int64 inputs compare against the double itself.
+__device__ __forceinline__ double threshold_of(int dtype, double x) {
+  return dtype == kF64 || dtype == kI64 ? x : static_cast<double>(static_cast<float>(x));
+}
+
 __device__ Partial slow_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
                               double lo, Partial* shared) {
+  hi = threshold_of(dtype, hi);
+  lo = threshold_of(dtype, lo);
   ThreadAcc acc;
   for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
     acc.add(load_one(ptr, dtype, j), hi, lo);
