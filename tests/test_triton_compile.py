@@ -229,9 +229,9 @@ def test_kernel_variants_do_not_depend_on_the_plan(monkeypatch):
     """A compiled kernel is keyed on its arguments' specialization: integers equal to 1 or
     divisible by 16, pointers 16-byte aligned. Every runtime argument of the three kernels
     depends on the plan (item ranges, the tensor count, offsets of views into the work list and
-    the scratch), so specializing on them compiled and loaded a new variant for a new set of
-    tensors, which a CUDA-graph capture refuses: plans of 1, 2, 5 and 37 float32 tensors, with
-    and without the two-level merge, must give one key per kernel."""
+    the scratch), so specializing on them compiled and loaded a new variant for many a new set
+    of tensors, eagerly or inside a CUDA-graph capture: plans of 1, 2, 5 and 37 float32
+    tensors, with and without the two-level merge, must give one key per kernel."""
     kernels = {name: getattr(ts, name) for name in
                ("_chunk_stats_kernel", "_merge_chunks_kernel", "_merge_finalize_kernel")}
     for k in kernels.values():

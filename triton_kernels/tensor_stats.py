@@ -425,10 +425,10 @@ def _fast_chunk(base, start, end, n, hi, lo, hi64, lo64, masked_first, BLOCK: tl
 # The kernels' runtime arguments are not specialized (do_not_specialize: no integer equal to 1
 # or divisible by 16, no pointer known 16-byte aligned): they depend on the plan (item ranges,
 # tensor counts, the offsets of views into the work list and the scratch), so specializing on
-# them compiled and loaded a new variant for a new plan, which CUDA-graph capture refuses. A
-# variant now depends only on the constexprs (dtype, alignment group, range counts), which the
-# first eager call with such tensors compiles. Nothing here gains from those hints: the
-# arguments are scalar loads and stores; the data's alignment is the ALIGNED constexpr.
+# them compiled and loaded a new variant for many a new set of tensors, eagerly or inside a
+# CUDA-graph capture. A variant now depends only on the constexprs (dtype, alignment group,
+# range counts), which the first call with such tensors compiles. Nothing here gains from
+# those hints: the arguments are scalar loads and stores; the data's alignment is ALIGNED.
 @triton.jit(do_not_specialize=["items64", "items32", "item_lo", "item_hi", "part", "thresholds",
                                "done"])
 def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, done,
@@ -672,42 +672,6 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-# The kernel variants launched in this process, by device index: a variant's first launch
-# compiles and loads it, which cannot happen while a stream captures a CUDA graph (the driver
-# refuses to load a module then), so a capture that needs a variant never launched is refused
-# with what to do instead, before anything is launched.
-_LOADED: set[tuple] = set()
-_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.")
-                for dtype, code in layout.DTYPE_CODES.items()}
-
-
-def _variants(device: torch.device, groups, ranged: bool, finalize: bool, n_runs: int
-              ) -> list[tuple]:
-    index = -1 if device.index is None else device.index
-    keys = [(index, "chunks", code, bool(aligned), ranged) for code, aligned, _, _ in groups]
-    if finalize:
-        keys.append((index, "finalize"))
-    if n_runs:
-        keys.append((index, "merge"))
-    return keys
-
-
-def _refuse_unloaded(device: torch.device, keys: list[tuple]) -> None:
-    if not _capturing(device):
-        return
-    missing = [k for k in keys if k not in _LOADED]
-    if missing:
-        what = ", ".join(f"{_DTYPE_NAMES.get(k[2], k[2])} ({'aligned' if k[3] else 'unaligned'}"
-                         f"{', with range counts' if k[4] else ''})" if k[1] == "chunks"
-                         else f"the {k[1]} kernel" for k in missing)
-        raise RuntimeError(
-            f"fasthealth: the triton backend compiles a kernel on its first use, which cannot "
-            f"happen inside CUDA-graph capture; not yet used on {device} in this process: "
-            f"{what}. Call fasthealth once with tensors of these dtypes on this device before "
-            f"capturing (any tensors: the kernels do not depend on their count or sizes), or "
-            f"use backend='cuda'")
-
-
 class _Views(NamedTuple):
     """The typed views of one work list's buffer the kernels take, made once per buffer: the
     buffer is immutable once built, so its views hold for every call that gets it again."""
@@ -782,14 +746,11 @@ def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float,
     wl, v = _plan(tensors, range_hi, range_lo)
     device = tensors[0].device
     ranged = _ranged(range_hi, range_lo)
-    variants = _variants(device, wl[4], ranged, False, 0)
-    _refuse_unloaded(device, variants)
     part = torch.empty((wl[1] + wl[2], layout.PARTIAL_WIDTH), dtype=torch.float64,
                        device=device)
     if done is None:
         done = torch.empty(1, dtype=torch.int32, device=device)
     _launch_chunks(wl, v, part, done, ranged)
-    _LOADED.update(variants)
     return wl, part
 
 
@@ -820,8 +781,6 @@ def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> tor
     n_items, n_runs = wl[1], wl[2]
     device = tensors[0].device
     ranged = _ranged(range_hi, range_lo)
-    variants = _variants(device, wl[4], ranged, True, n_runs)
-    _refuse_unloaded(device, variants)
     # One scratch allocation: the tensors' records, _merge_finalize_kernel's counter (zeroed by
     # the chunk launch; two words, so that the chunk records after it stay 16-byte aligned),
     # then the chunk records and the runs' records.
@@ -839,5 +798,4 @@ def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> tor
     table = torch.empty((n + 1, layout.TABLE_WIDTH), dtype=torch.float64, device=device)
     _merge_finalize_kernel[(n,)](records, records_first, scratch, table, done, n,
                                  VBLOCK=VBLOCK, WIDTH=layout.TABLE_WIDTH)
-    _LOADED.update(variants)
     return table
