@@ -46,7 +46,7 @@ struct StagedEntry {
   at::ScalarType from, to;
   c10::Device device;
   at::Tensor buffer;
-  c10::StreamId stream;  // allocated on
+  c10::StreamId stream;  // allocated on, and the only stream that writes or reads it
   bool pinned;
 };
 
@@ -55,7 +55,11 @@ struct StagedEntry {
 std::mutex staged_mu;
 std::list<StagedEntry>& staged_cache = *new std::list<StagedEntry>;
 
-// The staging buffer of `t` as `to`, refilled from `t` on the current stream.
+// The staging buffer of `t` as `to` for the current stream, refilled from `t` on it. One buffer
+// per stream: a buffer shared with another stream would be refilled here while that stream's
+// kernels may still read it (a call on another stream is ordered after nothing of this one), so
+// two concurrent calls could each read the other's copy. Within one stream, stream order keeps
+// each refill after the kernels of the call before.
 at::Tensor staged(const at::Tensor& t, at::ScalarType to, bool capturing) {
   const c10::NoGradGuard no_grad;  // an internal copy: nothing to record for autograd
   const c10::Device device = t.device();
@@ -63,11 +67,11 @@ at::Tensor staged(const at::Tensor& t, at::ScalarType to, bool capturing) {
   const std::lock_guard<std::mutex> lock(staged_mu);
   for (auto it = staged_cache.begin(); it != staged_cache.end(); ++it) {
     if (it->ptr == t.const_data_ptr() && it->from == t.scalar_type() && it->to == to &&
-        it->device == device && t.sizes().equals(it->sizes) && t.strides().equals(it->strides)) {
+        it->device == device && it->stream == stream && t.sizes().equals(it->sizes) &&
+        t.strides().equals(it->strides)) {
       staged_cache.splice(staged_cache.begin(), staged_cache, it);
       StagedEntry& e = staged_cache.front();
       e.pinned = e.pinned || capturing;
-      if (!e.pinned && stream != e.stream) e.buffer.record_stream(current_stream(device));
       return e.buffer.copy_(t);
     }
   }

@@ -28,8 +28,11 @@
 //   captured stream cannot wait on work outside the graph); torch.cuda.graph synchronizes
 //   before capturing, so the warm-up's copy has landed.
 // - Staging (float8 widened to float32, non-dense views copied dense): the same buffer for the
-//   same input every call, refilled with copy_ on the current stream, so that the work list's
-//   key stays the same and a graph captures a stable pointer.
+//   same input and stream every call, refilled with copy_ on that stream, so that the work
+//   list's key stays the same and a graph captures a stable pointer. Each stream has its own
+//   buffer: a call on another stream would otherwise refill it while this stream's kernels
+//   still read it. A capture (on its own stream) stages into a buffer of its own, which the
+//   graph refills at every replay.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -82,3 +82,22 @@ class Overflowing(torch.nn.Module):
 
     def forward(self, x):
         return self.norm(self.out(self.act(self.amp(self.inp(x)))))
+
+
+def rounded_threshold_cases(chunk: int) -> list[tuple[list[torch.Tensor], float, float]]:
+    """(tensors, range_hi, range_lo) whose counts depend on the thresholds being rounded to
+    float32 for inputs of 32 bits or fewer and left alone for 64-bit ones (docs/spec.md
+    section 2): int32 values on either side of 16777219.5 (float32: 16777220) and of
+    16777218.9 (float32: 16777218), the same values as int64, int8 against 99.99999999
+    (float32: 100), a float32 tensor whose second chunk of ``chunk`` elements leaves the fast
+    path (tiny values), and a range_lo that float32 rounds to 0."""
+    ints = torch.tensor([16777220, 16777219, 5, -16777220, 16777218], dtype=torch.int32)
+    f = torch.full((2 * chunk,), 16777220.0)
+    f[chunk:] *= torch.linspace(1.0, 1e-20, chunk)
+    f[chunk] = 16777220.0
+    small = torch.tensor([100, -100, 3, 0], dtype=torch.int8)
+    tiny_lo = [torch.tensor([0.0, 1e-40, 3.0, 0.0]), torch.tensor([0, 2, 0], dtype=torch.int32)]
+    return [([ints, ints.long(), f], 16777219.5, 0.0),
+            ([ints, ints.long()], math.inf, 16777218.9),
+            ([small, small.short()], 99.99999999, 0.0),
+            (tiny_lo, math.inf, 5e-46)]

@@ -266,6 +266,51 @@ def test_range_counts_on_the_masked_pass(exe, rng):
             check_multi(table, ts, f"emulated cuda masked range {dtype}", range_dtype=dtype)
 
 
+@pytest.mark.parametrize("lo", [float(torch.finfo(torch.float64).tiny), 5e-46],
+                         ids=["range_float64", "below_half_the_smallest_subnormal"])
+def test_underflow_count_when_range_lo_rounds_to_zero(exe, lo):
+    """A range_lo that float32 rounds to 0 (range_dtype=torch.float64, or anything below
+    about 7e-46) counts no underflow in float32, bfloat16 and float16 inputs: the fast and
+    masked passes count |x| < lo with the zeros and take the zeros out afterwards, which must
+    not happen when nothing was counted (it gave minus the number of zeros)."""
+    g = torch.Generator().manual_seed(31)
+    n = 2 * CHUNK + 37
+    t = torch.randn(n, generator=g)
+    t[::7] = 0.0
+    t[5] = 1e-40  # a float32 subnormal: above lo once rounded (0), so not under
+    nan = t.clone()
+    nan[CHUNK + 3] = NAN  # that chunk takes the masked pass
+    ts = [t, nan, t.bfloat16(), t.half(), t[1:]]
+    hi = float(torch.finfo(torch.float64).max)
+    table, paths = run(exe, ts, [0, 0, 0, 0, 4], rng=(hi, lo))
+    assert paths[FAST] > 0 and paths[MASKED] >= 1 and paths[SLOW] == 0, paths
+    ref = torch.stack([tensor_stats_row(x, hi, lo)[-2:] for x in ts])
+    assert ref.abs().sum() == 0
+    assert table[:, -2:].tolist() == [[0.0, 0.0]] * (len(ts) + 1)
+    check_multi(table, ts, "emulated cuda, range_lo rounding to 0",
+                range_dtype=torch.float64 if lo > 1e-300 else None)
+
+
+def test_slow_path_thresholds_are_rounded_as_the_reference(exe):
+    """Inputs of 32 bits or fewer compare against the thresholds rounded to float32 (the
+    reference, docs/spec.md section 2), on the slow path too (integers, and float chunks that
+    leave the fast path): otherwise an int32 tensor, or two chunks of one float32 tensor, would
+    count one value on either side of the unrounded threshold."""
+    hi = 16777219.5  # float32: 16777220
+    ints = torch.tensor([16777220, 16777219, 5, -16777220, 16777218], dtype=torch.int32)
+    i8 = torch.tensor([100, -100, 3], dtype=torch.int8)  # 99.99999999 rounds to 100.0
+    f = torch.full((2 * CHUNK,), 16777220.0)
+    f[CHUNK:] *= torch.linspace(1.0, 1e-20, CHUNK)  # the second chunk: tiny values, slow path
+    f[CHUNK] = 16777220.0
+    wide = torch.tensor([16777220, 16777219, 5, 16777218], dtype=torch.int64)  # unrounded
+    for ts, (h, lo) in (([ints, f, wide], (hi, 0.0)), ([i8], (99.99999999, 0.0)),
+                        ([ints, wide], (math.inf, 16777218.9))):
+        table, paths = run(exe, ts, rng=(h, lo))
+        ref = torch.stack([tensor_stats_row(x, h, lo)[-2:] for x in ts])
+        assert table[:-1, -2:].tolist() == ref.tolist(), (h, lo)
+    assert ref.tolist() == [[0.0, 1.0], [0.0, 2.0]]  # lo: 16777218 for int32, not for int64
+
+
 def test_chunk_after_a_nan_chunk_is_read_masked_first(exe):
     """A block whose chunk held a NaN reads its next chunk masked first: the same result (bits
     included) as when the chunk comes first, one pass."""

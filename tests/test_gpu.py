@@ -10,11 +10,13 @@ import os
 
 import pytest
 import torch
-from cases import fast_path_counts, random_batch, student_t
+from cases import fast_path_counts, random_batch, rounded_threshold_cases, student_t
 from tolerances import check_multi
 
 import fasthealth as fh
+from fasthealth.ops import run
 from fasthealth.ops.layout import COL
+from fasthealth.ops.reference import tensor_stats_row
 
 NAN, INF = float("nan"), float("inf")
 
@@ -40,6 +42,114 @@ def gbackend(request):
     if request.param not in fh.available_backends():
         pytest.skip(f"backend {request.param!r} not available: {fh.ops.compiled.load_error or ''}")
     return request.param
+
+
+# ---- the latest review's fixes, first: bench/gpu_check.sh runs the tests in file order, so
+# that these run even when the step's time runs out ----------------------------------------
+
+
+def test_range_thresholds_as_the_reference(gbackend):
+    """Range counts against the thresholds as the reference applies them: rounded to float32
+    for inputs of 32 bits or fewer on every path (integers, and chunks that leave the fast
+    path, included), and no negative underflow count where range_lo rounds to 0 in float32
+    (range_dtype=torch.float64)."""
+    for tensors, hi, lo in rounded_threshold_cases(65536):
+        got = run(gbackend, [t.cuda() for t in tensors], hi, lo)[:-1, -2:].cpu()
+        want = torch.stack([tensor_stats_row(t, hi, lo)[-2:] for t in tensors])
+        assert got.tolist() == want.tolist(), (gbackend, hi, lo)
+    t = torch.randn(3 * 65536 + 5)
+    t[::7] = 0.0
+    t[70_000] = NAN  # a chunk on the masked pass
+    cpu = [t, t.bfloat16(), t.half(), t[1:]]
+    raw = fh.multi_tensor_stats([x.cuda() for x in cpu], backend=gbackend,
+                                range_dtype=torch.float64).raw.cpu()
+    assert raw[:, COL["underflow_count"]].tolist() == [0.0] * 5
+    check_multi(raw, cpu, f"{gbackend} range_dtype=float64", range_dtype=torch.float64)
+
+
+def test_triton_capture_with_a_tensor_count_never_seen():
+    """Triton's kernels do not depend on the plan: after one eager call with a single float32
+    tensor, a capture with 37 never-seen tensors (another item range, tensor count and scratch
+    layout) needs no new kernel variant (tests/test_triton_compile.py checks the keys); its
+    replays are exact."""
+    if "triton" not in fh.available_backends() or "triton" not in SELECTED:
+        pytest.skip("triton is not available or not selected")
+    fh.multi_tensor_stats([torch.randn(1000, device="cuda")], backend="triton")
+    torch.cuda.synchronize()
+    gpu = [torch.randn(1000 + 4099 * k, device="cuda") for k in range(37)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fh.multi_tensor_stats(gpu, backend="triton").raw
+    for k in range(2):
+        for t in gpu:
+            t.mul_(-2.0)
+        gpu[5][k] = INF
+        graph.replay()
+        torch.cuda.synchronize()
+        check_multi(out.cpu(), [t.cpu() for t in gpu], f"triton, new tensor count, replay {k}")
+
+
+def test_triton_staged_input_on_two_streams_at_once(monkeypatch):
+    """Two calls at once on two streams with the same non-dense input: each stream stages into
+    a buffer of its own. Stream A's kernels are held back after its staging copy (its launcher
+    is Python: the test wraps it); stream B, waiting only for that copy, writes new values and
+    makes its own call. With one buffer shared by both, B's copy could overwrite what A's
+    kernels then read, and A report B's values."""
+    if "triton" not in fh.available_backends() or "triton" not in SELECTED:
+        pytest.skip("triton is not available or not selected")
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    base = torch.randn(400, 300, device="cuda")
+    view = base[:, ::2]  # non-dense: staged
+    fh.multi_tensor_stats([view], backend="triton")  # the kernels compiled, the buffer made
+    before = view.cpu()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    a.wait_stream(torch.cuda.current_stream())
+    b.wait_stream(torch.cuda.current_stream())
+    copied = torch.cuda.Event()
+    launch = ts._launch_chunks
+
+    def held_back(*args):
+        copied.record()  # after A's staging copy
+        torch.cuda._sleep(300_000_000)  # ~0.2 s: B's whole call runs meanwhile
+        launch(*args)
+
+    monkeypatch.setattr(ts, "_launch_chunks", held_back)
+    with torch.cuda.stream(a):
+        out_a = fh.multi_tensor_stats([view], backend="triton").raw
+    monkeypatch.setattr(ts, "_launch_chunks", launch)
+    with torch.cuda.stream(b):
+        b.wait_event(copied)
+        base.mul_(-3.0)
+        out_b = fh.multi_tensor_stats([view], backend="triton").raw
+    torch.cuda.synchronize()
+    check_multi(out_a.cpu(), [before], "triton, stream A (held back)")
+    check_multi(out_b.cpu(), [view.cpu()], "triton, stream B")
+
+
+def test_staged_inputs_on_two_streams_concurrently(gbackend):
+    """Non-dense and float8 inputs on two streams at once, each stream with its own values
+    for one shared view and its own tensors, many calls in flight: every result exact."""
+    base = torch.randn(500, 300, device="cuda")
+    shared = base[:, ::3]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    own = [[torch.randn(200, 90, device="cuda")[:, ::2],
+            (torch.randn(3000, device="cuda") * (k + 1)).to(torch.float8_e4m3fn)]
+           for k in range(2)]
+    outs = []
+    for _ in range(5):
+        for k, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                xs = [shared, *own[k]]
+                outs.append((fh.multi_tensor_stats(xs, backend=gbackend).raw, k))
+    torch.cuda.synchronize()
+    for raw, k in outs:
+        check_multi(raw.cpu(), [x.cpu() for x in [shared, *own[k]]], f"{gbackend} stream {k}")
+
+
+# ---- the rest ------------------------------------------------------------------------------
 
 
 def sample(seed=0, n=300):
@@ -296,7 +406,8 @@ def test_captured_work_lists_survive_eviction(gbackend):
 
 def test_capture_with_float8_and_non_dense_inputs(gbackend):
     """Inputs copied before the kernels read them (float8 widened, non-dense views) are copied
-    into the same buffer every call: after one warm-up the capture finds the work list."""
+    into the same buffer every call on a stream; the capture's stream stages into its own,
+    which the graph refills at every replay."""
     base = torch.randn(300, 200, device="cuda")
     gpu = [base[:, ::2], (torch.randn(5000, device="cuda") * 4).to(torch.float8_e4m3fn),
            torch.randn(4000, device="cuda")]

@@ -4,10 +4,12 @@ known values, and the range of gradients, parameters and activations."""
 
 import pytest
 import torch
-from cases import Overflowing
+from cases import Overflowing, rounded_threshold_cases
 from tolerances import check_multi
 
 import fasthealth as fh
+from fasthealth.ops import run
+from fasthealth.ops.reference import tensor_stats_row
 
 NAN, INF = float("nan"), float("inf")
 
@@ -40,6 +42,15 @@ def test_range_counts_match_reference(backend, target, dtype):
     assert r.overflow_frac.item() == pytest.approx(over / f.numel())
     assert r.underflow_frac.item() == pytest.approx(under / int((f != 0).sum()))
     assert r.headroom.item() == pytest.approx(f.abs().max().item() / float(fi.max), rel=1e-6)
+
+
+def test_thresholds_rounded_as_the_reference(backend):
+    """Inputs of 32 bits or fewer count against the thresholds rounded to float32, 64-bit ones
+    against the doubles, integers included (docs/spec.md section 2)."""
+    for tensors, hi, lo in rounded_threshold_cases(4096):
+        got = run(backend, tensors, hi, lo)[:-1, -2:]
+        want = torch.stack([tensor_stats_row(t, hi, lo)[-2:] for t in tensors])
+        assert got.tolist() == want.tolist(), (hi, lo)
 
 
 def test_range_semantics_on_known_values():

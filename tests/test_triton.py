@@ -10,10 +10,11 @@ import os
 
 import pytest
 import torch
-from cases import fast_path_counts, random_batch
+from cases import fast_path_counts, random_batch, rounded_threshold_cases
 from tolerances import check_multi, check_tensor
 
 import fasthealth as fh
+from fasthealth.ops.reference import tensor_stats_row
 
 NAN, INF = float("nan"), float("inf")
 
@@ -119,6 +120,19 @@ def test_range_and_zero_counts_on_the_fast_path(target):
     check_multi(raw, ts_, f"triton fast-path counts {target}", range_dtype=target)
     assert (raw[:-1, -2] > 0).all() and (raw[:-1, -1] > 0).all()
     assert raw[:-1, fh.stats.COL["zero_count"]].tolist() == [float((x == 0).sum()) for x in ts_]
+
+
+def test_thresholds_rounded_as_the_reference():
+    """Inputs of 32 bits or fewer count against the thresholds rounded to float32 (the
+    reference), int32 too, whose kernel accumulates in float64; 64-bit ones against the
+    doubles; a float32 chunk on the exact path against the same rounded values as the fast
+    path's chunk before it."""
+    from fasthealth.triton_kernels import tensor_stats as ts
+
+    for tensors, hi, lo in rounded_threshold_cases(ts.CHUNK):
+        got = ts.multi_tensor_stats_triton(tensors, hi, lo)[:-1, -2:]
+        want = torch.stack([tensor_stats_row(t, hi, lo)[-2:] for t in tensors])
+        assert got.tolist() == want.tolist(), (hi, lo)
 
 
 def test_plan_cache_reuses_device_tables():

@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -186,3 +187,63 @@ def test_wait_all_knob_is_checked_at_import():
     out = _import_with(FASTHEALTH_TRITON_WAIT_ALL="yes")
     assert out.returncode != 0 and "FASTHEALTH_TRITON_WAIT_ALL='yes'" in out.stderr
     assert _import_with(FASTHEALTH_TRITON_WAIT_ALL="0").returncode == 0
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: records each launch's arguments, launches nothing."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.name, args, kwargs))
+
+
+def _specializations(kernels, plans, monkeypatch):
+    """Per plan, the specialization Triton's launcher would key each launch's compiled kernel
+    on (its binder over the kernel's parameters), for launches recorded from ts._stats on CPU
+    tensors (the plan is built on the host; nothing runs)."""
+    try:
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import create_function_from_signature
+    except ImportError:  # pragma: no cover - other Triton layouts
+        pytest.skip("this Triton has no create_function_from_signature")
+    binders = {name: create_function_from_signature(k.signature, k.params, BaseBackend)
+               for name, k in kernels.items()}
+    out = []
+    for tensors in plans:
+        calls: list = []
+        for name in kernels:
+            monkeypatch.setattr(ts, name, _Recorder(name, calls))
+        ts._stats(tensors, float("inf"), 0.0)
+        monkeypatch.undo()
+        keys = {}
+        for name, args, kwargs in calls:
+            _, spec, _ = binders[name](*args, **kwargs)
+            keys.setdefault(name, set()).add(tuple(map(tuple, spec)))
+        out.append(keys)
+    return out
+
+
+def test_kernel_variants_do_not_depend_on_the_plan(monkeypatch):
+    """A compiled kernel is keyed on its arguments' specialization: integers equal to 1 or
+    divisible by 16, pointers 16-byte aligned. Every runtime argument of the three kernels
+    depends on the plan (item ranges, the tensor count, offsets of views into the work list and
+    the scratch), so specializing on them compiled and loaded a new variant for many a new set
+    of tensors, eagerly or inside a CUDA-graph capture: plans of 1, 2, 5 and 37 float32
+    tensors, with and without the two-level merge, must give one key per kernel."""
+    kernels = {name: getattr(ts, name) for name in
+               ("_chunk_stats_kernel", "_merge_chunks_kernel", "_merge_finalize_kernel")}
+    for k in kernels.values():
+        runtime = [p for p in k.params if not p.is_constexpr]
+        assert all(p.do_not_specialize for p in runtime), [p.name for p in runtime]
+    big = torch.empty(257 * ts.CHUNK)  # more than MERGE_RUN chunks: the two-level merge
+    plans = [[torch.empty(1000)], [torch.empty(5000), torch.empty(16)],
+             [torch.empty(16 * k + 1) for k in range(5)],
+             [torch.empty(ts.CHUNK * (k % 3) + 7 * k + 1) for k in range(37)],
+             [big], [big, torch.empty(3), torch.empty(ts.CHUNK + 16)]]
+    keys = _specializations(kernels, plans, monkeypatch)
+    assert all("_merge_chunks_kernel" in k for k in keys[4:])  # (the merge was planned)
+    for name in kernels:
+        seen = set().union(*(k.get(name, set()) for k in keys))
+        assert len(seen) == 1, (name, seen)

@@ -422,7 +422,15 @@ def _fast_chunk(base, start, end, n, hi, lo, hi64, lo64, masked_first, BLOCK: tl
     return path, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq
 
 
-@triton.jit
+# The kernels' runtime arguments are not specialized (do_not_specialize: no integer equal to 1
+# or divisible by 16, no pointer known 16-byte aligned): they depend on the plan (item ranges,
+# tensor counts, the offsets of views into the work list and the scratch), so specializing on
+# them compiled and loaded a new variant for many a new set of tensors, eagerly or inside a
+# CUDA-graph capture. A variant now depends only on the constexprs (dtype, alignment group,
+# range counts), which the first call with such tensors compiles. Nothing here gains from
+# those hints: the arguments are scalar loads and stores; the data's alignment is ALIGNED.
+@triton.jit(do_not_specialize=["items64", "items32", "item_lo", "item_hi", "part", "thresholds",
+                               "done"])
 def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, done,
                         BLOCK: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
                         FAST: tl.constexpr, ALIGNED: tl.constexpr, RANGE: tl.constexpr):
@@ -430,9 +438,15 @@ def _chunk_stats_kernel(items64, items32, item_lo, item_hi, part, thresholds, do
     nprog = tl.num_programs(0)
     if (pid == 0) & (item_lo == 0):  # the first group zeroes _merge_finalize_kernel's counter
         tl.store(done, 0)
-    hi = tl.load(thresholds).to(ACC)
-    lo = tl.load(thresholds + 1).to(ACC)
-    # the exact path compares in float64 the same float32-rounded thresholds
+    # Inputs of 32 bits or fewer compare against the thresholds rounded to float32, as the
+    # reference does (docs/spec.md section 2), whatever ACC (int32's is float64); the exact
+    # path compares in float64 the same rounded thresholds
+    if DTYPE.primitive_bitwidth <= 32:
+        hi = tl.load(thresholds).to(tl.float32).to(ACC)
+        lo = tl.load(thresholds + 1).to(tl.float32).to(ACC)
+    else:
+        hi = tl.load(thresholds).to(ACC)
+        lo = tl.load(thresholds + 1).to(ACC)
     hi64 = hi.to(tl.float64)
     lo64 = lo.to(tl.float64)
     # items (struct ChunkItem, csrc/plan.h) loaded one ahead, as the CUDA kernel does
@@ -516,7 +530,7 @@ def _merge_segment(src, seg_first, out, VBLOCK: tl.constexpr):
     return n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2, scale, ssq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["part", "chunk_first", "tensor_part"])
 def _merge_chunks_kernel(part, chunk_first, tensor_part, VBLOCK: tl.constexpr):
     _merge_segment(part, chunk_first, tensor_part, VBLOCK)
 
@@ -561,7 +575,7 @@ def _store_row(row, n, fin, pinf, ninf, zero, over, under, fmin, fmax, mean, m2,
     tl.store(row + C_UNDERFLOW_COUNT, under)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src", "src_first", "tensor_part", "table", "done", "n_tensors"])
 def _merge_finalize_kernel(src, src_first, tensor_part, table, done, n_tensors,
                            VBLOCK: tl.constexpr, WIDTH: tl.constexpr):
     """The last launch: program i merges tensor i's records src[src_first[i] :
@@ -731,11 +745,12 @@ def _work_list(tensors: list[torch.Tensor], range_hi: float, range_lo: float,
     first of which zeroes ``done`` (a scratch counter when None): for tests and chunk_paths."""
     wl, v = _plan(tensors, range_hi, range_lo)
     device = tensors[0].device
+    ranged = _ranged(range_hi, range_lo)
     part = torch.empty((wl[1] + wl[2], layout.PARTIAL_WIDTH), dtype=torch.float64,
                        device=device)
     if done is None:
         done = torch.empty(1, dtype=torch.int32, device=device)
-    _launch_chunks(wl, v, part, done, _ranged(range_hi, range_lo))
+    _launch_chunks(wl, v, part, done, ranged)
     return wl, part
 
 
@@ -765,6 +780,7 @@ def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> tor
     wl, v = _plan(tensors, range_hi, range_lo)
     n_items, n_runs = wl[1], wl[2]
     device = tensors[0].device
+    ranged = _ranged(range_hi, range_lo)
     # One scratch allocation: the tensors' records, _merge_finalize_kernel's counter (zeroed by
     # the chunk launch; two words, so that the chunk records after it stay 16-byte aligned),
     # then the chunk records and the runs' records.
@@ -773,7 +789,7 @@ def _stats(tensors: list[torch.Tensor], range_hi: float, range_lo: float) -> tor
                           dtype=torch.float64, device=device)
     done = scratch[head:head + 1].view(torch.int32)
     part = scratch[head + 2:]
-    _launch_chunks(wl, v, part, done, _ranged(range_hi, range_lo))
+    _launch_chunks(wl, v, part, done, ranged)
     records, records_first = part, v.chunk_first
     if n_runs:  # the two-level merge: runs of chunks first, then each tensor's runs
         records = part[n_items * layout.PARTIAL_WIDTH:]

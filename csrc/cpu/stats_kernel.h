@@ -1053,7 +1053,13 @@ Partial block_stats(const void* data, int dtype, int64_t begin, int64_t n, float
       __builtin_trap();  // the caller validated the dtype
   }
   p = block_f64<false>(dbuf, n);  // integers: always finite
-  if (ranged) count_range_f64(dbuf, n, hi, lo, &p.over, &p.under);
+  if (ranged) {
+    // integers of 32 bits or fewer compare against the thresholds rounded to float32, as the
+    // float lanes and the reference do (docs/spec.md section 2); int64 against the doubles
+    const bool narrow = dtype != kI64;
+    count_range_f64(dbuf, n, narrow ? (double)(float)hi : hi, narrow ? (double)(float)lo : lo,
+                    &p.over, &p.under);
+  }
   return p;
 }
 

@@ -385,8 +385,18 @@ __device__ Partial block_merge(Partial p, Partial* shared) {
   return r;
 }
 
+// A range threshold as the reference applies it (docs/spec.md section 2): rounded to float32
+// for inputs of 32 bits or fewer, as the fast path's float32 lanes compare, so that every chunk
+// of a tensor, whichever path finishes it, and every backend count against the same value;
+// float64 and int64 inputs compare against the double itself.
+__device__ __forceinline__ double threshold_of(int dtype, double x) {
+  return dtype == kF64 || dtype == kI64 ? x : static_cast<double>(static_cast<float>(x));
+}
+
 __device__ Partial slow_chunk(const void* ptr, int dtype, int64_t begin, int64_t end, double hi,
                               double lo, Partial* shared) {
+  hi = threshold_of(dtype, hi);
+  lo = threshold_of(dtype, lo);
   ThreadAcc acc;
   for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
     acc.add(load_one(ptr, dtype, j), hi, lo);
@@ -433,7 +443,10 @@ __device__ Partial masked_chunk(const void* ptr, int dtype, int64_t begin, int64
   p.over = kRange ? static_cast<int64_t>(hf < __builtin_huge_valf() ? a.over - a.pinf - a.ninf
                                                                     : a.over)
                   : 0;
-  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
+  // 0 < |x| < lo: a.under holds the zeros too. Tested on lf, the threshold that was counted
+  // against: a lo that rounds to 0 in float32 counted nothing, and taking the zeros out of
+  // nothing would leave a negative count.
+  p.under = kRange && lf > 0.0f ? static_cast<int64_t>(a.under - a.zero) : 0;
   if (p.finite == 0) {
     if (threadIdx.x == 0) FH_COUNT_PATH(3);
     return p;
@@ -492,7 +505,7 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
   p.n = p.finite = end - begin;
   p.zero = static_cast<int64_t>(a.zero);
   p.over = kRange ? static_cast<int64_t>(a.over) : 0;
-  p.under = kRange && lo > 0.0 ? static_cast<int64_t>(a.under - a.zero) : 0;  // 0 < |x| < lo
+  p.under = kRange && lf > 0.0f ? static_cast<int64_t>(a.under - a.zero) : 0;  // as masked_chunk
   return with_moments(p, a, mean, m2);
 }
 
