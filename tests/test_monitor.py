@@ -324,6 +324,46 @@ def test_loss_scale_collapse_with_grad_scaler():
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+def _cuda_scaler_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GradScaler disables itself only where CUDA is unavailable")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        return torch.amp.GradScaler("cuda")
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: torch.amp.GradScaler("cpu", enabled=False), id="disabled"),
+    pytest.param(_cuda_scaler_without_cuda, id="cuda-without-cuda"),
+    pytest.param(lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), id="cpu-fresh"),
+])
+def test_any_grad_scaler_a_user_passes_trains_like_the_plain_loop(make):
+    """nanoGPT passes GradScaler(enabled=(dtype == "float16")): disabled in float32/bfloat16.
+    A disabled scaler, a CUDA scaler on a machine without CUDA (torch disables it), and a CPU
+    scaler never stepped before: the run steps, ends with the plain loop's weights, and raises
+    nothing; the NaN planted at step 12 is skipped under each."""
+    def plant(step, batch, model, opt):
+        if step == 12:
+            x, y, w = batch
+            return (x, y, w * float("nan"))
+
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    batch = (*data(), torch.ones(64, 1))
+    for step in range(20):
+        if step != 12:
+            ref_opt.zero_grad()
+            loss_fn(ref, batch).backward()
+            ref_opt.step()
+    m = make_model()
+    scaler = make()
+    mon = train(m, torch.optim.SGD(m.parameters(), lr=0.05), 20, plant=plant, scaler=scaler)
+    assert {e.step for e in mon.events} == {12}, kinds_at(mon)
+    assert "nonfinite_loss" in {e.kind for e in mon.events}
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert (mon.scaler is scaler) == scaler.is_enabled()
+
+
 def test_loss_scale_rule_below_minimum_and_overflow_steps_under_a_scaler():
     """A scale below min_loss_scale is a collapse at once; an isolated overflow step under a
     GradScaler (finite loss, the scaler skips) is the scaler at work: no event."""

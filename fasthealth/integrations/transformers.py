@@ -220,8 +220,8 @@ class HealthCallback(TrainerCallback):
                 trainer, monitor, lambda: state.global_step, self.sample_ids,
                 lambda loss, t: self._no_loss(loss, t, "the Trainer's training_step "
                                               "returned no scalar tensor")))
-            if scaler is not None:
-                monitor.hooks.append(unscale_once(trainer, scaler))
+            if monitor.scaler is not None:  # (a disabled scaler is none)
+                monitor.hooks.append(unscale_once(trainer, monitor.scaler))
             return
         capture = ForwardCapture(model, self.sample_ids)
         sync = _sync_step()
