@@ -100,6 +100,13 @@ def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_byt
                            for _ in range(self.flush_every)]
 
 
+
+def _active(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
+    """The scaler, or None for a disabled one: nanoGPT's ``GradScaler(enabled=dtype ==
+    "float16")`` outside float16, or a CUDA scaler where CUDA is unavailable, scales nothing and
+    steps the optimizer as it is."""
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
 class Monitor(LongRun):
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
@@ -155,11 +162,7 @@ class Monitor(LongRun):
         optimizer = check_options(model, optimizer, self.options.flat())  # before anything
         me, de, pr, ac, lg = (self.options.measure, self.options.detect,
                               self.options.precursors, self.options.act, self.options.log)
-        # A disabled GradScaler (nanoGPT's GradScaler(enabled=dtype == "float16") outside
-        # float16, or a CUDA scaler on a machine without CUDA) scales nothing and steps the
-        # optimizer as it is: the Monitor takes it as no scaler at all.
-        scaler = ac.scaler if ac.scaler is not None and ac.scaler.is_enabled() else None
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.model, self.optimizer, self.scaler = model, optimizer, _active(ac.scaler)
         self.flush_every, self.on_nonfinite, self.on_spike = (lg.flush_every, ac.on_nonfinite,
                                                               ac.on_spike)
         self.max_grad_norm, self.min_loss_scale = ac.max_grad_norm, de.min_loss_scale
@@ -180,7 +183,7 @@ class Monitor(LongRun):
                                           attention=pr.attention) if pr.enabled else None)
         self.rule_context = Context(
             names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,
-            optimizer=optimizer, scaler=scaler is not None, spike_zscore=de.spike_zscore,
+            optimizer=optimizer, scaler=self.scaler is not None, spike_zscore=de.spike_zscore,
             spike_window=de.spike_window, warmup_steps=de.warmup_steps,
             vanishing_threshold=de.vanishing_threshold, min_loss_scale=de.min_loss_scale,
             probe=self.precursors, overrides=dict(de.rules or {}))
@@ -191,7 +194,7 @@ class Monitor(LongRun):
         self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
                                                            de.warmup_steps))
                           if ac.on_spike == "skip" else None)
-        self.gate = gate.Gate(optimizer, scaler, self.record, self.device,
+        self.gate = gate.Gate(optimizer, self.scaler, self.record, self.device,
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip",
                               skip_rule=self.skip_rule, precursors=self.precursors)
         self.schedule = ScheduleSource(optimizer, de.scheduler)
