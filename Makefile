@@ -10,7 +10,8 @@ TORCH_VERSION ?= 2.13.0
 TRAINERS := transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 tensorboard==2.21.0
 # The detector corpus's real data sets ship inside scikit-learn (bench/detectors/data.py)
 CORPUS := scikit-learn==1.9.1
-DEPS := ninja setuptools wheel numpy pytest hypothesis matplotlib tqdm ruff mypy==2.4.1 triton \
+DEPS := ninja setuptools wheel numpy pytest pytest-xdist==3.8.0 hypothesis matplotlib tqdm ruff \
+	mypy==2.4.1 triton \
 	$(TRAINERS) $(CORPUS)
 ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
@@ -31,29 +32,42 @@ $(BUILD_STAMP): $(ENV_STAMP) $(SOURCES)
 
 # Test tiers (markers in pyproject.toml): `make test` runs every test, `make test-fast` (the
 # edit-test loop) all but those marked slow, corpus (the detector corpus) or device_script (the
-# dry runs of bench/gpu_check.sh), on one intra-op thread: on a shared machine two threads wait
-# for each other's core at every op (CONTRIBUTING.md has the figures); the statistics do not
-# depend on the thread count, and `make test` runs the default threads.
+# dry runs of bench/gpu_check.sh). Both run the suite on one intra-op thread: on a shared
+# machine two threads wait for each other's core at every op (CONTRIBUTING.md has the
+# figures). The statistics do not depend on the thread count (the CPU kernel cuts its work into
+# the same chunks and merges them in one fixed tree for any count), and a test that trains a
+# model must hold on one thread and on several (its float sums differ).
 FAST := not slow and not corpus and not device_script
 # 2**31 + 100 elements (2 GB of int8, 4 GB of bfloat16) for the 64-bit indexing: on the
 # default kernel variant only
 BIG := --deselect tests/test_kernels.py::test_more_than_2_pow_31_elements
+# The compiled kernels' own tests: what a CPU kernel variant, the thread count or another
+# build of the extension can change
+KERNEL_TESTS := tests/test_kernels.py tests/test_kernel_nonfinite.py tests/test_range.py \
+	tests/test_fuzz.py
+ONE_THREAD := OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1
+# pytest-xdist's worker processes, one intra-op thread each: JOBS=1 runs the tests in one process
+JOBS ?= 2
+XDIST := $(if $(filter-out 1,$(JOBS)),-n $(JOBS))
 
-# The suite (test_triton.py skips itself here: TRITON_INTERPRET is unset) on the fastest CPU
-# kernel variant, with the slowest tests listed, the kernel tests again on every other variant
-# this processor runs (avx2, avx, base), then the Triton kernels through Triton's interpreter in
-# their own process (TRITON_INTERPRET must be set before triton is imported).
+# Each test once per thing it proves: the suite on the fastest CPU kernel variant, one thread,
+# with the slowest tests listed (test_triton.py skips itself here: TRITON_INTERPRET is unset);
+# the kernel tests again on the default threads (the parallel pass and its merge), and on every
+# other variant this processor runs (avx2, avx, base); then the Triton kernels through Triton's
+# interpreter in their own process (TRITON_INTERPRET must be set before triton is imported).
 test: build
-	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q --durations=25 tests
+	$(ONE_THREAD) $(PY) -m pytest -q $(XDIST) --durations=25 tests
+	@echo "== the kernel tests on the default intra-op threads"
+	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q $(BIG) $(KERNEL_TESTS)
 	for isa in $$($(PY) -c "import fasthealth as f; print(' '.join(f.ops.compiled.C.cpu_isas()[1:]))"); do \
 		echo "== CPU kernel variant $$isa"; \
-		FASTHEALTH_REQUIRE_CPU=1 FASTHEALTH_CPU_ISA=$$isa $(PY) -m pytest -q $(BIG) \
-			tests/test_kernels.py tests/test_fuzz.py tests/test_range.py tests/test_kernel_nonfinite.py || exit 1; \
+		$(ONE_THREAD) FASTHEALTH_CPU_ISA=$$isa $(PY) -m pytest -q $(XDIST) $(BIG) $(KERNEL_TESTS) \
+			|| exit 1; \
 	done
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton.py
+	TRITON_INTERPRET=1 $(ONE_THREAD) $(PY) -m pytest -q tests/test_triton.py
 
 test-fast: build
-	OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q -x -m "$(FAST)" --durations=10 tests
+	$(ONE_THREAD) $(PY) -m pytest -q $(XDIST) -x -m "$(FAST)" --durations=10 tests
 
 # The results go to build/bench-results/ (git ignores it); `make bench RECORD=1` writes them
 # into bench/results/, the tracked figures the docs cite.
@@ -76,8 +90,13 @@ clean:
 # The CUDA build on a machine without a GPU (CI runs it after `make test`): a separate
 # environment with torch==2.14.1 (CUDA 13.0) and nvcc from CUDA_HOME compiles csrc/ for sm_80
 # and sm_90 in a copy of the tree (so its _C never mixes with .venv's), imports it, checks the
-# CUDA kernel is registered, and runs the CPU suite there too (with tests/test_cuda_build.py:
-# machine code for both architectures, no register spills).
+# CUDA kernel is registered, and runs there the tests that build or that torch can change:
+# tests/test_cuda_build.py (machine code for both architectures, no register spills, the main
+# loops' instruction counts), the build's own, the public API and backend choice with CUDA
+# kernels compiled in, the work-list planner, and the CPU kernel tests (the same sources
+# compiled alongside nvcc's objects, against another torch).
+CUDA_CHECK_TESTS := tests/test_cuda_build.py tests/test_build.py tests/test_api.py \
+	tests/test_plan.py tests/test_selftest.py tests/test_bad_input.py $(KERNEL_TESTS)
 CUDA_VENV ?= .venv-cuda
 CUDA_PY := $(CURDIR)/$(CUDA_VENV)/bin/python
 CUDA_HOME ?= /usr/local/cuda
@@ -87,7 +106,7 @@ CUDA_TREE := build/cuda-check
 cuda-check:
 	test -x $(CUDA_PY) || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_PY) -m pip install -q torch==$(CUDA_TORCH) ninja setuptools wheel numpy pytest \
-		hypothesis matplotlib $(CORPUS)
+		pytest-xdist==3.8.0 hypothesis
 	rm -rf $(CUDA_TREE) && mkdir -p $(CUDA_TREE)
 	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(CUDA_TREE)
 	cd $(CUDA_TREE) && CUDA_HOME=$(CUDA_HOME) PATH=$(CUDA_HOME)/bin:$$PATH \
@@ -97,8 +116,8 @@ cuda-check:
 		assert fh.ops.compiled.C is not None and fh.ops.compiled.C.with_cuda, fh.ops.compiled.load_error; \
 		assert torch._C._dispatch_has_kernel_for_dispatch_key('fasthealth::multi_tensor_stats', 'CUDA'); \
 		print('CUDA extension built for sm_80 and sm_90 with torch', torch.__version__)"
-	cd $(CUDA_TREE) && FASTHEALTH_REQUIRE_CPU=1 TORCH_CUDA_ARCH_LIST="8.0;9.0" \
-		$(CUDA_PY) -m pytest -q -m "not corpus and not device_script" $(BIG) tests
+	cd $(CUDA_TREE) && $(ONE_THREAD) TORCH_CUDA_ARCH_LIST="8.0;9.0" \
+		$(CUDA_PY) -m pytest -q $(XDIST) $(BIG) $(CUDA_CHECK_TESTS)
 
 # The extension for the lent H200, built here ahead of time (docs/gpu.md): bench/gpu_check.sh
 # loads it there instead of compiling for ~90 s of its 420. _C loads only under the CPython and

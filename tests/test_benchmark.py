@@ -11,6 +11,7 @@ import pytest
 import fasthealth as fh
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_roofline_and_goals(tmp_path):
     if fh.ops.compiled.C is None:
         pytest.skip("the roofline's read floor is the compiled CPU kernel's")

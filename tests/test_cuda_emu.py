@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -51,7 +52,7 @@ def build(chunk: int) -> Path:
     out = ROOT / "build" / "cuda-emu" / f"run_kernels-{chunk}-{digest}"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")  # pytest-xdist workers build it at once
         subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={chunk}",
                         "-Wall", "-Werror", "-Wno-unknown-pragmas",
                         f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'tests/cuda_emu'}", "-o", str(tmp),

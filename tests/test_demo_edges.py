@@ -42,6 +42,7 @@ def test_without_matplotlib_it_says_what_to_install_before_training(tmp_path):
     assert not list((tmp_path / "tmp").iterdir()) and not list(cwd.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
 def test_an_interrupted_demo_leaves_nothing_in_the_temp_directory(tmp_path, how):
     """Interrupted mid-training (its log under way in the temp dir): the logs, the dumps

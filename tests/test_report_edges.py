@@ -122,6 +122,7 @@ def test_a_broken_file_is_named_and_the_report_written(log, case, capsys):
         assert ("#0    20-20" in out.out) == ("incidents" not in case), out.out
 
 
+@pytest.mark.slow
 def test_the_users_report_files_are_left_as_they_are(log):
     """The user's report.html and report.png (real files of theirs) through the installed CLI
     in a process of its own: byte for byte untouched, the report beside them, stderr says so;
@@ -163,6 +164,7 @@ def _read_only(d):
     return None
 
 
+@pytest.mark.slow
 def test_a_read_only_log_dir_prints_the_summary_and_names_out(log, tmp_path):
     undo = _read_only(log)
     if undo is None:

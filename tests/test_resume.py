@@ -237,6 +237,7 @@ else:
 """
 
 
+@pytest.mark.slow
 def test_a_state_saved_in_one_process_resumes_in_another(tmp_path):
     """Another process, another hash seed (the order of a frozenset in a config): nothing
     starts cold, and the events and incidents after the stop are the uninterrupted run's."""
@@ -255,6 +256,7 @@ def test_a_state_saved_in_one_process_resumes_in_another(tmp_path):
     assert p.stdout.strip().endswith("same")
 
 
+@pytest.mark.slow
 def test_a_long_noisy_run_keeps_a_bounded_state_and_resumes_the_same():
     """A NaN loss every 10 steps for 3000 steps: ~600 events and ~300 incidents, while the
     state keeps the last events and incidents only (events.jsonl has them all); its size stops

@@ -125,6 +125,7 @@ def test_merge_and_finalize_kernels_compile(arch):
     assert "ld.global.cg" in ptx
 
 
+@pytest.mark.slow
 def test_main_loops_keep_their_loads_in_flight():
     """The fast pass's main loop issues an iteration's 16-byte loads before it uses any (four of
     four for 16-bit types, at least four of eight for float32: 64 bytes a thread, 32 KB an SM
@@ -183,6 +184,7 @@ def test_chunk_and_block_knobs_are_checked_at_import(chunk, block):
     assert f"FASTHEALTH_TRITON_BLOCK={block}" in out.stderr
 
 
+@pytest.mark.slow
 def test_wait_all_knob_is_checked_at_import():
     out = _import_with(FASTHEALTH_TRITON_WAIT_ALL="yes")
     assert out.returncode != 0 and "FASTHEALTH_TRITON_WAIT_ALL='yes'" in out.stderr
