@@ -191,6 +191,24 @@ def _extension():
     return _cpu_extension()
 
 
+def announce(ext) -> str:
+    """The line printed before compiling: what is built, and that it takes minutes (ninja's
+    "[k/N]" lines follow, one per source). pip shows both only with -v."""
+    names = [os.path.basename(s) for s in ext.sources]
+    kind = "CUDA and CPU" if any(n.endswith(".cu") for n in names) else "CPU"
+    line = (f"fasthealth: compiling the {kind} kernels, {len(names)} sources "
+            f"({', '.join(names)}): this takes a few minutes (about 4 on 2 cores; MAX_JOBS "
+            "sets the parallel jobs)")
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
+BUILDS = ("build_ext", "build", "bdist_wheel", "install", "develop", "editable_wheel")
+
+
 if __name__ == "__main__":
-    setup(ext_modules=[_extension()],
+    _ext = _extension()
+    if any(a in BUILDS for a in sys.argv[1:]):  # not for pip's metadata steps (egg_info)
+        announce(_ext)
+    setup(ext_modules=[_ext],
           cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)})

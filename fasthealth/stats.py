@@ -322,7 +322,10 @@ class MultiTensorStats:
         return [name for name, bad in zip(self.names, flags, strict=True) if bad]
 
     def summary(self, k: int = 10) -> str:
-        """A readable table: the total, then tensors with NaN/Inf, then the k largest norms."""
+        """A readable table: the total, then at most ``k`` tensors: those with NaN/Inf first
+        (marked ``!``), then the largest finite norms. Non-finite tensors do not always show:
+        past ``k`` of them the rest are left out, and the first line gives how many tensors
+        hold NaN/Inf and how many rows are shown."""
         host = self._table.detach().cpu()
         cols = ("numel", "nan_count", "inf_count", "zero_count", "norm", "amax", "mean", "std")
         heads = ("numel", "nan", "inf", "zeros", "norm", "amax", "mean", "std")
@@ -335,13 +338,14 @@ class MultiTensorStats:
             return out
 
         n = len(self.names)
+        k = max(k, 0)
         bad = [i for i in range(n) if host[i, COL["all_finite"]] == 0]
         by_norm = sorted(
             (i for i in range(n) if i not in set(bad)),
             key=lambda i: -float(host[i, COL["finite_norm"]]),
-        )[: max(k, 0)]
+        )[: max(k - len(bad), 0)]
         rows: list[tuple[str, list[str]]] = [("TOTAL", cells(host[-1]))]
-        rows += [(f"!{self.names[i]}", cells(host[i])) for i in bad]
+        rows += [(f"!{self.names[i]}", cells(host[i])) for i in bad[:k]]
         rows += [(self.names[i], cells(host[i])) for i in by_norm]
         name_w = max([4] + [len(r[0]) for r in rows])
         widths = [max(len(h), *(len(r[1][j]) for r in rows)) for j, h in enumerate(heads)]
@@ -352,7 +356,7 @@ class MultiTensorStats:
         head = f"fasthealth: {n} tensors, {status}"
         if self.missing:
             head += f"; {len(self.missing)} without grad"
-        shown = len(bad) + len(by_norm)
+        shown = min(len(bad), k) + len(by_norm)
         if shown < n:
             head += f"; showing {shown} (non-finite first, then largest norms)"
         return "\n".join([head, *lines])

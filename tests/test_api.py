@@ -70,8 +70,8 @@ def test_multi_tensor_stats_object():
     assert d["total"]["inf_count"] == 1 and d["per_tensor"]["c"]["max"] == 5.0
     assert math.isnan(d["per_tensor"]["a"]["norm"])
     assert s.table.shape == (3, len(TABLE_COLUMNS))
-    text = s.summary(k=2)
-    assert "TOTAL" in text and "!a" in text and "!b" in text and "c" in text
+    text = s.summary(k=3)  # k counts the non-finite rows too
+    assert [r.split()[0] for r in text.splitlines()[2:]] == ["TOTAL", "!a", "!b", "c"]
     check_multi(s.raw, [a, b, c])
     with pytest.raises(KeyError):
         s["nope"]
@@ -514,3 +514,16 @@ def test_check_grads_front_door_matches_the_op_and_steps_aside(monkeypatch):
     monkeypatch.delenv("FASTHEALTH_BACKEND")
     s = fh.check_grads(m)
     assert len(calls) == 5 and s.missing == [] and len(s) == 5
+
+
+def test_summary_k_limits_the_rows_non_finite_first():
+    """k bounds the tensors listed, NaN/Inf ones included: 15 NaN tensors at k=3 list 3."""
+    nan = [torch.full((4,), float("nan")) for _ in range(15)]
+    text = fh.multi_tensor_stats(nan, names=[f"t{i}" for i in range(15)]).summary(k=3)
+    rows = text.splitlines()[2:]
+    assert rows[0].startswith("TOTAL") and len(rows) == 4
+    assert [r.split()[0] for r in rows[1:]] == ["!t0", "!t1", "!t2"]
+    assert "15 tensor(s) with NaN/Inf" in text and "showing 3" in text
+    mixed = [torch.full((4,), float(i)) for i in range(6)] + [torch.full((2,), float("inf"))]
+    text = fh.multi_tensor_stats(mixed, names=[f"m{i}" for i in range(7)]).summary(k=3)
+    assert [r.split()[0] for r in text.splitlines()[3:]] == ["!m6", "m5", "m4"]

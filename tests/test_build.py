@@ -68,3 +68,13 @@ def test_broken_cuda_toolkit_builds_the_cpu_kernels(tmp_path):
                            capture_output=True, text=True, cwd=tmp_path,
                            env={**env, "PYTHONPATH": str(target)})
     assert check.stdout.split()[0] == "False", check.stdout + check.stderr
+
+
+def test_the_build_says_what_it_compiles_and_that_it_takes_minutes(capsys):
+    """The few minutes of compiling start with a line naming the kernels and their sources."""
+    f = setup_module_functions()
+    ext = f["_cpu_extension"]()
+    line = f["announce"](ext)
+    assert line in capsys.readouterr().err
+    assert "compiling the CPU kernels" in line and "a few minutes" in line
+    assert all(Path(s).name in line for s in ext.sources) and f"{len(ext.sources)} sources" in line

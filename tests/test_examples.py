@@ -64,3 +64,10 @@ def test_ddp_torchrun():
     assert re.fullmatch(
         r"ddp_torchrun: 2 ranks, skipped steps \[\[12\], \[12\]\], replicas equal=True, "
         rf"last grad norm {NUM}", line), line
+
+
+def test_accumulation_loop():
+    line = run_example([str(EXAMPLES / "accumulation_loop.py")], "accumulation_loop:")
+    assert re.search(
+        r"accumulation_loop: 1 incident \(loss_spike at step 40\), dump holds 2 micro-batches, "
+        r"recorded loss (\S+), replayed \1, reproduced=True, cause batch", line), line

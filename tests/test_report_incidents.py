@@ -10,6 +10,7 @@ import pytest
 
 from fasthealth import report
 from fasthealth.monitor import kinds
+from fasthealth.report.runs import brief, find_runs
 
 matplotlib.use("Agg")
 
@@ -413,4 +414,50 @@ def test_kinds_are_drawn_in_the_registry_order_and_colour_an_unknown_one_too(tmp
     for e in events:
         assert colours[e["step"]] == kinds.colour_of(e["kind"]), e["kind"]
     assert kinds.colour_of("my_own_rule") != "gray"
+    matplotlib.pyplot.close(fig)
+
+
+def test_a_healthy_monitored_run_reports_0_incidents_not_unrecorded(tmp_path):
+    """The Monitor writes incidents.jsonl even when no incident opens: the report then says
+    none happened, not that none were recorded."""
+    import torch
+
+    import fasthealth as fh
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with fh.Monitor(model, opt, log_dir=tmp_path, flush_every=5) as mon:
+        for _ in range(10):
+            x = torch.randn(8, 4)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            mon.step(loss)
+            opt.zero_grad()
+    assert not mon.incidents
+    assert (mon.run_dir / "incidents.jsonl").read_text() == ""
+    log = report.read_log(mon.run_dir)
+    assert log.incidents == []
+    text = report.write(mon.run_dir)[1]
+    assert "  incidents: none" in text.splitlines() and "not recorded" not in text
+    assert brief(find_runs(tmp_path)[0]).endswith("incidents 0")
+
+
+def test_heatmap_draws_steps_after_an_event_as_not_sampled_not_as_missing():
+    """Norms every 50 steps and at an event (51): steps 52-99 were logged, their norms just not
+    sampled: hatched, and the title says so; steps missing from the log (120-129) are not."""
+    steps = [_step(t, every=50, spike=(51,), events={51: ["loss_spike"]}) for t in range(160)
+             if not 120 <= t < 130]
+    events = [_event(51, "loss_spike", "alarm", 0)]
+    h = report.heatmap_data({"names": NAMES, "per_tensor_every": 50}, steps, events)
+    assert h.steps == [0, 50, 51, 100, 150]
+    assert h.unsampled == [(52, 100)]  # 100-149 stand for the record at 100; 120-129 absent
+    fig = report.figure({"names": NAMES, "per_tensor_every": 50}, steps, events)
+    heat = next(ax for ax in fig.axes if "recorded steps" in ax.get_title())
+    assert "hatched: not sampled (norms every 50 steps and at events)" in heat.get_title()
+    spans = [p for p in heat.patches if p.get_hatch()]
+    assert len(spans) == 1
+    xs = spans[0].get_path().transformed(spans[0].get_patch_transform()).vertices[:, 0]
+    assert (xs.min(), xs.max()) == (51.5, 99.5)
+    assert matplotlib.colors.to_hex(spans[0].get_facecolor()) == "#ffffff"
     matplotlib.pyplot.close(fig)

@@ -36,6 +36,11 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
   control: "weights" when every sample reproduces, "batch" without a search (the verdict says
   the model state may be).
 
+``loss_far``: not reproduced, with a replayed loss far from the recorded one (beyond 3 noise
+units of the run's loss, else 5% of it): the verdict then says first that the dump may not hold
+the batch trained on (a prefetched next batch, one micro-batch of an accumulation step, a loss
+scaled differently), before the loss code and a transient fault.
+
 What replay found is also written beside the dump, as ``<dump>.replay.json`` (``result_path``):
 reproduced, source, first_nonfinite, culprit_ids, the verdict, so that ``fasthealth report``
 shows it with the incident. The file is new (written to a temporary name, then renamed over
@@ -83,6 +88,8 @@ class ReplayResult:
     replays: int = 1  # forward + backward passes run, the group test's included
     cause: str | None = None  # the likely cause, one of kinds.CAUSES
     capped: bool = False  # the group test stopped at its cap of replays
+    loss_far: bool = False  # not reproduced, with a loss far from the recorded one: the dump
+    # may not hold the batch trained on (a prefetched one, one micro-batch of the step)
 
 
 def _bare(name: str) -> str:
@@ -334,7 +341,7 @@ def save_result(dump: str | os.PathLike, d: dict, r: ReplayResult) -> Path | Non
            "culprit_ids": None if r.culprit_ids is None else [_jsonable_id(i)
                                                                for i in r.culprit_ids],
            "kinds": r.kinds, "exact": r.exact, "replays": r.replays, "cause": r.cause,
-           "capped": r.capped,
+           "capped": r.capped, "loss_far": r.loss_far,
            "loss": r.loss if math.isfinite(r.loss) else None, "verdict": r.verdict}
     tmp = None
     try:
@@ -413,20 +420,63 @@ def replay(dump: str | os.PathLike, model: torch.nn.Module, loss_fn: Any, *,
         verdict += (f"; the weights before this step hold NaN/Inf or values of {HUGE_WEIGHT:g} "
                     f"or more: {', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}")
     result = ReplayResult(reproduced, p.loss, p.grads, p.first, verdict, exact, kinds,
-                          d.get("record", {}), source, culprits, replays, cause, capped)
+                          d.get("record", {}), source, culprits, replays, cause, capped,
+                          not reproduced and _loss_far(d, p.loss) is not None)
     if save:
         save_result(path, d, result)
     return result
 
 
+LOSS_FAR_NOISE, LOSS_FAR_REL = 3.0, 0.05  # "far": beyond 3 noise units, else 5% of the loss
+NOT_THE_BATCH = (
+    "the dump may not hold the batch that was trained on (a prefetched next batch, the last "
+    "micro-batch of an accumulation step, or a loss scaled differently, e.g. divided by the "
+    "accumulation steps: pass the step's micro-batches and their summed scaled losses, see "
+    "the README's 'Gradient accumulation and prefetching')")
+
+
+def _loss_far(d: dict, loss: float) -> str | None:
+    """How far the replayed ``loss`` is from the recorded one, when it is far: beyond
+    ``LOSS_FAR_NOISE`` noise units of the run's loss (known from a loss spike's details: its
+    excess over the window's median divided by its score), else beyond ``LOSS_FAR_REL`` of
+    the recorded loss. None when it is not, or either is not finite (nothing to compare)."""
+    rec = d.get("record", {}).get("loss")
+    if not isinstance(rec, (int, float)) or not math.isfinite(rec) or not math.isfinite(loss):
+        return None
+    gap = abs(loss - rec)
+    for e in d.get("events", []):
+        det = e.get("details") or {}
+        got = [v for v in (det.get(k) for k in ("zscore", "value", "window_median"))
+               if isinstance(v, (int, float)) and math.isfinite(v)]
+        if e.get("kind") != "loss_spike" or len(got) < 3:
+            continue
+        z, value, median = (float(v) for v in got)
+        if z > 0 and value > median:
+            noise = (value - median) / z
+            return (f"{gap / noise:.1f} noise units of the run's loss"
+                    if gap > LOSS_FAR_NOISE * noise else None)
+    return f"{gap / abs(rec):.0%} of it" if gap > LOSS_FAR_REL * abs(rec) else None
+
+
 def _verdict(d: dict, kinds: list[str], reproduced: bool, source: str | None, p: _Pass,
              culprits: list | None, replays: int, exact: bool) -> str:
     what = ", ".join(dict.fromkeys(kinds)) or "the step"
-    if not reproduced:
+    far = None if reproduced else _loss_far(d, p.loss)
+    if far is not None:
+        text = (f"{what} does not reproduce on replay of step {d['step']}, and the replayed "
+                f"loss {p.loss:.4g} is far from the recorded {d['record']['loss']:.4g} ({far}): "
+                f"{NOT_THE_BATCH}. If it does hold that batch: the loss code (a loss computed "
+                "differently at that step: a scaling, a mask, a division), then a transient "
+                "fault (hardware, communication, a race)")
+    elif not reproduced:
+        rec = d.get("record", {}).get("loss")
+        # a non-finite recorded loss cannot be compared: the dump's batch stays in question
+        unsure = not (isinstance(rec, (int, float)) and math.isfinite(rec))
         text = (f"{what} does not reproduce on replay of step {d['step']}: not this batch nor "
                 "the model state; the loss code first (a loss computed differently at that "
-                "step: a scaling, a mask, a division), then a transient fault (hardware, "
-                "communication, a race)")
+                "step: a scaling, a mask, a division"
+                + (f"; or {NOT_THE_BATCH}" if unsure else "") + "), then a transient fault "
+                "(hardware, communication, a race)")
     else:
         text = f"{what} reproduces on replay of step {d['step']}"
         if source == "batch":

@@ -86,6 +86,9 @@ class JsonlSink:
 
     def _open_new(self) -> None:
         self.run = open_new(self.root, jsonable(self.meta))
+        # made empty at once: a run without incidents then reads as 0 incidents, not as a
+        # log from before incidents.jsonl existed ("not recorded")
+        self._fd("incidents.jsonl")
 
     def open_existing(self, run_id: str, step: int | None) -> None:
         """Continues run ``run_id`` from ``step`` (``runs.open_existing``); raises RuntimeError

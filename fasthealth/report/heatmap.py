@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .read import is_step
@@ -40,7 +40,9 @@ class Heatmap:
     (``steps``, in order), standing for the steps from there up to ``ends`` (excluded).
     ``values`` (rows x columns) holds log10 of each row's norm (-inf for a zero norm), NaN
     where it is not finite, and ``bad`` marks those. ``quiet``: the column's record was taken
-    at the usual cadence, at a step without events."""
+    at the usual cadence, at a step without events. ``unsampled``: the [start, end) runs of
+    steps that were logged but no column stands for (after a record at an event, until the next
+    record at the cadence): not missing data, only not sampled."""
 
     labels: list[str]
     members: list[list[str]]
@@ -50,6 +52,7 @@ class Heatmap:
     bad: Any
     quiet: list[bool]
     cadence: int
+    unsampled: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def by_layer(self) -> bool:
@@ -110,7 +113,27 @@ def heatmap_data(meta: dict, steps: list[dict], events: Sequence[dict] = (),
         ends.append(max(step + 1, min(nxt, step + cadence, max(last, step + 1))) if q
                     else step + 1)
     h = Heatmap(labels, members, rec, ends, logs, bad, quiet, cadence)
-    return _combined(h, max_columns) if len(rec) > max_columns else h
+    h = _combined(h, max_columns) if len(rec) > max_columns else h
+    return replace(h, unsampled=_unsampled(h, [r["step"] for r in steps]))
+
+
+def _unsampled(h: Heatmap, logged: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) runs of ``logged`` steps that no column of ``h`` stands for."""
+    import numpy as np  # optional, as above
+
+    xs = np.unique(np.array([s for s in logged if is_step(s)], dtype=np.int64))
+    if not xs.size:
+        return []
+    k = np.searchsorted(np.array(h.steps, dtype=np.int64), xs, side="right") - 1
+    ends = np.array(h.ends or [0], dtype=np.int64)
+    covered = (k >= 0) & (xs < ends[np.maximum(k, 0)])
+    out: list[tuple[int, int]] = []
+    for x in xs[~covered].tolist():
+        if out and out[-1][1] == x:
+            out[-1] = (out[-1][0], x + 1)
+        else:
+            out.append((x, x + 1))
+    return out
 
 
 def _combined(h: Heatmap, max_columns: int) -> Heatmap:

@@ -237,14 +237,16 @@ def _nonfinite_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: 
 
 
 UNRECORDED = "#e0e0e0"  # the heatmap where nothing was recorded
+UNSAMPLED = "#c8c8c8"  # hatching on white: steps logged whose per-tensor norms were not sampled
 
 
 def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: list[int],
                    incidents: list[dict]) -> None:
     """log10 of each tensor's (or layer's) gradient norm, in the recorded steps only
-    (``heatmap_data``): gray where nothing was recorded, red where a norm was not finite,
-    black where it was zero. A one-step column is drawn at least ``_min_width`` wide (up to
-    the next record), or a long run would hide it."""
+    (``heatmap_data``): gray where nothing was recorded, hatched where steps were logged but
+    their norms not sampled (after a record at an event, until the cadence's next), red where a
+    norm was not finite, black where it was zero. A one-step column is drawn at least
+    ``_min_width`` wide (up to the next record), or a long run would hide it."""
     import numpy as np  # the plots' dependencies are optional (the report extra)
     from matplotlib import colormaps
 
@@ -281,6 +283,9 @@ def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: li
     if bad.any():
         ax.pcolormesh(np.array(edges), edges_y, np.ma.masked_where(~bad, np.ones_like(arr)),
                       cmap=matplotlib_red(), vmin=0, vmax=1)
+    for a, b in h.unsampled:  # under the mesh: a widened column keeps its place over them
+        ax.axvspan(a - 0.5, b - 0.5, facecolor="white", edgecolor=UNSAMPLED, hatch="///",
+                   linewidth=0, zorder=0.5)
     ax.invert_yaxis()
     step = max(1, len(h.labels) // 30)
     ax.set_yticks(range(0, len(h.labels), step), h.labels[::step], fontsize=6)
@@ -291,7 +296,9 @@ def _heatmap_panel(ax, meta: dict, steps: list[dict], events: list[dict], xs: li
                                                                   else ""))
     what = "layer" if h.by_layer else "tensor"
     ax.set_title(f"per-{what} gradient norm at the recorded steps (log10; gray: not recorded "
-                 "or no gradient, black: zero, red: NaN/Inf)")
+                 "or no gradient, black: zero, red: NaN/Inf)"
+                 + (f"\nhatched: not sampled (norms every {h.cadence} steps and at events)"
+                    if h.unsampled else ""))
 
 
 def matplotlib_red():

@@ -214,7 +214,7 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
 
 
 REPLAY_KEYS = ("reproduced", "first_nonfinite", "culprit_ids", "source", "verdict", "cause",
-               "capped")
+               "capped", "loss_far")
 
 
 def _replay_of(rec: dict) -> dict | None:
@@ -226,7 +226,7 @@ def _replay_of(rec: dict) -> dict | None:
     src: dict = rec["replay"] if isinstance(rec.get("replay"), dict) else rec
     own = src is not rec or rec.get("record") == "replay"  # an incident's cause is its own
     found = {k: src[k] for k in REPLAY_KEYS if src.get(k) is not None
-             and (own or k not in ("cause", "capped"))}
+             and (own or k not in ("cause", "capped", "loss_far"))}
     found = {k: v for k, v in found.items() if isinstance(v, (str, list, int, float))}
     return found or None
 

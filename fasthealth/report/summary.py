@@ -49,6 +49,9 @@ def replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
     found = []
     if r.get("reproduced") is not None:
         found.append("reproduces" if r["reproduced"] else
+                     "does not reproduce, its loss far from the recorded one (the dump may not "
+                     "hold the batch trained on: a prefetched one, one micro-batch of the step)"
+                     if r.get("loss_far") else
                      "does not reproduce (a transient fault, not this batch)")
     if r.get("first_nonfinite"):
         found.append(f"first non-finite module {r['first_nonfinite']}")
@@ -72,7 +75,7 @@ def replay_brief(r: dict | None) -> str | None:
     if not r:
         return None
     if r.get("reproduced") is False:
-        return "transient"
+        return "not the batch trained on?" if r.get("loss_far") else "transient"
     ids = r.get("culprit_ids")
     if isinstance(ids, list) and ids:
         return "samples " + ",".join(map(str, ids[:3])) + (" ..." if len(ids) > 3 else "")
