@@ -119,15 +119,18 @@ cuda-check:
 	cd $(CUDA_TREE) && $(ONE_THREAD) TORCH_CUDA_ARCH_LIST="8.0;9.0" \
 		$(CUDA_PY) -m pytest -q $(XDIST) $(BIG) $(CUDA_CHECK_TESTS)
 
-# The extension for the lent H200, built here ahead of time (docs/gpu.md): bench/gpu_check.sh
+# The extension for a GPU machine, built ahead of time on one without a GPU (docs/gpu.md): bench/gpu_check.sh
 # loads it there instead of compiling for ~90 s of its 420. _C loads only under the CPython and
 # the torch it was compiled against, so a separate environment holds the device's: CPython
 # $(PREBUILT_PYTHON) (3.12) and torch==$(DEVICE_TORCH) (CUDA 13.0, as pip's wheel); nvcc from
 # CUDA_HOME compiles csrc/ for sm_90 only in a copy of the tree. The library and its manifest
 # (bench/prebuilt.py: Python, torch, CUDA, architectures, the sources' hash, so the device
 # refuses a stale one) go into $(PREBUILT_DIR); then the import test and the CPU kernel tests
-# under that torch. Carry $(PREBUILT_DIR) to the device: run(..., carry=["build/prebuilt"]).
-PREBUILT_PYTHON ?= /root/.pyenv/versions/3.12.1/bin/python
+# under that torch. Copy $(PREBUILT_DIR) into the GPU machine's checkout.
+# the first CPython 3.12 that runs: python3.12 on PATH, else one that pyenv installed
+PREBUILT_PYTHON ?= $(or $(firstword $(foreach p,$(shell command -v python3.12) \
+	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python),$(shell $(p) -c "print('$(p)')" \
+	2>/dev/null))),python3.12)
 DEVICE_TORCH ?= 2.11.0
 PREBUILT_VENV ?= .venv-gpu312
 PREBUILT_PY := $(CURDIR)/$(PREBUILT_VENV)/bin/python

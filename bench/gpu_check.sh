@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU step in one device call on the lent H200, and a results file whatever happens:
+# Every GPU step in one run on a machine with an NVIDIA GPU (written for an H200), and a results
+# file whatever happens:
 # $OUT/h200.json (bench/gpu_results.py) is rewritten after every benchmark case and every step,
 # so a step that fails, hangs or is skipped, or the whole call cut short, still leaves every
 # case that ran and every step's status.
 #
 # Usage, from the repo root: bash bench/gpu_check.sh [--quick]
-# (device tool, after `make gpu-prebuilt` here:
-#  run(command="bash bench/gpu_check.sh", carry=["build/prebuilt"], timeout_s=480))
+# (to skip the build there: `make gpu-prebuilt` on a build machine, then copy build/prebuilt/
+#  into the GPU machine's checkout)
 #
 # Steps, most wanted first, with their limits in seconds (at most / needed to start) and the
 # time each should take on a fresh H200:
