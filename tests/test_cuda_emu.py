@@ -1,11 +1,11 @@
 """The CUDA backend's kernels, run on the host through tests/cuda_emu/ (no GPU needed).
 
-`csrc/cuda/stats_kernels.cuh` is compiled with g++ against a small CUDA emulation (one OS
-thread per CUDA thread, real barriers for __syncthreads and warp shuffles) and a chunk of 4096
-elements instead of 65536, so small tensors cross many chunks. This checks the kernels' logic
-against the reference with the tolerances of docs/spec.md section 2, and which path (fast,
-shifted, slow) finished each chunk; nvcc's compilation is checked by `make cuda-check`, speed
-and the GPU guarantees by the `gpu` tests on a device.
+`csrc/cuda/stats_kernels.cuh` is compiled with g++ against a small CUDA emulation (one fiber
+per CUDA thread, taking turns at the barriers of __syncthreads and warp shuffles) and a chunk
+of 4096 elements instead of 65536, so small tensors cross many chunks. This checks the
+kernels' logic against the reference with the tolerances of docs/spec.md section 2, and which
+path (fast, shifted, slow) finished each chunk; nvcc's compilation is checked by
+`make cuda-check`, speed and the GPU guarantees by the `gpu` tests on a device.
 """
 
 from __future__ import annotations
