@@ -17,7 +17,7 @@ ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env build test test-fast bench demo lint clean cuda-check gpu-prebuilt
+.PHONY: env build test test-fast test-eval bench demo lint clean cuda-check gpu-prebuilt
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -30,14 +30,17 @@ $(BUILD_STAMP): $(ENV_STAMP) $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
-# Test tiers (markers in pyproject.toml): `make test` runs every test, `make test-fast` (the
-# edit-test loop) all but those marked slow, corpus (the detector corpus) or device_script (the
-# dry runs of bench/gpu_check.sh). Both run the suite on one intra-op thread: on a shared
-# machine two threads wait for each other's core at every op (CONTRIBUTING.md has the
-# figures). The statistics do not depend on the thread count (the CPU kernel cuts its work into
-# the same chunks and merges them in one fixed tree for any count), and a test that trains a
-# model must hold on one thread and on several (its float sums differ).
-FAST := not slow and not corpus and not device_script
+# Test tiers (markers in pyproject.toml): `make test` runs the library's tests, all but the two
+# evaluation tiers; `make test-eval` runs those: corpus (the detector corpus and the trainer
+# runs of bench/, scored against their goals) and device_script (the dry runs of
+# bench/gpu_check.sh); CI runs both. `make test-fast` (the edit-test loop) runs all but those
+# and the tests marked slow. Each runs the suite on one intra-op thread: on a shared machine
+# two threads wait for each other's core at every op (CONTRIBUTING.md has the figures). The
+# statistics do not depend on the thread count (the CPU kernel cuts its work into the same
+# chunks and merges them in one fixed tree for any count), and a test that trains a model must
+# hold on one thread and on several (its float sums differ).
+EVAL := corpus or device_script
+FAST := not slow and not ($(EVAL))
 # 2**31 + 100 elements (2 GB of int8, 4 GB of bfloat16) for the 64-bit indexing: on the
 # default kernel variant only
 BIG := --deselect tests/test_kernels.py::test_more_than_2_pow_31_elements
@@ -50,13 +53,13 @@ ONE_THREAD := OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1
 JOBS ?= 2
 XDIST := $(if $(filter-out 1,$(JOBS)),-n $(JOBS))
 
-# Each test once per thing it proves: the suite on the fastest CPU kernel variant, one thread,
-# with the slowest tests listed (test_triton.py skips itself here: TRITON_INTERPRET is unset);
+# Each test once per thing it proves: the suite (the evaluation tiers aside) on the fastest CPU
+# kernel variant, one thread, with the slowest tests listed (test_triton.py skips itself here: TRITON_INTERPRET is unset);
 # the kernel tests again on the default threads (the parallel pass and its merge), and on every
 # other variant this processor runs (avx2, avx, base); then the Triton kernels through Triton's
 # interpreter in their own process (TRITON_INTERPRET must be set before triton is imported).
 test: build
-	$(ONE_THREAD) $(PY) -m pytest -q $(XDIST) --durations=25 tests
+	$(ONE_THREAD) $(PY) -m pytest -q $(XDIST) -m "not ($(EVAL))" --durations=25 tests
 	@echo "== the kernel tests on the default intra-op threads"
 	FASTHEALTH_REQUIRE_CPU=1 $(PY) -m pytest -q $(BIG) $(KERNEL_TESTS)
 	for isa in $$($(PY) -c "import fasthealth as f; print(' '.join(f.ops.compiled.C.cpu_isas()[1:]))"); do \
@@ -65,6 +68,10 @@ test: build
 			|| exit 1; \
 	done
 	TRITON_INTERPRET=1 $(ONE_THREAD) $(PY) -m pytest -q tests/test_triton.py
+
+# The evaluation tiers: the detector corpus and trainer runs, the device script's dry runs
+test-eval: build
+	$(ONE_THREAD) $(PY) -m pytest -q $(XDIST) -m "$(EVAL)" --durations=15 tests
 
 test-fast: build
 	$(ONE_THREAD) $(PY) -m pytest -q $(XDIST) -x -m "$(FAST)" --durations=10 tests

@@ -48,9 +48,13 @@ def test_an_interrupted_demo_leaves_nothing_in_the_temp_directory(tmp_path, how)
     """Interrupted mid-training (its log under way in the temp dir): the logs, the dumps
     and torch's inductor cache folder are removed; it exits on the signal, without a hang."""
     tmp = tmp_path / "tmp"
+    # Ctrl-C as at a terminal: a shell without job control starts its background jobs with
+    # SIGINT ignored, which the child would inherit (and Python then never raises
+    # KeyboardInterrupt)
     proc = subprocess.Popen([sys.executable, "-m", "fasthealth", "demo", "--no-report"],
                             cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not list(tmp.glob("fasthealth-demo-*/logs/run-*/steps.jsonl")):

@@ -1,8 +1,8 @@
-"""The detector evaluation of bench/detectors/ at make test's size: one seed of every tuning
+"""The detector evaluation of bench/detectors/ at make test-eval's size: one seed of every tuning
 family and fault (never a held-out one), each a real training run under fh.Monitor, scored at
 the Monitor's defaults and replayed under one other setting (the leave-one-family-out path).
-About 2-3 minutes on 2 cores: the tests that train are marked ``corpus`` (``make test`` runs
-them, ``make test-fast`` not).
+About 2-3 minutes on 2 cores: the tests that train are marked ``corpus`` (``make test-eval`` runs
+them, ``make test`` and ``make test-fast`` not).
 The full evaluation is the benchmark ``bench/bench_detectors.py``.
 
 A healthy family must raise no alarm and a fault must be caught (an alarm of an expected kind

@@ -6,9 +6,9 @@ refused, with the build run instead, when it does not. Also the per-test limit p
 
 The dry run (FASTHEALTH_GPU_DRY=1) builds nothing, assumes both GPU backends, benchmarks with
 fake timings (bench_gpu.py --fake: the same case loop and writes) and runs the GPU tests for
-real (they skip themselves without CUDA). Each dry run is marked ``device_script`` (``make test``
-runs them, ``make test-fast`` not): the matrix of forced failures and hangs takes 6-8 minutes on
-2 cores.
+real (they skip themselves without CUDA). Each dry run is marked ``device_script``
+(``make test-eval`` runs them, ``make test`` and ``make test-fast`` not): the matrix of forced
+failures and hangs takes 6-8 minutes on 2 cores.
 """
 
 import json

@@ -6,7 +6,8 @@ What is checked is the harness, not the monitor's verdicts (other work changes t
 planted fault goes in at the step it declares, that ``caught`` / ``delay`` / the incident
 count / ``right_cause`` / the null-loss count follow from what the monitor returned and what
 steps.jsonl holds, and that the log comparison tells identical logs from different ones.
-The runs are marked ``corpus`` (``make test`` runs them, ``make test-fast`` not).
+The runs are marked ``corpus`` (``make test-eval`` runs them, ``make test`` and
+``make test-fast`` not).
 """
 
 import sys
