@@ -89,7 +89,9 @@ class Incident:
     evidence that named it), ``severity`` ("alarm" once any of its events is one), ``events``
     (the first of each kind and severity: later ones are counted on it, ``Event.repeats``),
     ``counts`` (the steps each kind was seen at) and ``dump`` (the saved step of its first
-    alarm). ``open`` until it is over (``incidents.py``)."""
+    alarm). ``open`` until it is over (``incidents.py``); ``recovered``, once an alarm incident
+    is closed: whether the run came back from it (False: the run ended with its loss still up
+    beyond its noise, or broken, and ``end`` is then the run's last step)."""
 
     id: int
     start: int
@@ -104,6 +106,7 @@ class Incident:
     trigger: str = ""
     check_first: str = ""
     why: str = ""
+    recovered: bool | None = None
 
     @property
     def message(self) -> str:
@@ -122,7 +125,8 @@ class Incident:
                 "end": self.end, "kinds": list(self.kinds), "cause": self.cause,
                 "trigger": self.trigger, "check_first": self.check_first, "why": self.why,
                 "severity": self.severity, "events": len(self.events),
-                "counts": dict(self.counts), "dump": self.dump, "message": self.message}
+                "counts": dict(self.counts), "dump": self.dump, "message": self.message,
+                "recovered": self.recovered}
 
 
 @dataclass

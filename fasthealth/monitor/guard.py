@@ -89,7 +89,11 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     if tracker.broken():
         return cur, "the run is broken at its last step (non-finite or a runaway loss)"
     if tracker.harmed and tracker._unrecovered():
-        return cur, "the loss it harmed has not come back yet"
+        return cur, (f"the loss it harmed has not come back to its level before step "
+                     f"{cur.start} yet, beyond its noise: the weights are finite but damaged. "
+                     f"Resume from a checkpoint saved before step {cur.start} (skipping the "
+                     "incident's batches or lowering the learning rate that hurt it), or wait: "
+                     "saving resumes once the loss is back")
     loss, level = tracker.last[0], tracker.baseline[0]
     # a loss not captured at that step (NaN, with the step finite) says nothing either way
     if level is not None and math.isfinite(loss) \

@@ -1,28 +1,30 @@
 """Events of one fault, grouped into one ``Incident`` (docs/spec.md section 6).
 
-A fault rarely makes one event: a garbage batch spikes the loss and the gradient norm at its
-step, and the damaged model then spikes again while it recovers; an LR jump shows as the jump,
-spikes and a rising loss. The tracker sees each flushed step in order. An event joins the open
-incident when there is one (the aftermath of a fault explains what follows it); otherwise it
-opens a new one. An alarm incident stays open while the run has not come back from it: the
-median of the last ``recent`` (10) finite losses more than ``recover`` (20%) above the median of
-the 32 before the incident opened, or a GradScaler's scale still 8x or more below the highest of
-those 32 steps (a persistent fault, a data change or a collapsed scale, spikes again 100 steps
-later: that is still its aftermath). Above all it stays open while the run is broken: the last
-step's loss or gradients non-finite (a NaN in the gradients under a GradScaler; its overflow
-steps are the scaler at work), or its loss ``broken`` (1e6) times its level before the incident
-(a loss of 3e38 is no model at all, whatever the median of the finite losses says): it closes
-only on recovery, whatever its quiet periods. An incident that opens before the loss has a level
-(fewer than ``recent`` losses: a fault from the first steps, an LR far too high) stays open
-until the loss has fallen ``recover`` below its first value, the model at its initialization: a
-run that never learns is one fault, however often it spikes. Otherwise an incident closes after
-``quiet`` steps without an event; sooner when it cannot explain what comes later: after
-``notice_quiet`` steps while it holds only notices (a notice that nothing confirms should not
-hold the door open for an unrelated alarm much later), and after ``skipped_quiet`` steps while
-every event in it was at a skipped step (the update never reached the weights, so there is no
-aftermath: a NaN ten steps later is a fault of its own, a NaN at every step is still one). A
-notice incident that an alarm joins becomes an alarm: a gradient spike that the loss then
-confirms.
+A fault rarely makes one event: a garbage batch spikes the loss and the gradient norm at its step,
+and the damaged model then spikes again while it recovers; an LR jump shows as the jump, spikes and
+a rising loss. The tracker sees each flushed step in order. An event joins the open incident when
+there is one (the aftermath of a fault explains what follows it); otherwise it opens a new one. An
+alarm incident stays open while the run has not come back from it: the median of the last ``recent``
+(10) finite losses above the median of the 32 before the incident opened by more than that median's
+noise allows (``noise_units`` (3) times the noise of a median of ``recent`` losses, judged from the
+32 losses' step-to-step spread; at least ``noise_floor`` (2%) of the level, at most ``recover``
+(20%) of it), or a GradScaler's scale still 8x or more below the highest of those 32 steps (a
+persistent fault, a data change or a collapsed scale, spikes again 100 steps later: that is still
+its aftermath). An incident the run ended in without coming back is closed ``recovered=False``, its
+``end`` the run's last step. Above all it stays open while the run is broken: the last step's loss
+or gradients non-finite (a NaN in the gradients under a GradScaler; its overflow steps are the
+scaler at work), or its loss ``broken`` (1e6) times its level before the incident (a loss of 3e38 is
+no model at all, whatever the median of the finite losses says): it closes only on recovery,
+whatever its quiet periods. An incident that opens before the loss has a level (fewer than
+``recent`` losses: a fault from the first steps, an LR far too high) stays open until the loss has
+fallen ``recover`` below its first value, the model at its initialization: a run that never learns
+is one fault, however often it spikes. Otherwise an incident closes after ``quiet`` steps without an
+event; sooner when it cannot explain what comes later: after ``notice_quiet`` steps while it holds
+only notices (a notice that nothing confirms should not hold the door open for an unrelated alarm
+much later), and after ``skipped_quiet`` steps while every event in it was at a skipped step (the
+update never reached the weights, so there is no aftermath: a NaN ten steps later is a fault of its
+own, a NaN at every step is still one). A notice incident that an alarm joins becomes an alarm: a
+gradient spike that the loss then confirms.
 
 When the run is not (or no longer) harmed by an alarm incident and ``settle`` (10) steps have
 passed since its last new finding, an alarm of a kind the incident does not hold is a new fault
@@ -83,8 +85,17 @@ class IncidentConfig:
     so there is no aftermath (a NaN ten steps later is a fault of its own)."""
     recover: float = 0.2
     """The loss's recent median more than this share above its level before the incident: not
-    recovered, the incident stays open (and, before the loss had a level, it must fall this
-    share below its first value)."""
+    recovered, the incident stays open, whatever the loss's noise (and, before the loss had a
+    level, it must fall this share below its first value)."""
+    noise_units: float | None = 3.0
+    """Below ``recover``: the recent median more than this many of its own noise units above the
+    level before is not recovered either (the noise of a median of ``recent`` losses, from the
+    step-to-step spread of the losses before the incident). A learning-rate burst that leaves
+    a nanoGPT-shaped run's loss 18% up, where a median of 10 losses moves by 2%, has damaged
+    the model though it is within 20%. None: ``recover`` alone."""
+    noise_floor: float = 0.02
+    """The least margin, as a share of the level, whatever the noise (a full-batch loss has
+    almost none): a loss within 2% of its level is back."""
     recent: int = 10
     """Finite losses in the recent median."""
     before: int = 32
@@ -173,8 +184,9 @@ class IncidentTracker:
         self.scales: deque[float] = deque(maxlen=before)  # the last finite loss scales
         self.first_loss = math.nan  # the run's first finite loss
         self.scale = math.nan  # the last finite loss scale
-        # the open incident's before: (loss level, or None before there is one; loss scale)
-        self.baseline: tuple[float | None, float] = (None, math.nan)
+        # the open incident's before: (loss level, or None before there is one; loss scale;
+        # how far above the level the recent median may be and still be back)
+        self.baseline: tuple[float | None, float, float] = (None, math.nan, math.nan)
         self.last_new = -1  # the step of the open incident's last new finding
         self.harmed = False  # the open incident's run has been unrecovered at some step
         self.peak_norm = 0.0  # the largest finite gradient norm since the open one opened
@@ -184,12 +196,16 @@ class IncidentTracker:
         self.last = (math.nan, True)  # the last step's loss, and whether it was finite
         self.after: list[float] | None = None  # losses after the open incident's first alarm
         self.scaled = False  # a GradScaler's scale has been seen
+        self.last_step = -1  # the last step observed
 
     def observe(self, loss: float, scale: float, grad_norm: float = math.nan,
-                finite: bool = True) -> None:
+                finite: bool = True, step: int | None = None) -> None:
         """The step's loss, loss scale and gradient norm; ``finite``: its loss and gradients
-        were finite (``step_finite``)."""
+        were finite (``step_finite``); ``step``: its number (the last one ends an incident the
+        run never came back from)."""
         self.last = (loss, finite)
+        if step is not None:
+            self.last_step = step
         if math.isfinite(grad_norm) and self.current is not None:
             self.peak_norm = max(self.peak_norm, grad_norm)
         cur = self.current
@@ -244,17 +260,35 @@ class IncidentTracker:
     def _unrecovered(self) -> bool:
         """Whether the run is still below where it was before the open incident (see the module
         docstring); never for a notice incident or one of skipped steps only."""
-        loss, scale = self.baseline
+        loss, scale, margin = self.baseline
         recent = list(self.losses)[-self.recent:]
         now = statistics.median(recent) if len(recent) == self.recent else math.nan
         first = self.first_loss
         if loss is None:  # opened before the loss had a level: back once it has learned
             if math.isfinite(first) and not now <= (1 - self.recover) * first:
                 return True  # (too few losses yet to judge, NaN, counts as not back)
-        elif loss > 0 and now > (1 + self.recover) * loss:
+        elif loss > 0 and now > loss + margin:
             return True
         return math.isfinite(scale) and math.isfinite(self.scale) \
             and self.scale * self.config.scale_drop <= scale
+
+    def _margin(self, level: float | None) -> float:
+        """How far above ``level`` the recent median may stand and the run be back: the noise
+        of a median of ``recent`` losses (a robust spread of the step-to-step changes of the
+        losses before, over sqrt(2) for one loss, times 1.2533 / sqrt(recent) for the median)
+        times ``noise_units``, within [``noise_floor``, ``recover``] of the level."""
+        if level is None:
+            return math.nan
+        cap = self.recover * abs(level)
+        units = self.config.noise_units
+        steps = list(self.losses)
+        if units is None or len(steps) < self.recent + 1:
+            return cap
+        diffs = [b - a for a, b in zip(steps, steps[1:])]
+        mid = statistics.median(diffs)
+        one = 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)
+        noise = one * 1.2533 / math.sqrt(self.recent)
+        return min(cap, max(self.config.noise_floor * abs(level), units * noise))
 
     def _expired(self, step: int) -> bool:
         cur = self.current
@@ -272,10 +306,18 @@ class IncidentTracker:
             limit = self.notice_quiet
         return step - cur.end > limit
 
-    def _close(self) -> Incident:
+    def _close(self, ended: bool = False) -> Incident:
+        """Closes the open incident; ``ended``: because the run ended, when an alarm incident
+        the run has not come back from is closed unrecovered and lasts to the last step."""
         closed, self.current = self.current, None
         assert closed is not None
         closed.open = False
+        if closed.severity == ALARM:
+            damaged = ended and not self.skipped_only and (
+                self.broken() or self.harmed and self._unrecovered())
+            closed.recovered = not damaged
+            if damaged:
+                closed.end = max(closed.end, self.last_step)
         self.firsts = {}
         return closed
 
@@ -352,7 +394,8 @@ class IncidentTracker:
                                     trigger=first.kind)
             self.incidents.append(self.current)
             level = statistics.median(self.losses) if len(self.losses) >= self.recent else None
-            self.baseline = (level, max(self.scales) if self.scales else math.nan)
+            self.baseline = (level, max(self.scales) if self.scales else math.nan,
+                             self._margin(level))
             self.harmed = False
             self.peak_norm = 0.0
             self.skipped_only = True
@@ -385,4 +428,4 @@ class IncidentTracker:
 
     def close_all(self) -> list[Incident]:
         """Closes the open incident (the run ended); returns it in a list, or an empty one."""
-        return [] if self.current is None else [self._close()]
+        return [] if self.current is None else [self._close(ended=True)]

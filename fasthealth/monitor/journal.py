@@ -159,7 +159,7 @@ class Journal:
             self._rearm(before=False)
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
-                             s.values["grad_norm"], step_finite(s.values))
+                             s.values["grad_norm"], step_finite(s.values), s.step)
         ended = ([closed] if closed else []) + self.tracker.take_closed()
         s.info["incidents"] = [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened else [])

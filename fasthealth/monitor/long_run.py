@@ -54,3 +54,10 @@ class LongRun:
         optimizer's state for NaN/Inf. Its sync happens only here, when it is called. With
         ``on_nonfinite="raise"`` its flush raises NonFiniteError as any flush would."""
         return guard.verdict(self).safe
+
+    def save_verdict(self) -> guard.Verdict:
+        """``safe_to_save()`` with its reasons: ``safe``, and when not, ``reason`` (why, and
+        what to do: for a run damaged but finite, resume from a checkpoint before the incident
+        or wait for the loss to come back) and ``incident`` (the open incident that forbids
+        it, None when only the pass over the values found NaN/Inf). The same flush and sync."""
+        return guard.verdict(self)

@@ -85,6 +85,14 @@ def report_paths(out: Path) -> tuple[Path, Path]:
 NOTICE_ROW = " style='color:#777'"  # a notice's row in the event table: muted
 
 
+def _still(inc: dict) -> str:
+    """What the steps column adds: an incident still open, or one the run never came back
+    from (closed at its end, its loss still up)."""
+    if inc["state"] != "closed":
+        return " (open)"
+    return " (not back at the end)" if inc.get("recovered") is False else ""
+
+
 def _incident_rows(incidents: list[dict] | None, log_dir: str | Path) -> str:
     e = html.escape
     if incidents is None:
@@ -95,7 +103,7 @@ def _incident_rows(incidents: list[dict] | None, log_dir: str | Path) -> str:
         more = replay_line(inc, log_dir) or ""
         rows.append(
             f"<tr style='color:{LABEL_COLORS[sev]}'><td>#{e(str(inc['id']))}</td>"
-            f"<td>{inc['start']}-{inc['end']}{' (open)' if inc['state'] != 'closed' else ''}"
+            f"<td>{inc['start']}-{inc['end']}{_still(inc)}"
             f"</td><td>{e(sev)}</td><td>{e(inc['cause'])} ({e(inc.get('trigger', '?'))})</td>"
             f"<td>{e(', '.join(with_counts(inc['kinds'], inc.get('counts'))))}"
             f"</td><td>{inc['events']}</td><td>{e(more)}</td></tr>")

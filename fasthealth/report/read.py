@@ -209,6 +209,7 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
                "steps by kind"),
            "dump": check("dump", lambda v: isinstance(v, str), "a path"),
            "message": check("message", lambda v: isinstance(v, str), "a string"),
+           "recovered": check("recovered", lambda v: isinstance(v, bool), "true or false"),
            "replay": _replay_of(rec)}
     return out
 

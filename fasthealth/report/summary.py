@@ -118,14 +118,15 @@ def incident_table(incidents: list[dict] | None, log_dir: str | Path | None = No
         return ["  incidents: none"]
     lines = [f"  incidents: {len(incidents)} ({_plural(len(alarms), 'alarm')}, "
              f"{_plural(len(notices), 'notice')})",
-             f"    {'id':<5} {'steps':<13} {'severity':<9} {'events':>6}  {'cause':<15} "
+             f"    {'id':<5} {'steps':<17} {'severity':<9} {'events':>6}  {'cause':<15} "
              f"{'trigger':<26} kinds"]
     for group in (alarms, notices):
         for inc in group[:LISTED]:
-            span = f"{inc['start']}-{inc['end']}" + (" open" if inc["state"] != "closed"
-                                                    else "")
+            span = f"{inc['start']}-{inc['end']}" + (
+                " open" if inc["state"] != "closed" else
+                " not back" if inc.get("recovered") is False else "")
             kinds = _kinds_shown(with_counts(inc["kinds"], inc.get("counts")))
-            lines.append(f"    {'#' + str(inc['id']):<5} {span:<13} {inc['severity']:<9} "
+            lines.append(f"    {'#' + str(inc['id']):<5} {span:<17} {inc['severity']:<9} "
                          f"{inc['events']:>6}  {inc['cause']:<15} {inc.get('trigger', '?'):<26} "
                          f"{kinds}")
             if inc.get("check_first"):
