@@ -17,8 +17,10 @@ Each step is timed whole (forward, backward, the step, ``zero_grad``), after ``-
 steps of each. Reported per copy: the median and the mean step time (the mean includes the
 Monitor's flushes) and their cost against ``plain``; and for the Monitor, the time inside
 ``mon.step`` alone, at the steps that flush and at those that do not, against the clip and
-optimizer step it replaces. ``--profile`` adds where ``mon.step``'s time goes (cProfile, by
-function, over the default Monitor's steps).
+optimizer step it replaces. Where the Monitor's time goes: each rule's host time per flush
+(its ``observe`` timed in the default Monitor's copy), and the LM-head hook's time per forward
+(the precursors' logit statistics, on logits of this run's shape). ``--profile`` adds a
+cProfile of ``mon.step`` over the default Monitor's steps.
 
     python bench/bench_loop_cost.py                      # 400 rounds, ~3 minutes on 2 cores
     python bench/bench_loop_cost.py --record             # into bench/results/loop_cost.json
@@ -102,10 +104,22 @@ class Run:
         if arm.startswith("monitor"):
             self.mon = fh.Monitor(self.model, self.opt, max_grad_norm=1.0,
                                   precursors=arm == "monitor")
+        self.rule_s: dict[str, float] = {}
+        if arm == "monitor":  # each rule's host time, summed over the run
+            for rule in self.mon.journal.detectors:
+                rule.observe = self._timed(rule.observe, type(rule).__name__)
         self.step_s: list[float] = []  # whole steps
         self.inner_s: list[float] = []  # mon.step, or clip + optimizer.step
         self.flushed: list[bool] = []
         self.n = 0
+
+    def _timed(self, observe, name: str):
+        def timed(s):
+            t = time.perf_counter()
+            out = observe(s)
+            self.rule_s[name] = self.rule_s.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return timed
 
     def step(self, profile: cProfile.Profile | None = None) -> None:
         t0 = time.perf_counter()
@@ -174,6 +188,22 @@ def summarize(runs: dict[str, Run], warmup: int) -> dict:
     return out
 
 
+def hook_us(run: Run, repeats: int = 2000) -> float | None:
+    """The median time of the precursors' LM-head hook on logits of this run's shape, called
+    alone (warm caches: inside the forward it costs more)."""
+    probe = getattr(run.mon.gate, "precursors", None) if run.mon is not None else None
+    if probe is None or probe.head is None:
+        return None
+    logits = torch.randn(MICRO, CTX, len(CHARS) + 1)
+    times = []
+    for _ in range(repeats):
+        probe._logits = None  # as after a step: the next forward is read
+        t = time.perf_counter()
+        probe._on_logits(probe.head[1], (), logits)
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
 def profile_text(prof: cProfile.Profile, top: int = 25) -> str:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
@@ -208,9 +238,12 @@ def main(argv=None) -> int:
                   end="", file=sys.stderr, flush=True)
     if show:
         print(file=sys.stderr)
+    hook = hook_us(runs["monitor"])
     for r in runs.values():
         if r.mon is not None:
             r.mon.close()
+    mon = runs["monitor"]
+    flushes = max(1, mon.n // mon.mon.flush_every)
     res = {"what": "nanoGPT-shaped loop (2 layers, 64 wide, context 64, batch 8 x 2 "
                    "accumulated, AdamW, clip 1.0), four copies taking turns a step each",
            "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads,
@@ -218,7 +251,10 @@ def main(argv=None) -> int:
                       f"{torch.get_num_threads()} thread(s), torch {torch.__version__}",
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "seconds": round(time.perf_counter() - t0, 1),
-           "arms": summarize(runs, args.warmup)}
+           "arms": summarize(runs, args.warmup),
+           "rule_ms_per_flush": {k: round(1e3 * v / flushes, 3) for k, v in
+                                 sorted(mon.rule_s.items(), key=lambda kv: -kv[1])},
+           "lm_head_hook_us_per_step": hook}
     if prof is not None:
         res["profile"] = profile_text(prof)
     print(f"{'copy':<24} {'median ms':>10} {'mean ms':>9} {'median +':>9} {'mean +':>8} "
@@ -231,6 +267,12 @@ def main(argv=None) -> int:
         row = res["arms"][arm]
         print(f"{arm}: mon.step {row['median_inner_between_ms']:.3f} ms between flushes, "
               f"{row['median_inner_at_flush_ms']:.3f} ms at its {row['flushes']} flushes")
+    rules = res["rule_ms_per_flush"]
+    print(f"rules, host ms per flush of {mon.mon.flush_every} steps: {sum(rules.values()):.2f} "
+          f"(" + ", ".join(f"{k} {v:.2f}" for k, v in list(rules.items())[:6]) + ", ...)")
+    if hook is not None:
+        print(f"precursors' LM-head hook: {hook:.0f} us per step (its first forward), "
+              "alone on warm caches")
     if prof is not None:
         print(res["profile"])
     out = Path(args.out) if args.out else (

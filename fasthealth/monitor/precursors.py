@@ -159,8 +159,12 @@ class PrecursorProbe:
 
     def _on_logits(self, module: nn.Module, args: Any, out: Any) -> None:
         x = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
-        if not torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return  # an evaluation pass, or not logits
+        if self._logits is not None or not torch.is_grad_enabled() \
+                or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            # read once per step: the first forward of a step with gradient accumulation (its
+            # other micro-batches' logits are drawn alike, and each read costs a pass over
+            # 512 rows); an evaluation pass; not logits
+            return
         rows = x.detach().reshape(-1, x.shape[-1])[:ROWS].float()
         self._logits = rows.abs().amax().double(), rows.logsumexp(-1).mean().double()
 
