@@ -16,7 +16,7 @@ the launcher.
      - a masked pass when a sum is not finite (NaN or inf in the chunk): the same loop over
        the finite elements only, +inf, -inf and NaN counted (and masked around the mean when
        the variance cancels), so that a NaN-laden gradient reads each chunk twice, not
-       through the exact path (issue 33 item 3), and
+       through the exact path, and
      - the exact path when a sum is still not finite (squares beyond float32) or the
        largest |x| is below 2^-40 (squares that float32 underflows).
    The exact path (also float64 and integer inputs): per BLOCK, two passes over registers
@@ -260,7 +260,7 @@ def _in_flight(r0, r1, r2, r3, opaque, WAIT_ALL: tl.constexpr):
     cannot know), but made to depend on later loads so that ptxas issues all four loads before
     it uses any: left to itself, under the register cap, it sank loads past the first tile's
     use (one or two tiles in flight, not four: one memory latency a tile). As ``thread_sums``
-    does in csrc/cuda/stats_kernels.cuh (issue 33 items 1 and 4). WAIT_ALL: every tile waits
+    does in csrc/cuda/stats_kernels.cuh. WAIT_ALL: every tile waits
     for all four loads (the ptxas of Triton 3.6 needs it); else the first tile waits for the
     fourth (enough for Triton 3.8 and 3.9, where waiting for all costs up to a quarter more
     instructions in the masked loop). ``bench/sass_loops.py`` measures both."""
@@ -382,7 +382,7 @@ def _fast_chunk(base, start, end, n, hi, lo, hi64, lo64, masked_first, BLOCK: tl
             base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, False)
         finite = (tl.abs(s) < INF) & (tl.abs(q) < INF)
     if ~finite:
-        # NaN/Inf (or a square beyond float32): the masked pass (issue 33 item 3)
+        # NaN/Inf (or a square beyond float32): the masked pass
         path = tl.full((), PATH_MASKED, tl.float64)
         s, q, fmin, fmax, zero, over, under, pinf, ninf, nan = _lane_sums(
             base, start, end, 0.0, hi, lo, BLOCK, False, RANGE, True)

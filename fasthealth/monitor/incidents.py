@@ -119,7 +119,7 @@ class IncidentConfig:
     is a broken run and holds an alarm incident open, like a non-finite one: no real loss
     moves a million-fold while training (a cross-entropy that fell to 1e-3 and climbs back to
     its uniform value, about 10, moves 1e4-fold), while a NaN-filled stretch leaves the median
-    of the finite losses at its old level (issue 31: an incident closed at a loss of
+    of the finite losses at its old level (an incident used to close at a loss of
     3.06e38)."""
     causes: CauseConfig = CauseConfig()
     """The evidence rules that name an incident's likely cause (``causes.py``)."""

@@ -32,7 +32,7 @@ descent within a few steps and ignores up to 15 outliers."""
 MIN_LOG_NOISE = 0.005
 """The smallest noise unit on the log scale: at a plateau whose losses differ by 0.1% a step a
 1.4% bump scored 7 units; with the floor a spike stands at least 3% above the level (6 units),
-and that family raises no alarm (bench/results/detectors.json, after_23c_final,
+and that family raises no alarm (the detector evaluation, bench/results/detectors.json,
 digits_mlp_sgd_momentum_plateau)."""
 
 

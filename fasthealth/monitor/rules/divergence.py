@@ -13,10 +13,10 @@ class DivergenceConfig:
     window: int = 40
     """Losses the line is fitted through: long enough for minibatch noise to average out,
     short enough to fire within the corpus's allowed delays (slow_divergence: 13-19 steps of the
-    40 allowed, bench/results/detectors.json, after_30_final)."""
+    40 allowed, the detector evaluation, bench/results/detectors.json)."""
     t_min: float = 5.0
     """The slope's t-statistic: a climb that stands out of the noise; no healthy run of the
-    corpus reaches it (bench/results/detectors.json, after_30_final)."""
+    corpus reaches it (the detector evaluation, bench/results/detectors.json)."""
     rise: float = 0.2
     """The rise over the window and above the best level: a 20% climb is what a user would act
     on."""

@@ -27,7 +27,7 @@ class OscillationConfig:
     steps that alternate."""
     amplitude: float = 3.0
     """Times the run's usual swing: tests/test_monitor.py plants swings 5x the noise (found);
-    the corpus's healthy runs raise none (bench/results/detectors.json, after_30_final)."""
+    the corpus's healthy runs raise none (the detector evaluation, bench/results/detectors.json)."""
     history: int = 512
     """Past windows whose swings make the usual one."""
     warmup: int = 20

@@ -40,7 +40,7 @@ class SpikeConfig:
     """Noise units above the recent median (``spike_zscore``). At 6 no healthy tuning family
     alarms and every garbage batch of the held-out part is caught; 11, which leave-one-out
     prefers on the tuning part, misses 5 of 6 held-out garbage-word batches
-    (bench/results/detectors.json, after_23c_final)."""
+    (the detector evaluation, bench/results/detectors.json)."""
     window: int = 128
     """Finite, non-spike values the noise is measured over (``spike_window``): enough
     differences for a stable 0.9 quantile."""

@@ -19,8 +19,8 @@ from .base import Context, Finding, Rule, listed
 class TensorNormConfig:
     collapse: float = 1e-3
     """Share of its own level below which a tensor's gradient has collapsed: three orders
-    below its usual size; no healthy run of the corpus alarms (bench/results/detectors.json,
-    after_30_final)."""
+    below its usual size; no healthy run of the corpus alarms (the detector evaluation,
+    bench/results/detectors.json)."""
     explode: float = 100.0
     """Times its own level above which a tensor's gradient has exploded."""
     patience: int = 3

@@ -21,7 +21,7 @@ class VanishingConfig:
     that size moves no weight measurably."""
     rel_drop: float = 1e4
     """Times below the recent median: far beyond the fall of healthy norms within a window;
-    no healthy run of the corpus alarms (bench/results/detectors.json, after_30_final)."""
+    no healthy run of the corpus alarms (the detector evaluation, bench/results/detectors.json)."""
     patience: int = 3
     """Steps in a row: one batch of all-masked tokens is not a fault."""
     window: int = 128
