@@ -46,7 +46,7 @@ from fasthealth.ops.reference import tensor_stats_row
 from fasthealth.selftest import GPT2_SMALL, gpt2_shapes
 
 VARIANTS = ("finite", "one_nan", "all_nan", "all_inf", "mix")
-GOAL = 0.80  # issue 33: non-finite at >= 80% of the finite speed
+GOAL = 0.80  # non-finite at >= 80% of the finite speed
 EXACT = ("numel", "nan_count", "posinf_count", "neginf_count", "inf_count", "zero_count",
          "min", "max", "finite_min", "finite_max", "amax", "all_finite")
 

@@ -8,7 +8,7 @@ defaults.
 
 The split is explicit in each family (``held_out``, bench/trainers/corpus.py): the tuning set
 holds the families the monitor may be tuned on, including the five that were held out until
-issue 31's first scoring; the held-out set is five newer families, chosen after that scoring
+the first held-out scoring; the held-out set is five newer families, chosen after that scoring
 and never tuned on, to be scored once with ``--final``.
 
 Scores per run (bench/trainers/runner.py): a healthy run's alarms (each a false alarm); a

@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / f'{stem}.json'}" + (f" and {out / f'{stem}.png'}, "
                                               f"{out / f'{stem}-roofline.png'}" if plotted
                                               else ""))
-    # issue 33 item 3: the same gradients holding NaN/Inf against finite ones (its own JSON)
+    # the same gradients holding NaN/Inf against finite ones (its own JSON)
     bench_nonfinite.main(["--out", str(out / f"cpu_nonfinite{'-quick' if args.quick else ''}.json"),
                           "--label", "make bench", "--rounds", str(args.rounds)]
                          + (["--quick"] if args.quick else []))

@@ -132,7 +132,7 @@ def loads_in_flight(sass: str) -> dict[str, list[int]]:
 
 
 def test_loads_of_an_iteration_are_in_flight_before_the_first_use():
-    """issue 33 item 1: every main loop (float32, bfloat16, float16; plain, shifted and masked
+    """Every main loop (float32, bfloat16, float16; plain, shifted and masked
     passes) issues all four of an iteration's 16-byte loads before using any of them, in both
     instantiations, on sm_90. Without thread_sums' opaque dependency ptxas (nvcc 13.0) sank the
     fourth load past the first one's use in about half of the loops (9 of 17 and 10 of 18 kept
@@ -145,7 +145,7 @@ def test_loads_of_an_iteration_are_in_flight_before_the_first_use():
 
 
 def test_main_loops_stay_under_the_issue_limit():
-    """issue 33 item 3: per element, the fast loops stay under what an H200 can issue while it
+    """Per element, the fast loops stay under what an H200 can issue while it
     streams at its memory limit (~3.3e13 thread instructions a second over ~2.4e12 bfloat16
     elements: 14 an element, 28 a float32 one), and each masked loop (chunks holding NaN/Inf)
     costs at most 2.5x the dearest fast loop of its instantiation, element type for element

@@ -195,7 +195,7 @@ def test_paths_taken(exe):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_masked_pass_for_nonfinite_chunks(exe, dtype):
-    """Chunks holding NaN/Inf take the masked pass, not the slow path (issue 33 item 3): exact
+    """Chunks holding NaN/Inf take the masked pass, not the slow path: exact
     with NaN, +inf and -inf at every lane of a 16-byte vector, at the four-wide loop's edges
     and in the scalar head and tail (misaligned views), all non-finite, a 3% mix, and a mean
     that dominates (the masked shifted pass); finite values the fast path cannot serve go to

@@ -1,4 +1,4 @@
-"""The CPU kernel's masked paths (issue 33 item 3): blocks holding NaN/Inf are split into their
+"""The CPU kernel's masked paths: blocks holding NaN/Inf are split into their
 finite lanes in the vector loop, never handed whole to a scalar path. Against
 fasthealth/ops/reference.py: NaN, +inf and -inf at every lane of the widest vector and its
 second load, at block (4096) and chunk (65536) edges and in the scalar tail; mixed with the

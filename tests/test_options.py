@@ -26,8 +26,8 @@ OLD_KEYWORDS = [
     "min_loss_scale", "per_tensor_every", "optimizer_check_every", "snapshot_max_bytes",
     "vanishing_threshold", "tensorboard", "backend", "detectors", "rules", "dumps",
     "precursors", "logits", "attention",
-    "scheduler",  # issue 31: the schedule as evidence
-    "all_ranks",  # issue 32: one rank writes under torch.distributed unless asked
+    "scheduler",  # the schedule as evidence
+    "all_ranks",  # one rank writes under torch.distributed unless asked
 ]
 # docs/spec.md section 6's signature: shown by IDEs, so kept in Monitor's own
 SPEC_KEYWORDS = ["log_dir", "flush_every", "on_nonfinite", "on_spike", "spike_zscore",

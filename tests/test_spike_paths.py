@@ -1,4 +1,4 @@
-"""The spike rule's paths added with issue 31 (fasthealth/monitor/rules/spike.py): a value far
+"""The spike rule's paths for noisy floors (fasthealth/monitor/rules/spike.py): a value far
 beyond its window's largest at a noisy loss floor, and the first steps after a warm restart;
 and the stall rule's matrices-only evidence (rules/stall.py)."""
 

@@ -149,7 +149,7 @@ def test_lr_fault_lasts_until_the_optimizer_step():
     handle.remove()
 
 
-# held out until issue 31's first scoring, tuning families since
+# held out until the first held-out scoring, tuning families since
 FORMER_HELD_OUT = ("hf_gpt2_chars_fused_cosine_smoothing", "hf_mlp_cancer_rmsprop_linear",
                    "hf_bert_digits_adafactor_bf16", "pl_digits_rmsprop_one_cycle",
                    "pl_pydoc_bytes_manual_adamw")

@@ -189,8 +189,8 @@ def test_paths_taken():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_masked_pass_for_nonfinite_chunks(dtype):
-    """Chunks holding NaN/Inf take the masked pass (path 3), not the exact path (issue 33 item
-    3): exact counts and statistics of the finite elements, with range counts; a mean that
+    """Chunks holding NaN/Inf take the masked pass (path 3), not the exact path: exact
+    counts and statistics of the finite elements, with range counts; a mean that
     dominates takes the masked shifted pass; a chunk of nothing finite, and finite squares the
     fast path cannot hold, still come out right (the latter by the exact path)."""
     from fasthealth.triton_kernels import tensor_stats as ts

@@ -92,7 +92,7 @@ def test_chunk_kernel_compiles(arch, variant):
     # exp2/floor, which the GPU flushes to zero below 2^-126 (ex2.approx.ftz.f32)
     assert not re.search(r"(ex2\.approx|cvt\.rmi)\.ftz\.f32", k.asm["ptx"])
     if fast and ranged:
-        # the chunk's counts cross the lanes packed, three to one reduction (issue 33 item 4):
+        # the chunk's counts cross the lanes packed, three to one reduction:
         # range counts add no barrier (docs/gpu.md has the counts)
         plain = _compile(ts._chunk_stats_kernel, CHUNK_SIG, dict(consts, RANGE=False), arch,
                          ts.NUM_WARPS, ts.MAX_REGISTERS)
@@ -132,8 +132,8 @@ def test_main_loops_keep_their_loads_in_flight():
     at two programs, above the ~25 KB that 4.8 TB/s at ~700 ns needs), and the masked pass for
     chunks holding NaN/Inf costs at most 2.5x its instructions per 16-bit element (it cost
     2.7x to 2.9x with a compare and an add per class and flags converted from booleans). Read
-    from the sm_90 machine code of the installed Triton (bench/sass_loops.py; issue 33 items 3
-    and 4). Without _in_flight's dependency, Triton 3.6's ptxas issued one of four."""
+    from the sm_90 machine code of the installed Triton (bench/sass_loops.py).
+    Without _in_flight's dependency, Triton 3.6's ptxas issued one of four."""
     import sass_loops
 
     for name, dtype, size in sass_loops.variants():

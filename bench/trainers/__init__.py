@@ -17,7 +17,7 @@ by the Hugging Face ``Trainer`` and by Lightning, each with ``HealthCallback()``
   fault how far it moved the loss: ``effect_z``) and the check that the callback leaves the
   trainer's own logs alone;
 - ``corpus.py``: which families are tuned on and which are held out (each family's
-  ``held_out``: the five held out until issue 31's first scoring are tuning families since,
+  ``held_out``: the five held out until the first held-out scoring are tuning families since,
   and five newer ones are held out), and the jobs;
 - ``figure.py``: one row per run, the fault's step, the alarms coloured by kind.
 

@@ -3,7 +3,7 @@
 The split is each family's ``held_out`` (hf.py, lit.py). TUNING (15 families: ten HF Trainer,
 five Lightning) is what the monitor may be tuned on. Five of them (the fused AdamW with label
 smoothing, RMSprop on the breast-cancer table, a BERT under Adafactor and bf16, RMSprop with
-OneCycleLR, Lightning's manual optimization) were held out until issue 31's first scoring and
+OneCycleLR, Lightning's manual optimization) were held out until the first held-out scoring and
 are tuning families since. HELD_OUT (5: three HF Trainer, two Lightning), chosen after that
 scoring and not tuned on, differs from every tuning family in kind, not only in seed: Llama on
 bytes under warmup_stable_decay with accumulation, the user's NAdam with ExponentialLR on the

@@ -185,7 +185,7 @@ FAMILIES: dict[str, HFFamily] = {f.name: f for f in (
              "(T_0=100: restarts at 100, 200, 300) via optimizers=",
              lambda seed, n: sets.Rows(seed, n, "digits"), table_net, {},
              optimizers=sgd_warm_restarts(100), tags=("float_input",), batch=16, steps=400),
-    # ---- held out until issue 31's first scoring, tuning since ----------------------------------
+    # ---- held out until the first held-out scoring, tuning since --------------------------------
     HFFamily("hf_gpt2_chars_fused_cosine_smoothing", "GPT-2 on stdlib source by characters; "
              "optim=adamw_torch_fused, cosine, label smoothing 0.1", _lm("stdlib", "chars"),
              gpt2, dict(optim="adamw_torch_fused", learning_rate=3e-3, warmup_steps=20,
@@ -202,7 +202,7 @@ FAMILIES: dict[str, HFFamily] = {f.name: f for f in (
              dict(optim="adafactor", learning_rate=1e-3, warmup_steps=20,
                   lr_scheduler_type="constant_with_warmup", bf16=True),
              tags=LM_TAGS + ("bf16",), batch=16, held_out=False),
-    # ---- held out (chosen after issue 31's first scoring; not tuned on) -------------------------
+    # ---- held out (chosen after the first held-out scoring; not tuned on) -----------------------
     HFFamily("hf_llama_pydoc_bytes_wsd_accum2", "Llama on pydoc topics by bytes; "
              "optim=adamw_torch, warmup_stable_decay (20 warm-up steps, the last 60 a cosine "
              "decay), gradient accumulation 2", _lm("pydoc", "bytes"), llama,

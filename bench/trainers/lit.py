@@ -93,7 +93,7 @@ FAMILIES: dict[str, LitFamily] = {f.name: f for f in (
               lambda seed, n: sets.TokenWindows(seed, n, "stdlib", "chars"), "chars",
               adamw_warmup_decay, precision="bf16-mixed",
               tags=("tokens", "embedding", "bf16"), batch=8),
-    # ---- held out until issue 31's first scoring, tuning since ----------------------------------
+    # ---- held out until the first held-out scoring, tuning since --------------------------------
     LitFamily("pl_digits_rmsprop_one_cycle", "an MLP on the digits; RMSprop with OneCycleLR",
               lambda seed, n: sets.Rows(seed, n, "digits"), "table", rmsprop_one_cycle,
               tags=("float_input",), held_out=False),
@@ -102,7 +102,7 @@ FAMILIES: dict[str, LitFamily] = {f.name: f for f in (
               lambda seed, n: sets.TokenWindows(seed, n, "pydoc", "bytes"), "chars",
               adamw_warmup_decay, manual=True, tags=("tokens", "embedding"), batch=8,
               held_out=False),
-    # ---- held out (chosen after issue 31's first scoring; not tuned on) -------------------------
+    # ---- held out (chosen after the first held-out scoring; not tuned on) -----------------------
     LitFamily("pl_diabetes_mse_sgd_nesterov_cosine", "a regression MLP (mean squared error) on "
               "the diabetes table, targets standardised; SGD with Nesterov momentum 0.9 and "
               "CosineAnnealingLR over the run", lambda seed, n: sets.Rows(seed, n, "diabetes"),
