@@ -83,7 +83,8 @@ def test_a_garbage_batch_is_the_batch_and_every_garbage_sample_is_named(tmp_path
     row = next(i for i, line in enumerate(lines) if line.strip().startswith("#0 "))
     assert lines[row].split()[4:6] == ["batch", "loss_spike"], lines[row]
     assert lines[row + 1].strip() == f"check first: {CHECK_FIRST['batch']}"
-    assert lines[row + 2].rstrip().endswith("likely cause batch"), lines[row + 2]
+    assert lines[row + 2].rstrip().endswith("likely cause batch, as the incident's"), \
+        lines[row + 2]
     few = fh.replay(inc.dump, model, loss_fn, max_replays=4, save=False)
     # 1 + 4 replays, and the batch before as a control (the samples found reproduce together)
     assert few.capped and few.replays == 6 and "cap of 4 replays" in few.verdict, few.verdict

@@ -3,71 +3,25 @@ stays open while the loss stays up beyond its noise, ``safe_to_save()`` says no 
 the run's end closes it as not recovered, lasting to the last step, and the report says so.
 A healthy twin of the same run raises nothing and saves freely."""
 
-import argparse
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from nanogpt import ACCUM, GPT, LR, WARM, batch, text
 
 import fasthealth as fh
 from fasthealth import report
 
-CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
-D, HEADS, LAYERS, CTX, MICRO, ACCUM = 64, 4, 2, 64, 8, 2
-STEPS, WARM, LR, BURST_AT, BURST_FOR, BURST = 600, 50, 1e-3, 280, 20, 100.0
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(D), torch.nn.LayerNorm(D)
-        self.qkv, self.proj = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(D, 4 * D), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * D, D))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (z.transpose(1, 2) for z in
-                   self.qkv(self.ln1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, D))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(torch.nn.Module):
-    """nanoGPT's shape at 2 layers and 64 wide: token and position embeddings, pre-LN blocks."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = torch.nn.Embedding(len(CHARS) + 1, D)
-        self.wpe = torch.nn.Parameter(torch.randn(CTX, D) * 0.02)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = torch.nn.LayerNorm(D)
-        self.lm_head = torch.nn.Linear(D, len(CHARS) + 1)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe[:idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _text() -> torch.Tensor:
-    """Character ids of a standard-library module's source (nothing downloaded)."""
-    index = {ch: i for i, ch in enumerate(CHARS)}
-    text = Path(argparse.__file__).read_text(encoding="utf-8")
-    return torch.tensor([index.get(ch, len(CHARS)) for ch in text])
+STEPS, BURST_AT, BURST_FOR, BURST = 600, 280, 20, 100.0
 
 
 def _train(log_dir: Path, burst: bool):
     """nanoGPT's train.py loop: AdamW, warm-up and cosine decay, clipping at 1, gradient
     accumulation; with ``burst``, the learning rate 100x for 20 steps from step 280."""
     torch.manual_seed(0)
-    data, g = _text(), torch.Generator().manual_seed(0)
+    data, g = text(), torch.Generator().manual_seed(0)
     model = GPT()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     mon = fh.Monitor(model, opt, max_grad_norm=1.0, log_dir=log_dir)
@@ -81,10 +35,7 @@ def _train(log_dir: Path, burst: bool):
             group["lr"] = lr
         step_loss = torch.zeros(())
         for _ in range(ACCUM):
-            ix = torch.randint(len(data) - CTX - 1, (MICRO,), generator=g)
-            x = torch.stack([data[i:i + CTX] for i in ix])
-            y = torch.stack([data[i + 1:i + 1 + CTX] for i in ix])
-            loss = model(x, y) / ACCUM
+            loss = model(*batch(data, g)) / ACCUM
             loss.backward()
             step_loss += loss.detach()
         mon.step(step_loss)

@@ -104,17 +104,25 @@ def back(loss: float, level: float | None, share: float) -> bool:
     return level is not None and math.isfinite(loss) and loss <= (1 + share) * level
 
 
+DIRECT, RECOVERY, DEFAULT = "direct", "recovery", "default"
+"""What named an incident's cause (``Incident.basis``): a kind or a fact that names it
+directly (rules 1-4), whether the loss came back (rule 5), or its first alarm's default (rule
+6). A replay of the incident's dump re-runs the step: its cause replaces one named by the
+recovery or by default, not one named directly (the report shows one cause)."""
+
+
 def judge(inc: Incident, after: list[float] | None, level: float | None, scaled: bool,
-          c: CauseConfig) -> tuple[str, str]:
-    """(cause, why) of ``inc``; ``after``: the losses of the steps after its first alarm (None
-    before it has one), ``level``: the loss before it, ``scaled``: a GradScaler's scale seen."""
+          c: CauseConfig) -> tuple[str, str, str]:
+    """(cause, why, basis) of ``inc``; ``after``: the losses of the steps after its first alarm
+    (None before it has one), ``level``: the loss before it, ``scaled``: a GradScaler's scale
+    seen; ``basis``: ``DIRECT``, ``RECOVERY`` or ``DEFAULT``."""
     trigger = inc.trigger
     if trigger in c.optimizer_first:
         if c.jumped and any(e.kind in c.weight_kinds and e.details.get("jumps")
                             for e in inc.events):
             return "weights", (f"it holds a finite weight jump, which broke the optimizer's "
-                               f"state ({trigger} first)")
-        return "optimizer_state", f"its first alarm is {trigger}"
+                               f"state ({trigger} first)"), DIRECT
+        return "optimizer_state", f"its first alarm is {trigger}", DIRECT
     # several tensors that jumped together are a diverging run's symptom, not its cause
     kinds = [k for k in inc.kinds if k not in c.weight_kinds or any(
         e.kind == k and not e.details.get(SEVERAL_TENSORS) for e in inc.events)]
@@ -122,23 +130,25 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
                          (c.range_kinds, "numeric_range"), (c.batch_kinds, "batch")):
         hit = next((k for k in kinds if k in names), None)
         if hit is not None:
-            return cause, f"it holds {hit}"
+            return cause, f"it holds {hit}", DIRECT
     first = next((e for e in inc.events if e.severity == ALARM and e.kind == trigger), None)
     if c.scaled_grads and scaled and trigger == "nonfinite_grad" and first is not None:
         loss = first.details.get("step_loss")
         if isinstance(loss, float) and math.isfinite(loss):
-            return "numeric_range", "non-finite gradients with a finite loss under a GradScaler"
+            return ("numeric_range", "non-finite gradients with a finite loss under a GradScaler",
+                    DIRECT)
     if trigger in c.spikes and after is not None:
         if any(back(x, level, c.back_share) for x in after[:c.back_within]):
-            return "batch", f"the loss came back within {c.back_within} steps of {trigger}"
+            return ("batch", f"the loss came back within {c.back_within} steps of {trigger}",
+                    RECOVERY)
         if len(after) >= c.back_within and level is not None:
             return "weights", (f"the loss stayed up (or non-finite) {c.back_within} steps "
-                               f"after {trigger}: the model state was damaged")
+                               f"after {trigger}: the model state was damaged"), RECOVERY
         loss = first.details.get("step_loss") if first is not None else None
         if isinstance(loss, float) and level and loss >= c.astronomical * level:
             return "weights", (f"the loss at {trigger} was {loss / level:.3g}x its level: "
                                "damaged weights, not data (judged again once the run has "
-                               "shown whether it comes back)")
+                               "shown whether it comes back)"), RECOVERY
     if not trigger and inc.kinds:
         trigger = inc.kinds[0]
-    return cause_of(trigger), f"the default cause of {trigger}"
+    return cause_of(trigger), f"the default cause of {trigger}", DEFAULT

@@ -91,7 +91,10 @@ class Incident:
     ``counts`` (the steps each kind was seen at) and ``dump`` (the saved step of its first
     alarm). ``open`` until it is over (``incidents.py``); ``recovered``, once an alarm incident
     is closed: whether the run came back from it (False: the run ended with its loss still up
-    beyond its noise, or broken, and ``end`` is then the run's last step)."""
+    beyond its noise, or broken, and ``end`` is then the run's last step); ``basis``, what
+    named its cause: "direct" (a kind or a fact that names it), "recovery" (whether the loss
+    came back) or "default" (its first alarm's default); a replay's cause replaces the last
+    two (``causes.py``)."""
 
     id: int
     start: int
@@ -107,6 +110,7 @@ class Incident:
     check_first: str = ""
     why: str = ""
     recovered: bool | None = None
+    basis: str = ""
 
     @property
     def message(self) -> str:
@@ -126,7 +130,7 @@ class Incident:
                 "trigger": self.trigger, "check_first": self.check_first, "why": self.why,
                 "severity": self.severity, "events": len(self.events),
                 "counts": dict(self.counts), "dump": self.dump, "message": self.message,
-                "recovered": self.recovered}
+                "recovered": self.recovered, "basis": self.basis}
 
 
 @dataclass

@@ -234,7 +234,8 @@ class IncidentTracker:
         level = self.baseline[0]
         if level is None and math.isfinite(self.first_loss):
             level = self.first_loss
-        cur.cause, cur.why = judge(cur, self.after, level, self.scaled, self.config.causes)
+        cur.cause, cur.why, cur.basis = judge(cur, self.after, level, self.scaled,
+                                              self.config.causes)
         # a cause that is only the trigger's default: the kind's own advice is more specific
         # (a stall from the start: whether gradients reach every layer, then the rate) than
         # the cause's

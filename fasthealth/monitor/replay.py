@@ -24,15 +24,21 @@ on a deep copy of ``model`` with a hook on every module, and compares with what 
 - ``cause`` (``kinds.CAUSES``), the first that applies: non-finite optimizer state in the
   dump: "optimizer_state"; reproduced with dumped parameters that hold NaN/Inf or a value of
   1e10 or more: "weights", whichever samples reproduce it (they only read the broken weights:
-  a NaN row of an embedding, a 1e30 weight that only some inputs reach); not reproduced:
+  a NaN row of an embedding, a 1e30 weight that only some inputs reach); a weight scan's
+  finding among the events (``weight_corruption``: the damage seen itself): "weights"; not
+  reproduced:
   "numeric_range" under a GradScaler with non-finite gradients (replay runs unscaled), else
   "outside" (the loss code first: a loss computed differently at that step; then a transient
   hardware fault); reproduced by the batch's own NaN/Inf: "batch"; when the dump's learning
   rate (the last 8 steps) is 3x or more its earlier median: "learning_rate" (whichever samples
-  reproduce it: the model it damaged fails on some of them); by some samples only: "batch";
+  reproduce it: the model it damaged fails on some of them); events that no batch makes (a
+  trend, a state problem: no non-finite value, no spike): their kind's own cause; by some
+  samples only: "batch";
   by every sample alone, only by the whole batch, or without a search: the batch of the step
-  before (the dump's ``control``), replayed on the same weights, tells: it reproduces too, the
-  model state, "weights"; it does not, "batch" (a batch that is junk throughout). Without a
+  before (the dump's ``control``), replayed on the same weights, tells whether it makes the
+  same non-finite values or spikes: it does too, the model state, "weights"; it does not,
+  "batch" (a batch that is junk throughout). The verdict names the control's finding only
+  where it decided the cause. Without a
   control: "weights" when every sample reproduces, "batch" without a search (the verdict says
   the model state may be).
 
@@ -65,7 +71,7 @@ import torch
 from ..activations import ActivationMonitor
 from ..checks import check_grads, multi_tensor_stats
 from ..stats import MultiTensorStats
-from .kinds import fatal_kinds
+from .kinds import cause_of, fatal_kinds
 from .replay_text import cause_text, loss_far, verdict_text
 from .sinks import map_tensors
 
@@ -283,8 +289,9 @@ def _control(m, loss_fn, d: dict, dev: torch.device) -> bool | None:
     weights, reproduces the events too (then the model state causes them, not this batch);
     None without one or when it cannot be replayed."""
     control = d.get("control")
-    if not isinstance(control, dict) or control.get("batch") is None:
-        return None
+    judged = [e for e in d.get("events", []) if e["kind"] in fatal_kinds() or e["kind"] in SPIKES]
+    if not isinstance(control, dict) or control.get("batch") is None or not judged:
+        return None  # (a trend or a state problem: no batch makes it, this one or another)
     ours: list[torch.Tensor] = []
     theirs: list[torch.Tensor] = []
     map_tensors(ours.append, d["batch"])
@@ -297,7 +304,10 @@ def _control(m, loss_fn, d: dict, dev: torch.device) -> bool | None:
                   d.get("rng") or {})
     except Exception:  # a loss_fn that cannot take that batch: no control
         return None
-    return _reproduces(p, d.get("events", []), d.get("record", {}), 1)
+    # judged on what a batch makes, its non-finite values and spikes (``part``): another
+    # batch never replays to this step's loss, so a trend's or a state problem's test of the
+    # step itself says nothing about it
+    return _reproduces(p, judged, d.get("record", {}), 1)
 
 
 def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
@@ -307,6 +317,8 @@ def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
         return "optimizer_state"
     if reproduced and _params_broken(d):
         return "weights"  # the samples that reproduce it only read the broken weights
+    if "weight_corruption" in kinds:
+        return "weights"  # a weight scan saw the damage itself (a finite jump included)
     if not reproduced:
         scaled = d.get("record", {}).get("loss_scale") is not None
         ranged = {"nonfinite_grad", "loss_scale_collapse", "overflow_streak"} & set(kinds)
@@ -315,6 +327,8 @@ def _cause(d: dict, kinds: list[str], reproduced: bool, source: str | None,
         return "batch"
     if _lr_far_above(d):
         return "learning_rate"  # the samples that reproduce it are the ones it hurts most
+    if not any(k in fatal_kinds() or k in SPIKES for k in kinds):
+        return cause_of(kinds[0]) if kinds else "batch"  # no batch makes a trend
     if singles and len(singles) < n:
         return "batch"
     if control is not None:  # every sample (or no search): the batch before tells

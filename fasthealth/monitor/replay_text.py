@@ -92,7 +92,7 @@ def cause_text(cause: str, singles: list | None, smallest: list, n: int, capped:
                  f"{' ...' if len(smallest) > 10 else ''} do together, the smallest part found")
     elif singles is not None and len(singles) == n:
         text += "; every sample alone reproduces it"
-    if control is not None:
+    if control is not None and cause == ("weights" if control else "batch"):  # it decided
         step = (d.get("control") or {}).get("step")
         text += (f"; the batch of step {step}, replayed on the same weights, reproduces it too: "
                  "not this batch but the model state" if control else

@@ -368,7 +368,7 @@ def _label_incidents(ax, incidents: list[dict], rows: int = 3) -> None:
         if end_px <= min(right) + 8:  # no row has room left (a crowded run): none drawn
             continue
         # from its start rightwards, else (at the right edge) leftwards from its end
-        brief = replay_brief(inc.get("replay"))
+        brief = replay_brief(inc.get("replay"), inc.get("cause"))
         cause = inc.get("cause") or "?"  # (a log from before causes: its trigger)
         label = cause if cause in kinds.CAUSES else inc.get("trigger") or cause
         texts = ([f"#{inc['id']} {label}: {brief}"] if brief else []) + [

@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..monitor import kinds, schema
+from ..monitor.causes import CHECK_FIRST, DEFAULT, DIRECT, RECOVERY
 from ..monitor.kinds import ALARM, SEVERITIES
 from ..monitor.replay import result_path
 from ..monitor.sinks import json_kind, read_jsonl
+
+BASES = (DIRECT, RECOVERY, DEFAULT)  # what named an incident's cause (Incident.basis)
 
 # The fields of a steps.jsonl record checked, by the type the schema gives them: numbers (a
 # count too: the plots take floats) and flags (null allowed: shown as missing)
@@ -210,6 +213,8 @@ def _clean_incident(where: tuple[str, int], rec: dict, problems: Problems) -> di
            "dump": check("dump", lambda v: isinstance(v, str), "a path"),
            "message": check("message", lambda v: isinstance(v, str), "a string"),
            "recovered": check("recovered", lambda v: isinstance(v, bool), "true or false"),
+           "basis": check("basis", lambda v: v in BASES, "\"direct\", \"recovery\" or "
+                          "\"default\""),
            "replay": _replay_of(rec)}
     return out
 
@@ -383,7 +388,25 @@ def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Lo
             for inc in incidents:
                 if inc.get("dump") and not inc.get("replay"):
                     inc["replay"] = _replay_beside(inc["dump"], d, problems)
+                one_cause(inc)
     return Log(meta, steps, events, incidents, problems)
+
+
+def one_cause(inc: dict) -> None:
+    """One cause per incident: a replay's cause replaces the incident's own when that was
+    named by whether the loss came back or by its first alarm's default (a replay re-ran the
+    step: it saw whether this batch, the weights or neither made the fault), not when the
+    incident's evidence named it directly (a weight scan's finding, a learning-rate jump:
+    ``monitor/causes.py``). ``cause_by`` says whose it is ("replay" or "incident");
+    ``incident_cause`` keeps the incident's own when the replay's replaced it."""
+    r = inc.get("replay") or {}
+    theirs = r.get("cause")
+    inc["cause_by"] = "incident"
+    if theirs in kinds.CAUSES and inc.get("basis") in (RECOVERY, DEFAULT):
+        inc["cause_by"] = "replay"
+        if theirs != inc["cause"]:
+            inc["incident_cause"], inc["cause"] = inc["cause"], theirs
+            inc["check_first"] = CHECK_FIRST[theirs]
 
 
 def _incidents(records: list[dict], events: list[dict]) -> list[dict]:

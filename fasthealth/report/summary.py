@@ -61,23 +61,30 @@ def replay_line(inc: dict, log_dir: str | Path | None) -> str | None:
         ids = r["culprit_ids"] if isinstance(r["culprit_ids"], list) else [r["culprit_ids"]]
         found.append("samples " + ", ".join(map(str, ids[:10]))
                      + (f" (and {len(ids) - 10} more)" if len(ids) > 10 else ""))
-    if r.get("cause"):
-        found.append(f"likely cause {r['cause']}" + (" (search capped)" if r.get("capped")
-                                                      else ""))
+    capped = " (search capped)" if r.get("capped") else ""
+    if r.get("cause") and inc.get("incident_cause"):  # the replay's replaced it
+        found.append(f"likely cause {r['cause']}{capped}, which replaces the incident's "
+                     f"{inc['incident_cause']} (judged from whether the loss came back)")
+    elif r.get("cause") and r["cause"] != inc.get("cause"):
+        found.append(f"likely cause {r['cause']}{capped}, set aside: the incident's own "
+                     f"evidence names {inc.get('cause')} directly")
+    elif r.get("cause"):
+        found.append(f"likely cause {r['cause']}{capped}, as the incident's")
     if r.get("verdict") and not found:
         found.append(str(r["verdict"]))
     return f"dump {path}; replay: " + "; ".join(found)
 
 
-def replay_brief(r: dict | None) -> str | None:
-    """What replay found, in a few words for a plot label: the samples, else the first module,
-    else the source, else "transient"; None when not replayed."""
+def replay_brief(r: dict | None, cause: str | None = None) -> str | None:
+    """What replay found, in a few words for a plot label: the samples (when the ``cause`` shown
+    is the batch, or unknown), else the first module, else the source, else "transient"; None
+    when not replayed."""
     if not r:
         return None
     if r.get("reproduced") is False:
         return "not the batch trained on?" if r.get("loss_far") else "transient"
     ids = r.get("culprit_ids")
-    if isinstance(ids, list) and ids:
+    if isinstance(ids, list) and ids and cause in (None, "batch"):
         return "samples " + ",".join(map(str, ids[:3])) + (" ..." if len(ids) > 3 else "")
     if r.get("first_nonfinite"):
         return str(r["first_nonfinite"])
