@@ -44,7 +44,7 @@ PRECURSOR_SCALARS = ("update_ratio_max", "update_ratio_arg", "logit_max", "log_z
                      "attention_logit_max")
 QKV_CHILDREN = ("qkv", "c_attn", "in_proj", "query_key_value")
 HEAD_ATTRS = ("heads", "num_heads", "n_head", "num_attention_heads", "n_heads")
-ROWS = 512  # logits rows (tokens) the hook reads: enough for the level, a fixed small cost
+ROWS = 128  # logits rows (tokens) the hook reads: enough for the level, a fixed small cost
 TOKENS = 256  # tokens of the one sequence whose attention logits are computed
 
 
@@ -163,7 +163,7 @@ class PrecursorProbe:
                 or not isinstance(x, torch.Tensor) or x.dim() < 2:
             # read once per step: the first forward of a step with gradient accumulation (its
             # other micro-batches' logits are drawn alike, and each read costs a pass over
-            # 512 rows); an evaluation pass; not logits
+            # ROWS rows); an evaluation pass; not logits
             return
         rows = x.detach().reshape(-1, x.shape[-1])[:ROWS].float()
         self._logits = rows.abs().amax().double(), rows.logsumexp(-1).mean().double()
