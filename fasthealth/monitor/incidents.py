@@ -171,6 +171,11 @@ class IncidentTracker:
     ``observe`` is given every step's loss, loss scale and gradient norm (after its events are
     filed)."""
 
+    # what it keeps of the run, by name (``state.py``); the rest is its config's
+    STATE = ("incidents", "current", "closed_early", "losses", "scales", "first_loss", "scale",
+             "baseline", "last_new", "harmed", "peak_norm", "firsts", "skipped_only", "last",
+             "after", "scaled", "last_step")
+
     def __init__(self, config: IncidentConfig | None = None, **fields: object) -> None:
         c = self.config = replace(config or IncidentConfig(), **fields)  # type: ignore[arg-type]
         self.quiet, self.notice_quiet, self.skipped_quiet = c.quiet, c.notice_quiet, \

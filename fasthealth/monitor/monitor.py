@@ -53,6 +53,7 @@ from .record import (
     optimizer_nonfinite,
     or_nan,
 )
+from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
 from .rules import Context, Rule
 from .rules import build as build_rules
 from .runs import writer_root
@@ -143,9 +144,9 @@ class Monitor(LongRun):
         flush_every: int = 50,
         on_nonfinite: str = "skip",
         on_spike: str = "warn",
-        spike_zscore: float = 6.0,
-        spike_window: int = 128,
-        warmup_steps: int = 20,
+        spike_zscore: float = SPIKE_ZSCORE,
+        spike_window: int = SPIKE_WINDOW,
+        warmup_steps: int = WARMUP_STEPS,
         max_grad_norm: float | None = None,
         activations: Any = None,
         process_group: Any = None,

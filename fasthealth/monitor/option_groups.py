@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .options import shown
+from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
 from .rules import Rule
 
 
@@ -71,15 +72,15 @@ class DetectOptions:
     """What counts as an event: the thresholds the built-in rules (``rules/``) take from the
     Monitor, the overrides of any rule's own config, or a rule set of one's own."""
 
-    spike_zscore: float = 6.0
+    spike_zscore: float = SPIKE_ZSCORE
     """A loss or gradient norm more than this many noise units above its recent level is a
     spike (``rules/spike.py``, ``SpikeConfig.zscore``, where the measurement behind 6 is cited);
     ``on_spike="skip"`` skips by the same score."""
-    spike_window: int = 128
+    spike_window: int = SPIKE_WINDOW
     """The recent finite values a level and its noise are taken from, for the spike, trend and
     vanishing rules and the skip rule: enough differences for a stable 0.9 quantile, short
     enough to follow the loss as it falls."""
-    warmup_steps: int = 20
+    warmup_steps: int = WARMUP_STEPS
     """Finite values a window needs before it scores: the first steps of a run move too much
     to have a level. At most ``spike_window``, or no spike would ever be scored."""
     vanishing_threshold: float = 1e-8

@@ -21,6 +21,16 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+# The defaults of the thresholds the spike scoring shares, defined here once: ``DetectOptions``
+# and the Monitor's keywords (where their reasons are written), ``rules.Context``, each rule's
+# ``Config`` and the device skip rule read them.
+SPIKE_ZSCORE = 6.0
+"""Noise units above the recent level: a spike (``rules/spike.py``'s SpikeConfig.zscore)."""
+SPIKE_WINDOW = 128
+"""Recent values a level and its noise are taken from (``DetectOptions.spike_window``)."""
+WARMUP_STEPS = 20
+"""Values a window needs before it judges (``DetectOptions.warmup_steps``)."""
+
 NOISE_QUANTILE = 0.9
 """The differences' quantile that sets the unit: high enough to measure the body of the noise,
 below its heavy tail (a spike in the window widens a 0.9 quantile of 128 differences little)."""

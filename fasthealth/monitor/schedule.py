@@ -127,6 +127,8 @@ class ScheduleView:
     """The host side: whether each flushed step is a restart of the schedule (``restart``) or
     a change of rate the scheduler did not make (``unexplained``)."""
 
+    STATE = ("prev", "peak")
+
     def __init__(self, config: ScheduleConfig | None = None) -> None:
         self.config = config or ScheduleConfig()
         self.prev: float | None = None

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .robust import score_constants, spike_scores_t
+from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, score_constants, spike_scores_t
 
 SERIES = ("loss", "grad_norm")
 GRAD_FACTOR = 5.0  # SkipConfig.grad_factor's default, also read by the host spike rule
@@ -46,11 +46,11 @@ GRAD_FACTOR = 5.0  # SkipConfig.grad_factor's default, also read by the host spi
 
 @dataclass(frozen=True)
 class SkipConfig:
-    zscore: float = 6.0
+    zscore: float = SPIKE_ZSCORE
     """The loss's threshold in noise units (the Monitor's ``spike_zscore``, as the host rule)."""
-    window: int = 128
+    window: int = SPIKE_WINDOW
     """Accepted values each series' ring holds (``spike_window``)."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Values a ring needs before it scores (``warmup_steps``; at least 3)."""
     grad_factor: float = GRAD_FACTOR
     """Times ``zscore`` the gradient norm alone must stand out: it climbs several-fold while a
@@ -70,6 +70,8 @@ class SkipRule:
     """The device state and the per-step decision of ``on_spike="skip"``; see the module
     docstring. ``update`` returns (skip: 0-dim bool, scores: (2,) float64, NaN while a series'
     window holds fewer than ``warmup`` values)."""
+
+    STATE = ("buf", "pos", "run")  # the rings and the run of skips; the rest is the config's
 
     def __init__(self, device: torch.device, config: SkipConfig | None = None) -> None:
         c = self.config = config if config is not None else SkipConfig()

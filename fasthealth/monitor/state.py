@@ -23,14 +23,25 @@ the tracker decides on is lost: the tracker counts repeats on the open incident'
 numbers new incidents from the count, so a resumed run raises the same events and incidents
 after the stop as the run uninterrupted.
 
-Encoding is generic, by field, so that a new rule needs nothing here: an object of a
-fasthealth class becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}``
-(the same object twice becomes a reference to its ``id``: an incident's events are the
-Monitor's events), a deque, tuple, set or dict a tagged list. Decoding makes objects only of
-classes defined in fasthealth's own modules; anything else in a state is refused with the
-path to it. A user's rule (``DetectOptions(detectors=...)``) of its own class keeps its state
-through its own ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a
-warning) otherwise.
+State by name: each stateful class lists its state fields in ``STATE`` (a rule's windows and
+counters, the tracker's incidents, the skip rule's rings; ``Rule.STATE`` says what belongs
+there), and only those are saved and restored, into the objects the resumed Monitor made from
+its own options. A record (``Event``, ``Incident``) is saved by its dataclass fields. An
+object becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same
+object twice becomes a reference to its ``id``: an incident's events are the Monitor's
+events), a deque, tuple, set or dict a tagged list. Decoding makes records only of classes
+defined in fasthealth's own modules, and restores a part of a rule (a spike rule's series)
+into the part the resumed rule has; anything else in a state is refused with the path to it.
+A user's rule (``DetectOptions(detectors=...)``) of its own class keeps its state through its
+own ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a warning)
+otherwise.
+
+Versions: a state says its ``format`` (``FORMAT``). Format 1 (fasthealth 0.1.0 before state by
+name) saved every attribute of these objects; it is migrated: the listed fields are taken, the
+rest (settings the resumed Monitor makes from its options) dropped, and a component that lacks
+a listed field starts cold, with a warning that names it. A format this fasthealth does not
+know, or a component whose fields differ from its list in a state of this format, is refused
+with a StateError before anything is applied: never half-loaded.
 """
 
 from __future__ import annotations
@@ -41,21 +52,17 @@ import enum
 import importlib
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .events import Incident
 
-Monitor = Any  # monitor.Monitor (not imported: monitor.py imports this module)
+if TYPE_CHECKING:  # monitor.py imports this module
+    from .monitor import Monitor
 
-FORMAT = 1  # the layout of the state; a state of another format is refused with its number
-
-# fields that are not state: options (the resumed Monitor's own), references to what the
-# Monitor watches, and caches made again from them
-NOT_STATE = frozenset({"config", "ctx", "optimizer", "scheduler", "probe", "params", "device",
-                       "alarm_listeners", "detectors", "jsonl", "tb", "errors", "previous",
-                       "backlog", "log_dir", "_constants", "_ring"})
+FORMAT = 2  # the layout of the state: 2 saves listed fields (STATE); 1 saved every attribute
+MIGRATED = (1,)  # older formats this fasthealth reads
 
 
 class StateError(ValueError):
@@ -67,7 +74,24 @@ def _ours(cls: type) -> bool:
 
 
 def _fields(obj: Any) -> dict[str, Any]:
-    return {k: v for k, v in vars(obj).items() if k not in NOT_STATE}
+    """The state of ``obj`` by name: a record's dataclass fields, else the fields its class
+    lists in ``STATE``; a class of ours that lists none cannot be kept."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    names = getattr(type(obj), "STATE", None)
+    if names is None:
+        raise StateError(f"fasthealth: {type(obj).__qualname__} lists no STATE fields: it "
+                         "cannot be kept in the Monitor's state")
+    return {k: getattr(obj, k) for k in names}
+
+
+@dataclasses.dataclass
+class _Part:
+    """A decoded part of a component (``cls``'s listed fields), restored into the part the
+    resumed component has made."""
+
+    cls: type
+    fields: dict[str, Any]
 
 
 class _Encoder:
@@ -130,8 +154,9 @@ def _class(name: str, path: str) -> Any:
 
 
 class _Decoder:
-    def __init__(self) -> None:
+    def __init__(self, fmt: int = FORMAT) -> None:
         self.memo: dict[int, Any] = {}
+        self.fmt = fmt
 
     def __call__(self, v: Any, path: str) -> Any:
         if isinstance(v, list):
@@ -157,21 +182,71 @@ class _Decoder:
             return self.memo[v["id"]]
         if tag == "obj":
             cls = _class(v["cls"], path)
+            if self.fmt == FORMAT and not dataclasses.is_dataclass(cls):
+                part = _Part(cls, {})
+                self.memo[v["id"]] = part
+                part.fields.update({k: self(x, f"{path}.{k}") for k, x in v["state"].items()})
+                return part
             obj = cls.__new__(cls)
             self.memo[v["id"]] = obj
-            obj.__dict__.update({k: self(x, f"{path}.{k}") for k, x in v["state"].items()})
+            state = {k: self(x, f"{path}.{k}") for k, x in v["state"].items()}
+            if dataclasses.is_dataclass(cls):
+                names = {f.name for f in dataclasses.fields(cls)}
+                if self.fmt == FORMAT and set(state) != names:
+                    raise StateError(f"fasthealth: the {v['cls']} at {path} has fields "
+                                     f"{sorted(state)}, this fasthealth's has {sorted(names)}")
+                state = {k: x for k, x in state.items() if k in names}
+            obj.__dict__.update(state)
             return obj
         raise StateError(f"fasthealth: unreadable entry at {path} of the Monitor's state")
 
 
-def _restore(target: Any, fields: Any) -> None:
-    """Sets ``target``'s fields; a tensor goes to the device of the one it replaces (the skip
-    rule's rings live on the model's device)."""
+def _into(old: Any, new: Any, path: str, apply: bool) -> Any:
+    """``new`` as the value that replaces ``old``: a part restored into ``old`` (the part the
+    resumed component made), a dict of parts key by key, a tensor on ``old``'s device (the skip
+    rule's rings live on the model's device). ``apply=False`` only checks that it fits, and
+    raises StateError where it does not."""
+    if isinstance(new, _Part):
+        if not isinstance(old, new.cls):
+            raise StateError(f"fasthealth: the state has a {new.cls.__qualname__} at {path} "
+                             f"where this Monitor has {type(old).__qualname__}")
+        _restore(old, _check(old, new.fields, FORMAT, path) or {}, path, apply)
+        return old
+    if isinstance(new, dict) and isinstance(old, dict) and any(
+            isinstance(x, _Part) for x in new.values()):
+        if set(new) != set(old):
+            raise StateError(f"fasthealth: the state has {sorted(new)} at {path} where this "
+                             f"Monitor has {sorted(old)}")
+        return {k: _into(old[k], x, f"{path}[{k!r}]", apply) for k, x in new.items()}
+    if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor):
+        return new.to(old.device)
+    return new
+
+
+def _restore(target: Any, fields: dict[str, Any], path: str, apply: bool = True) -> None:
+    """Sets ``target``'s listed fields from ``fields`` (their names checked by ``_check``);
+    with ``apply=False`` checks every part of them and sets nothing."""
     for k, v in fields.items():
-        old = getattr(target, k, None)
-        if isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor):
-            v = v.to(old.device)
-        setattr(target, k, v)
+        value = _into(getattr(target, k, None), v, f"{path}.{k}", apply)
+        if apply:
+            setattr(target, k, value)
+
+
+def _check(target: Any, fields: dict[str, Any], fmt: int, path: str) -> dict[str, Any] | None:
+    """The fields of ``fields`` to restore into ``target``: exactly its ``STATE``. In a state
+    of this format other names are a refusal; in a migrated one the listed fields are taken
+    and the rest dropped, and a missing one makes the component start cold (None)."""
+    names = list(_fields(target))
+    if fmt == FORMAT:
+        if set(fields) != set(names):
+            raise StateError(
+                f"fasthealth: the state's {path} has the fields {sorted(fields)}, this "
+                f"fasthealth's has {sorted(names)}: a state of another release of format "
+                f"{FORMAT}? refused")
+        return fields
+    if any(k not in fields for k in names):
+        return None
+    return {k: fields[k] for k in names}
 
 
 def _rule_key(rule: Any, i: int) -> str:
@@ -285,9 +360,11 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
     if not isinstance(sd, dict) or "format" not in sd:
         raise StateError("fasthealth: load_state_dict expects what Monitor.state_dict() "
                          f"returned, got {type(sd).__name__}")
-    if sd["format"] != FORMAT:
-        raise StateError(f"fasthealth: a Monitor state of format {sd['format']} (this "
-                         f"fasthealth reads format {FORMAT})")
+    fmt = sd["format"]
+    if fmt != FORMAT and fmt not in MIGRATED:
+        raise StateError(f"fasthealth: a Monitor state of format {fmt}: this fasthealth reads "
+                         f"format {FORMAT} and migrates {', '.join(map(str, MIGRATED))}; "
+                         "refused (a newer fasthealth wrote it?)")
     if list(sd["names"]) != list(mon.names):
         gone = sorted(set(sd["names"]) - set(mon.names))
         new = sorted(set(mon.names) - set(sd["names"]))
@@ -296,7 +373,7 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
                          "order): load it into a Monitor of the same model")
     # 1. decoded whole, in the order it was encoded (a reference names an object decoded
     # before), into locals: a refused state changes nothing
-    dec = _Decoder()
+    dec = _Decoder(fmt)
     rules = {key: None if saved is None or "own" in saved
              else dec(saved["fields"], f"rules[{key}]") for key, saved in sd["rules"].items()}
     objects = {name: None if saved is None else dec(saved["fields"], name)
@@ -307,16 +384,18 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
     total = sd.get("incidents")
     # 2. what goes where, and what starts cold
     cold: list[str] = []
-    restore: list[tuple[Any, Any]] = []  # (an object, its fields)
+    restore: list[tuple[Any, dict[str, Any], str]] = []  # (an object, its fields, its path)
     own: list[tuple[Any, Any]] = []  # (a user's rule of its own class, its own state)
     for name, obj in _host_state(mon).items():
         saved = sd["objects"].get(name)
         if obj is None or saved is None:
             continue
-        if saved["config"] != _config(obj):
+        fields = None if saved["config"] != _config(obj) else _check(obj, objects[name] or {},
+                                                                      fmt, name)
+        if fields is None:
             cold.append(name)
             continue
-        restore.append((obj, objects[name]))
+        restore.append((obj, fields, name))
     for i, rule in enumerate(mon.detectors):
         key = _rule_key(rule, i)
         saved = sd["rules"].get(key)
@@ -324,21 +403,24 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
             cold.append(key.split(":", 1)[1])
         elif "own" in saved:
             own.append((rule, saved["own"]))
-        elif saved["config"] != _config(rule):
+        elif saved["config"] != _config(rule) or (
+                fields := _check(rule, rules[key] or {}, fmt, f"rules[{key}]")) is None:
             cold.append(key.split(":", 1)[1])
         else:
-            restore.append((rule, rules[key]))
+            restore.append((rule, fields, f"rules[{key}]"))
+    for target, fields, path in restore:  # every part fits before anything is set
+        _restore(target, fields, path, apply=False)
     # 3. the run: a refusal (another live writer) leaves this Monitor as it was
     run = sd.get("run") or {}
     step = run.get("step")
     mon._continue_run(run.get("id"), -1 if step is None or not math.isfinite(step) else step)
     # 4. applied
-    for target, fields in restore:
-        _restore(target, fields)
+    for target, fields, path in restore:
+        _restore(target, fields, path)
     for rule, saved in own:
         rule.load_state_dict(saved)
     j = mon.journal
-    if isinstance(total, int) and any(t is j.tracker for t, _ in restore):
+    if isinstance(total, int) and any(t is j.tracker for t, _, _ in restore):
         # the incidents before the kept ones, each in its place (an incident's id is its index)
         before = total - len(j.tracker.incidents)
         j.tracker.incidents[:0] = [Forgotten.at(n) for n in range(before)]

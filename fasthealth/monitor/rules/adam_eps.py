@@ -38,6 +38,7 @@ class AdamEps(Rule[AdamEpsConfig]):
     kinds = ("precursor_adam_eps",)
     precursor = True
     Config = AdamEpsConfig
+    STATE = ("run", "fired")
 
     def __init__(self, config: AdamEpsConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from ..record import HostStep
+from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
 
 
 @dataclass
@@ -42,9 +43,9 @@ class Context:
     params: Sequence[tuple[str, Any]] = ()
     optimizer: Any = None
     scaler: bool = False
-    spike_zscore: float = 6.0
-    spike_window: int = 128
-    warmup_steps: int = 20
+    spike_zscore: float = SPIKE_ZSCORE
+    spike_window: int = SPIKE_WINDOW
+    warmup_steps: int = WARMUP_STEPS
     vanishing_threshold: float = 1e-8
     min_loss_scale: float = 1.0
     probe: Any = None  # precursors.PrecursorProbe, or None with precursors off
@@ -68,6 +69,12 @@ class Rule(Generic[C]):
     kinds: ClassVar[tuple[str, ...]] = ()
     precursor: ClassVar[bool] = False  # built only with the Monitor's precursors on
     Config: ClassVar[type[Any]] = NoConfig
+    # the fields that are the rule's state, by name: its windows and counters, what
+    # ``Monitor.state_dict`` saves and ``load_state_dict`` restores (``state.py``). What the
+    # config or the context make (thresholds, names) is not state; a field left out of this
+    # list starts from its initial value after a resume (tests/test_state.py checks that every
+    # field a rule changes while it runs is listed)
+    STATE: ClassVar[tuple[str, ...]] = ()
     # config field -> the Context attribute (a Monitor option) it follows, where the config
     # has that field
     OPTIONS: ClassVar[dict[str, str]] = {"warmup": "warmup_steps"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..robust import WARMUP_STEPS
 from .base import Finding
 from .trend import Rising
 
@@ -22,7 +23,7 @@ class DivergenceConfig:
     on."""
     short: int = 10
     """Losses in the recent median compared with the best."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Losses seen before the rule judges (``warmup_steps``)."""
 
 

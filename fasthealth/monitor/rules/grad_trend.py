@@ -20,8 +20,10 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..record import HostStep
+from ..robust import WARMUP_STEPS
 from .base import Context, Finding
 from .trend import Rising
 
@@ -38,7 +40,7 @@ class GradTrendConfig:
     that tests/test_monitor.py plants (no finding), below an 8%-a-step one (found)."""
     short: int = 10
     """Values in the recent medians (of the norm and of the loss)."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Norms seen before the rule judges (``warmup_steps``)."""
     confirm: float | None = 0.1
     """The loss's recent median this far above its best and its level at the climb's start
@@ -52,6 +54,8 @@ class GradNormTrend(Rising[GradTrendConfig]):
     name = "grad_trend"
     kinds = ("exploding_grad",)
     Config = GradTrendConfig
+    STATE: ClassVar[tuple[str, ...]] = (*Rising.STATE, "losses", "window_losses", "lrs",
+                                        "best_loss", "climb_start", "lr_climb", "unconfirmed")
 
     def __init__(self, config: GradTrendConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)

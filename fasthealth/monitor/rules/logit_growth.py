@@ -39,6 +39,10 @@ class LogitConfig:
 
 
 class _Growth:
+    """One series' growth against its early level."""
+
+    STATE = ("seen", "ref", "high", "fired")  # ratio, floor and c are the config's
+
     def __init__(self, ratio: float, floor: float, c: LogitConfig) -> None:
         self.ratio, self.floor, self.c = ratio, floor, c
         self.seen: list[float] = []
@@ -70,6 +74,7 @@ class LogitGrowth(Rule[LogitConfig]):
     kinds = ("precursor_logit_growth", "precursor_attention_logits")
     precursor = True
     Config = LogitConfig
+    STATE = ("logit", "log_z", "attention", "z_fired")
 
     @classmethod
     def build(cls, ctx: Context) -> Rule | None:

@@ -27,6 +27,7 @@ class LossScale(Rule[LossScaleConfig]):
     name = "loss_scale"
     kinds = ("loss_scale_collapse",)
     Config = LossScaleConfig
+    STATE = ("recent", "collapsed")
 
     OPTIONS = {"min_loss_scale": "min_loss_scale"}
 

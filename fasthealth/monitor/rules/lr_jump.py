@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..record import HostStep
+from ..robust import WARMUP_STEPS
 from .base import Context, Finding, Rule
 
 
@@ -26,7 +27,7 @@ class LRJumpConfig:
     ratio: float = 3.0
     """Times the highest rate so far: restarts return to the old peak (1x), no schedule of
     torch's or transformers' exceeds it."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Steps before the rule judges (``warmup_steps``): a warm-up from near 0 climbs by orders
     of magnitude in its first steps."""
     climb: bool = True
@@ -43,6 +44,7 @@ class LRJump(Rule[LRJumpConfig]):
     name = "lr_jump"
     kinds = ("lr_jump",)
     Config = LRJumpConfig
+    STATE = ("last", "peak", "seen", "settled", "since")
 
     def __init__(self, config: LRJumpConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)

@@ -23,6 +23,7 @@ class NoGrad(Rule[NoGradConfig]):
     name = "no_grad"
     kinds = ("no_grad",)
     Config = NoGradConfig
+    STATE = ("missing", "fired")
     OPTIONS: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: NoGradConfig | None = None, ctx: Context | None = None) -> None:

@@ -10,6 +10,7 @@ from .base import Finding, NoConfig, Rule, listed
 class OptimizerState(Rule[NoConfig]):
     name = "optimizer_state"
     kinds = ("optimizer_state_nonfinite",)
+    STATE = ("bad",)
 
     def __init__(self, config=None, ctx=None) -> None:
         super().__init__(config, ctx)

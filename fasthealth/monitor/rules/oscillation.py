@@ -12,8 +12,9 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..robust import slope_t
+from ..robust import WARMUP_STEPS, slope_t
 from .base import Context, Finding
 from .trend import LossTrend
 
@@ -30,7 +31,7 @@ class OscillationConfig:
     the corpus's healthy runs raise none (the detector evaluation, bench/results/detectors.json)."""
     history: int = 512
     """Past windows whose swings make the usual one."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Losses seen before the rule judges (``warmup_steps``)."""
 
 
@@ -38,6 +39,7 @@ class Oscillation(LossTrend[OscillationConfig]):
     name = "oscillation"
     kinds = ("oscillation",)
     Config = OscillationConfig
+    STATE: ClassVar[tuple[str, ...]] = (*LossTrend.STATE, "swings")
     REARM = True
 
     def __init__(self, config: OscillationConfig | None = None, ctx: Context | None = None):

@@ -26,6 +26,7 @@ class OverflowStreak(Rule[OverflowStreakConfig]):
     name = "overflow_streak"
     kinds = ("overflow_streak",)
     Config = OverflowStreakConfig
+    STATE = ("streak", "start")
     OPTIONS: ClassVar[dict[str, str]] = {}
 
     @classmethod

@@ -43,6 +43,7 @@ class RepeatedBatch(Rule[RepeatedBatchConfig]):
     name = "repeated_batch"
     kinds = ("repeated_batch",)
     Config = RepeatedBatchConfig
+    STATE = ("last", "run", "start", "fired", "changes", "moved")
     OPTIONS: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: RepeatedBatchConfig | None = None,

@@ -14,6 +14,7 @@ from .base import Finding, NoConfig, Rule, listed
 class ReplicaDivergence(Rule[NoConfig]):
     name = "replica_divergence"
     kinds = ("replica_divergence",)
+    STATE = ("active",)
 
     def __init__(self, config=None, ctx=None) -> None:
         super().__init__(config, ctx)

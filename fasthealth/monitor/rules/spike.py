@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..record import HostStep
-from ..robust import spike_scores
+from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, spike_scores
 from ..skip_rule import GRAD_FACTOR, SERIES
 from .base import Context, Finding, Rule
 
@@ -36,15 +36,15 @@ KIND = {"loss": "loss_spike", "grad_norm": "grad_norm_spike"}
 
 @dataclass(frozen=True)
 class SpikeConfig:
-    zscore: float = 6.0
+    zscore: float = SPIKE_ZSCORE
     """Noise units above the recent median (``spike_zscore``). At 6 no healthy tuning family
     alarms and every garbage batch of the held-out part is caught; 11, which leave-one-out
     prefers on the tuning part, misses 5 of 6 held-out garbage-word batches
     (the detector evaluation, bench/results/detectors.json)."""
-    window: int = 128
+    window: int = SPIKE_WINDOW
     """Finite, non-spike values the noise is measured over (``spike_window``): enough
     differences for a stable 0.9 quantile."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Values a window needs before it scores (``warmup_steps``)."""
     max_run: int = 5
     """Spikes in a row that make a new level, taken into the window: a level that stays is a
@@ -82,6 +82,8 @@ class SpikeConfig:
 class _Series:
     """One watched series: its window of finite, non-spike values, its first values, and its
     run of spikes."""
+
+    STATE = ("values", "first", "run", "restarted", "before")  # the rest is the config's
 
     def __init__(self, key: str, window: int, early_ratio: float, first: int):
         self.key, self.label, self.early_ratio, self.n_first = key, LABEL[key], early_ratio, first
@@ -133,6 +135,7 @@ class Spike(Rule[SpikeConfig]):
     name = "spike"
     kinds = ("loss_spike", "grad_norm_spike")
     Config = SpikeConfig
+    STATE = ("series",)
 
     OPTIONS = {"zscore": "spike_zscore", "window": "spike_window", "warmup": "warmup_steps"}
 

@@ -50,6 +50,7 @@ class Stall(Rule[StallConfig]):
     name = "stall"
     kinds = ("stall",)
     Config = StallConfig
+    STATE = ("seen", "firsts", "start", "losses", "best", "vanished", "done")
 
     def __init__(self, config: StallConfig | None = None, ctx=None):
         super().__init__(config, ctx)

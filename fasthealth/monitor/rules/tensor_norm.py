@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..record import HostStep
+from ..robust import WARMUP_STEPS
 from .base import Context, Finding, Rule, listed
 
 
@@ -25,7 +26,7 @@ class TensorNormConfig:
     """Times its own level above which a tensor's gradient has exploded."""
     patience: int = 3
     """Steps in a row for a collapse."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Steps of a tensor before its level is trusted (``warmup_steps``)."""
     alpha: float = 0.05
     """Weight of a new log norm in the level: a memory of ~20 steps."""
@@ -35,6 +36,7 @@ class TensorNorm(Rule[TensorNormConfig]):
     name = "tensor_norm"
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig
+    STATE = ("level", "seen", "low", "reported_low", "reported_high")
     REARM = True
 
     def __init__(self, config: TensorNormConfig | None = None, ctx: Context | None = None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ..record import HostStep
 from ..robust import slope_t
@@ -38,6 +38,8 @@ T = TypeVar("T", bound=RiseConfig)
 class LossTrend(Rule[C]):
     """``judge`` runs once the window holds ``min_len`` log-losses and more than ``warmup``
     finite losses have been seen; a loss <= 0 leaves no log scale to judge on."""
+
+    STATE: ClassVar[tuple[str, ...]] = ("history", "seen", "active")
 
     def __init__(self, config: C | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)
@@ -76,6 +78,8 @@ class Rising(LossTrend[T]):
     t-statistic above ``t_min`` and by more than ``rise``, and the median of the last ``short``
     values stands ``rise`` above the lowest such median seen. The episode ends once that median
     is back within half of ``rise``."""
+
+    STATE: ClassVar[tuple[str, ...]] = (*LossTrend.STATE, "best")
 
     def __init__(self, config: T | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)

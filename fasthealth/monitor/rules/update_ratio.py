@@ -38,6 +38,7 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
     kinds = ("precursor_update_ratio",)
     precursor = True
     Config = UpdateRatioConfig
+    STATE = ("history", "fired")
     REARM = True
     REARM_BEFORE = True  # the restart's own update is the new rate's
     OPTIONS: ClassVar[dict[str, str]] = {}  # its warmup counts measurements, not steps

@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..record import HostStep
+from ..robust import SPIKE_WINDOW, WARMUP_STEPS
 from .base import Context, Finding, Rule
 
 
@@ -24,9 +25,9 @@ class VanishingConfig:
     no healthy run of the corpus alarms (the detector evaluation, bench/results/detectors.json)."""
     patience: int = 3
     """Steps in a row: one batch of all-masked tokens is not a fault."""
-    window: int = 128
+    window: int = SPIKE_WINDOW
     """Norms in the recent median (``spike_window``)."""
-    warmup: int = 20
+    warmup: int = WARMUP_STEPS
     """Norms before the relative test (``warmup_steps``); also the first losses the run's
     first level (their median) is taken over."""
     fitted: float = 1e-3
@@ -42,6 +43,7 @@ class Vanishing(Rule[VanishingConfig]):
     name = "vanishing"
     kinds = ("vanishing_grad",)
     Config = VanishingConfig
+    STATE = ("norms", "first_losses", "low", "active")
 
     OPTIONS = {"abs_threshold": "vanishing_threshold", "window": "spike_window",
                "warmup": "warmup_steps"}

@@ -55,6 +55,7 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
     name = "weight_corruption"
     kinds = ("weight_corruption",)
     Config = WeightCorruptionConfig
+    STATE = ("prev",)
     OPTIONS: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: WeightCorruptionConfig | None = None,
