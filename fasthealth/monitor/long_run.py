@@ -6,12 +6,9 @@ the step and the flush."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from . import guard, state
-
-if TYPE_CHECKING:
-    from .monitor import Monitor
 
 
 class LongRun:
@@ -26,7 +23,7 @@ class LongRun:
         Python values, small (never the model, and of the events and incidents only the
         latest and the open incident's: the logs hold them all; ``state.py``), loadable with
         ``torch.load(..., weights_only=True)``. Save it beside the model and the optimizer."""
-        return state.state_dict(cast("Monitor", self))
+        return state.state_dict(cast(state.Monitor, self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores what ``state_dict()`` returned, before the first step: the run goes on with
@@ -35,7 +32,7 @@ class LongRun:
         ``incidents`` every incident by id, the older ones as ``state.Forgotten`` placeholders.
         A state of another model's parameters, or one naming a class outside fasthealth, is a
         ValueError that changes nothing (no run continued)."""
-        state.load_state_dict(cast("Monitor", self), state_dict)
+        state.load_state_dict(cast(state.Monitor, self), state_dict)
 
     @property
     def run_id(self) -> str | None:

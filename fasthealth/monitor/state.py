@@ -52,14 +52,30 @@ import enum
 import importlib
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .events import Incident
 
-if TYPE_CHECKING:  # monitor.py imports this module
-    from .monitor import Monitor
+
+class Monitor(Protocol):
+    """What of a ``monitor.Monitor`` (which imports this module) the state reads and sets."""
+
+    names: list[str]
+    journal: Any
+    detectors: list[Any]
+    skip_rule: Any
+    _restarts: Any
+    _next_step: int
+    steps_seen: int
+    _stepped: bool
+    _resumed: bool
+    _closed: bool
+
+    def flush(self) -> Any: ...
+
+    def _continue_run(self, run_id: str | None, step: int) -> None: ...
 
 FORMAT = 2  # the layout of the state: 2 saves listed fields (STATE); 1 saved every attribute
 MIGRATED = (1,)  # older formats this fasthealth reads
@@ -348,11 +364,8 @@ def state_dict(mon: Monitor) -> dict[str, Any]:
     }
 
 
-def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
-    """``Monitor.load_state_dict``; see the module docstring. Everything is decoded and checked
-    before the run is continued, and the run is continued before anything is applied: a state
-    refused while decoding leaves the log directory (meta.json, the writer lock) and the
-    Monitor as they were, and so does a refused writer (another live Monitor of the run)."""
+def _format(mon: Monitor, sd: Any) -> int:
+    """The format of ``sd``, after checking that this Monitor may load it."""
     if mon._stepped or mon._resumed:
         raise RuntimeError("fasthealth: load_state_dict must come once, before the Monitor's "
                            "first step" + (" (this one has stepped)" if mon._stepped else
@@ -371,21 +384,19 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
         raise StateError("fasthealth: the state is of a Monitor of other parameters "
                          f"(missing here: {gone[:3]}, new here: {new[:3]}, or in another "
                          "order): load it into a Monitor of the same model")
-    # 1. decoded whole, in the order it was encoded (a reference names an object decoded
-    # before), into locals: a refused state changes nothing
-    dec = _Decoder(fmt)
-    rules = {key: None if saved is None or "own" in saved
-             else dec(saved["fields"], f"rules[{key}]") for key, saved in sd["rules"].items()}
-    objects = {name: None if saved is None else dec(saved["fields"], name)
-               for name, saved in sd["objects"].items()}
-    journal = dec(sd["journal"], "journal")
-    events, recent_lr, optimizer = journal["events"], journal["recent_lr"], journal["optimizer"]
-    next_step, steps_seen = sd["next_step"], sd["steps_seen"]
-    total = sd.get("incidents")
-    # 2. what goes where, and what starts cold
+    return int(fmt)
+
+
+Plan = tuple[list[tuple[Any, dict[str, Any], str]], list[tuple[Any, Any]], list[str]]
+
+
+def _plan(mon: Monitor, sd: dict[str, Any], rules: dict[str, Any], objects: dict[str, Any],
+          fmt: int) -> Plan:
+    """What goes where: (each object with its fields and path, each user's rule of its own
+    class with its own state, what starts cold); raises StateError where a part does not fit."""
     cold: list[str] = []
-    restore: list[tuple[Any, dict[str, Any], str]] = []  # (an object, its fields, its path)
-    own: list[tuple[Any, Any]] = []  # (a user's rule of its own class, its own state)
+    restore: list[tuple[Any, dict[str, Any], str]] = []
+    own: list[tuple[Any, Any]] = []
     for name, obj in _host_state(mon).items():
         saved = sd["objects"].get(name)
         if obj is None or saved is None:
@@ -410,6 +421,28 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
             restore.append((rule, fields, f"rules[{key}]"))
     for target, fields, path in restore:  # every part fits before anything is set
         _restore(target, fields, path, apply=False)
+    return restore, own, cold
+
+
+def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
+    """``Monitor.load_state_dict``; see the module docstring. Everything is decoded and checked
+    before the run is continued, and the run is continued before anything is applied: a state
+    refused while decoding leaves the log directory (meta.json, the writer lock) and the
+    Monitor as they were, and so does a refused writer (another live Monitor of the run)."""
+    fmt = _format(mon, sd)
+    # 1. decoded whole, in the order it was encoded (a reference names an object decoded
+    # before), into locals: a refused state changes nothing
+    dec = _Decoder(fmt)
+    rules = {key: None if saved is None or "own" in saved
+             else dec(saved["fields"], f"rules[{key}]") for key, saved in sd["rules"].items()}
+    objects = {name: None if saved is None else dec(saved["fields"], name)
+               for name, saved in sd["objects"].items()}
+    journal = dec(sd["journal"], "journal")
+    events, recent_lr, optimizer = journal["events"], journal["recent_lr"], journal["optimizer"]
+    next_step, steps_seen = sd["next_step"], sd["steps_seen"]
+    total = sd.get("incidents")
+    # 2. what goes where, and what starts cold
+    restore, own, cold = _plan(mon, sd, rules, objects, fmt)
     # 3. the run: a refusal (another live writer) leaves this Monitor as it was
     run = sd.get("run") or {}
     step = run.get("step")
@@ -430,5 +463,6 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
     mon._next_step, mon.steps_seen, mon._resumed = next_step, steps_seen, True
     if cold:
         warnings.warn("fasthealth: these rules start cold (their settings differ from the "
-                      f"saved run's, or they keep no state): {', '.join(cold)}", RuntimeWarning,
+                      "saved run's, they keep no state, or an older state lacks their fields): "
+                      f"{', '.join(cold)}", RuntimeWarning,
                       stacklevel=3)
