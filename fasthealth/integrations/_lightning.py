@@ -1,4 +1,22 @@
-"""What the Lightning callbacks share (``lightning.py``, ``pytorch_lightning.py``)."""
+"""What the Lightning callbacks share (``lightning.py``, ``pytorch_lightning.py``).
+
+Lightning hands its callbacks the Trainer and the module at every hook, and the loss
+(``on_before_backward``) and the optimizer (``on_before_optimizer_step``) where the check needs
+them; the callback's state rides in Lightning's checkpoint through ``state_dict`` /
+``load_state_dict``. What it takes beyond the callback API, each item with its test in
+tests/test_trainer_adapters.py (tested with lightning 2.6.6, the Makefile's ``TRAINERS``):
+
+1. ``trainer.save_checkpoint(filepath, ...)`` (public) is wrapped on the instance for the
+   length of ``fit``: no write while the checkpoint guard refuses (``ModelCheckpoint`` calls it
+   through the instance).
+2. ``trainer.strategy.remove_checkpoint(filepath)`` (public) is wrapped the same way: no file
+   removed while a refused save is pending, so that ``ModelCheckpoint``'s rotation never
+   deletes the last healthy one.
+3. ``trainer.precision_plugin.scaler`` (an attribute of the AMP plugin): the GradScaler whose
+   ``found_inf`` the check joins.
+4. ``trainer.lr_scheduler_configs[0].scheduler`` (public): the scheduler whose restarts the
+   rules take as a new start.
+"""
 
 from __future__ import annotations
 

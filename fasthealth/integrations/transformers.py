@@ -23,11 +23,11 @@
   the check unscales the gradients (the GradScaler's ``unscale_``), and the Trainer's own
   unscaling before its clipping is then left out for that step, as it is already done (a
   second ``unscale_`` would raise);
-- where the Trainer cannot be found (the callback is driven by something else than
-  ``Trainer.train``), the loss and the batch come from a forward hook on the model (its
-  output's ``loss``) and the check runs at the end of the last backward pass; where no loss can
-  be had at all, one warning at the first step says so and how to pass one, and the gradient
-  rules go on.
+- where the Trainer is not known (the callback driven by something else than
+  ``Trainer.train``, or a subclass whose ``train`` does not call ``super().train``), the loss
+  and the batch come from a forward hook on the model (its output's ``loss``) and the check
+  runs at the end of the last backward pass; where no loss can be had at all, one warning at
+  the first step says so and how to pass one, and the gradient rules go on.
 
 - checkpoints (docs/spec.md section 11): while ``Monitor.safe_to_save()`` is False the
   Trainer writes none (``control.should_save`` turned off in ``on_step_end`` / ``on_epoch_end``,
@@ -43,9 +43,11 @@ the one place every way of computing the loss goes through, and the one the Trai
 loss is made of (a ``training_step`` of a subclass is wrapped as well). It returns after the
 micro-batch's backward and before the Trainer's clipping, so the check still sees the raw
 gradients. The Trainer always gets a scalar tensor from it (it adds it to its running loss), so
-with the Trainer found no forward hook is needed. The Trainer is found in the calling frames
-of ``on_train_begin``, which ``Trainer._inner_training_loop`` calls (its ``self``, holding this
-callback); the wrapper sits on that instance only, for that ``train()``.
+with the Trainer known no forward hook is needed. The Trainer is known because
+``Trainer.train`` hands it to this callback before training starts; that, the wrapper of
+``training_step`` (on that instance, for that ``train()``) and every other place the callback
+goes past the callback API are in ``_hf_trainer.py``, listed at its top with the versions they
+are tested with.
 
 ``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs), each training in a run of
 its own there (``run-NNN/``, ``.monitor.run_dir``: steps.jsonl and the rest); the other keywords are
@@ -55,134 +57,26 @@ Monitor once training has begun.
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
-from collections.abc import Callable, Mapping
-from types import FrameType
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from torch.amp.grad_scaler import OptState
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
-from ..monitor import Monitor, gate
+from ..monitor import Monitor
 from ..monitor.option_groups import with_default
-from .capture import BackwardEnd, Capture, ForwardCapture
-from .checkpoints import Patch, SaveGuard, load_state, save_state
+from . import _hf_trainer as adapter
+from .capture import BackwardEnd, ForwardCapture
+from .checkpoints import SaveGuard, load_state, save_state
 from .log import log_dir_option, log_incident, logger
 
 
-def _sync_step() -> Callable[[], bool]:
-    """Whether the micro-batch that just ended is the last of its gradient accumulation: the
-    flag accelerate keeps for the Trainer."""
-    from accelerate.state import GradientState  # the Trainer brings accelerate; we do not
-
-    state = GradientState()
-    return lambda: bool(state.sync_gradients)
-
-
-def _trainer_frames(callback: TrainerCallback, depth: int) -> list[FrameType]:
-    """The calling frames of the ``Trainer`` methods whose callbacks hold ``callback``."""
-    frame: FrameType | None = sys._getframe(2)
-    found = []
-    for _ in range(depth):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer) and any(
-                c is callback for c in getattr(owner.callback_handler, "callbacks", ())):
-            found.append(frame)
-        frame = frame.f_back
-    return found
-
-
-def find_trainer(callback: TrainerCallback, depth: int = 12) -> Trainer | None:
-    """The ``Trainer`` whose callbacks hold ``callback``, from the frames calling it (the
-    Trainer's method's ``self``); None when none is there."""
-    frames = _trainer_frames(callback, depth)
-    return frames[0].f_locals["self"] if frames else None
-
-
-def resume_folder(callback: TrainerCallback, args: Any, state: Any) -> str | None:
-    """The checkpoint folder ``train(resume_from_checkpoint=...)`` resumes from: the
-    ``resume_from_checkpoint`` local of the Trainer's training loop calling ``on_train_begin``
-    (a path by then; True is resolved as the Trainer does), else, driven by something else,
-    ``<output_dir>/checkpoint-<global_step>`` when the step is past 0 and that folder exists."""
-    for frame in _trainer_frames(callback, 12):
-        path = frame.f_locals.get("resume_from_checkpoint")
-        if path is True:
-            path = get_last_checkpoint(args.output_dir)
-        if isinstance(path, (str, os.PathLike)):
-            return os.fspath(path)
-        if "resume_from_checkpoint" in frame.f_locals:
-            return None  # the training loop says: no resume
+def _resume_guess(args: Any, state: Any) -> str | None:
+    """Without the Trainer: ``<output_dir>/checkpoint-<global_step>`` when the step is past 0
+    at the start of training (a resume) and that folder exists."""
     folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
     return folder if state.global_step > 0 and os.path.isdir(folder) else None
-
-
-def _loss_tensor(loss: Any) -> torch.Tensor | None:
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
-
-
-def wrap_training_step(trainer: Trainer, monitor: Monitor, step: Callable[[], int],
-                       sample_ids: Callable[[Any], Any] | None,
-                       on_loss: Callable[[torch.Tensor | None, int], None]) -> Patch:
-    """``trainer.training_step`` wrapped: each micro-batch's returned loss and a shallow copy
-    of its inputs are kept; after the last micro-batch of the accumulation, ``monitor.check``
-    with their sum (the loss the Trainer logs for the step). ``on_loss(loss, step)`` sees it
-    first (the warning when it is None)."""
-    original = trainer.training_step
-    capture, sync = Capture(sample_ids), _sync_step()
-
-    @functools.wraps(original)
-    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        batch = dict(inputs) if isinstance(inputs, Mapping) else inputs  # before labels go
-        loss = original(model, inputs, *args, **kwargs)
-        capture.add(_loss_tensor(loss), batch, partial=True)
-        if sync():
-            total, batches, ids = capture.take()
-            t = step()
-            on_loss(total, t)
-            monitor.check(total, batch=batches, sample_ids=ids, step=t)
-        return loss
-
-    return Patch(trainer, "training_step", training_step)
-
-
-def unscale_once(trainer: Trainer, scaler: Any) -> Patch:
-    """``trainer.accelerator.unscale_gradients`` leaving out the optimizers whose gradients
-    the check already unscaled this step (the GradScaler's stage), so that the Trainer's
-    clipping and norm pass neither raise nor unscale twice."""
-    accelerator = trainer.accelerator
-    original = accelerator.unscale_gradients
-
-    def unscale_gradients(optimizer: Any = None) -> None:
-        opts = accelerator._optimizers if optimizer is None else optimizer
-        opts = list(opts) if isinstance(opts, (list, tuple)) else [opts]
-        states = scaler._per_optimizer_states
-        left = [o for o in opts
-                if states[id(gate.unwrap(o))]["stage"] is not OptState.UNSCALED]
-        if left:
-            original(optimizer=left)
-
-    return Patch(accelerator, "unscale_gradients", unscale_gradients)
-
-
-def guard_saves(trainer: Trainer, guard: SaveGuard, state: Any) -> Patch:
-    """``trainer._save_checkpoint`` skipped while ``guard`` refuses: the backstop for saves
-    that no callback sees coming (``save_strategy="best"`` sets ``should_save`` after the
-    evaluation, past ``on_step_end``)."""
-    original = trainer._save_checkpoint
-
-    @functools.wraps(original)
-    def _save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        if guard.allow(state.global_step):
-            return original(*args, **kwargs)
-        return None
-
-    return Patch(trainer, "_save_checkpoint", _save_checkpoint)
 
 
 NO_LOSS = ("fasthealth: step %d: no loss to check (%s); the loss rules are off, the gradient "
@@ -199,6 +93,13 @@ class HealthCallback(TrainerCallback):
         self._open = False
         self._warned = False
         self.guard: SaveGuard | None = None  # the checkpoint guard, while training
+        self._bound: tuple[Trainer, Any] | None = None  # (trainer, resume_from_checkpoint)
+        adapter.bind_on_train(HealthCallback)
+
+    def bind(self, trainer: Trainer, resume_from_checkpoint: Any) -> None:
+        """Called by ``Trainer.train`` (wrapped: ``_hf_trainer.py``) before training starts,
+        with the Trainer and the checkpoint it resumes from."""
+        self._bound = (trainer, resume_from_checkpoint)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_of_run(args)  # a train() that raised never reached on_train_end
@@ -210,21 +111,23 @@ class HealthCallback(TrainerCallback):
         monitor.on_alarm(log_incident)
         self.monitor, self._open, self._warned = monitor, True, False
         self.guard = SaveGuard(monitor)
-        folder = resume_folder(self, args, state)
+        bound, self._bound = self._bound, None
+        trainer = self.trainer = bound[0] if bound is not None else None
+        folder = (adapter.checkpoint_folder(*bound) if bound is not None
+                  else _resume_guess(args, state))
         if folder is not None:  # before the first step: the rules go on where they were
             load_state(monitor, folder)
-        trainer = self.trainer = find_trainer(self)
         if trainer is not None:
-            monitor.hooks.append(guard_saves(trainer, self.guard, state))
-            monitor.hooks.append(wrap_training_step(
+            monitor.hooks.append(adapter.guard_saves(trainer, self.guard, state))
+            monitor.hooks.append(adapter.wrap_training_step(
                 trainer, monitor, lambda: state.global_step, self.sample_ids,
                 lambda loss, t: self._no_loss(loss, t, "the Trainer's training_step "
                                               "returned no scalar tensor")))
             if monitor.scaler is not None:  # (a disabled scaler is none)
-                monitor.hooks.append(unscale_once(trainer, monitor.scaler))
+                monitor.hooks.append(adapter.unscale_once(trainer, monitor.scaler))
             return
         capture = ForwardCapture(model, self.sample_ids)
-        sync = _sync_step()
+        sync = adapter.sync_step()
 
         def after_backward() -> None:
             if sync():
@@ -258,7 +161,7 @@ class HealthCallback(TrainerCallback):
             return
         if self.guard is not None and self.guard.refused[-1:] == [state.global_step]:
             return
-        root = self.trainer._get_output_dir(trial=None) if self.trainer else args.output_dir
+        root = adapter.output_dir(self.trainer, args)
         save_state(self.monitor, os.path.join(root, f"checkpoint-{state.global_step}"))
 
     def on_train_end(self, args, state, control, **kwargs):

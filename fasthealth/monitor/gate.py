@@ -60,6 +60,11 @@ def unwrap(optimizer):
     return optimizer
 
 
+def unscaled(optimizer: torch.optim.Optimizer, scaler) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` was called since its last ``update``."""
+    return scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED
+
+
 def unscale(optimizer: torch.optim.Optimizer, scaler) -> None:
     """``scaler.unscale_`` unless this step's gradients were unscaled already."""
     if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:

@@ -1,0 +1,174 @@
+"""What the trainer callbacks take from the trainers beyond their callback APIs, one test per
+item of each adapter's list (``fasthealth/integrations/_hf_trainer.py``, the Lightning list in
+``fasthealth/integrations/_lightning.py``, GradScaler's state in ``fasthealth/monitor/gate.py``).
+Each fails when the library changes what the item relies on, before a user's training does:
+upgrading transformers, accelerate, Lightning or torch and running these says whether the
+callbacks still hold."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from fasthealth.monitor import gate
+
+transformers = pytest.importorskip("transformers")
+pl = pytest.importorskip("lightning.pytorch")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import GradientState  # noqa: E402
+from torch.amp.grad_scaler import OptState  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from fasthealth.integrations import _hf_trainer as hf_adapter  # noqa: E402
+from fasthealth.integrations.transformers import HealthCallback  # noqa: E402
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, labels=None):
+        out = self.lin(x)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+class _Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(4, generator=g)
+        return {"x": x, "labels": x.sum(0, keepdim=True)}
+
+
+class _Seen(TrainerCallback):
+    """What a callback is given at ``on_train_begin``, and the HealthCallback's binding then."""
+
+    def __init__(self, health):
+        self.health, self.at_begin = health, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.at_begin = self.health._bound
+
+
+def _trainer(tmp_path, **kw) -> Trainer:
+    torch.manual_seed(0)
+    options = dict(per_device_train_batch_size=8, max_steps=4, report_to=[], use_cpu=True,
+                   save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(str(tmp_path), **{**options, **kw})
+    return Trainer(_Tiny(), args, train_dataset=_Data())
+
+
+# ---- transformers / accelerate: _hf_trainer.py's items -------------------------------------
+
+def test_item_1_and_2_train_hands_the_trainer_and_the_resume_to_the_callback(tmp_path):
+    """``Trainer.train``'s first argument is ``resume_from_checkpoint``, and the callbacks
+    are in ``callback_handler.callbacks``: the wrapper binds before on_train_begin."""
+    assert _params(Trainer.train)[:2] == ["self", "resume_from_checkpoint"]
+    trainer = _trainer(tmp_path)
+    health = HealthCallback(log_dir=False)
+    seen = _Seen(health)
+    trainer.add_callback(seen)  # before the HealthCallback: it sees the binding unconsumed
+    trainer.add_callback(health)
+    assert health in trainer.callback_handler.callbacks
+    assert getattr(Trainer.train, hf_adapter.BOUND, False)
+    trainer.train()
+    assert seen.at_begin is not None and seen.at_begin[0] is trainer
+    assert health.trainer is None  # let go at the end of training
+    assert health.monitor is not None and health.monitor.steps_seen == 4
+
+
+def test_item_3_training_step_is_looked_up_on_the_instance_and_returns_the_loss(tmp_path):
+    assert _params(Trainer.training_step) == ["self", "model", "inputs", "num_items_in_batch"]
+    trainer = _trainer(tmp_path)
+    returned = []
+    original = trainer.training_step
+
+    def spy(model, inputs, *args, **kwargs):
+        loss = original(model, inputs, *args, **kwargs)
+        returned.append(loss)
+        return loss
+
+    trainer.training_step = spy  # as the adapter's Patch sets it
+    trainer.train()
+    assert len(returned) == 4
+    assert all(isinstance(x, torch.Tensor) and x.numel() == 1 for x in returned)
+    logged = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
+    assert logged and logged[0] == pytest.approx(float(sum(returned)) / 4, rel=1e-5)
+
+
+def test_item_4_save_checkpoint_is_called_through_the_instance(tmp_path):
+    assert _params(Trainer._save_checkpoint) == ["self", "model", "trial"]
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=2)
+    calls = []
+    original = trainer._save_checkpoint
+    trainer._save_checkpoint = lambda *a, **k: calls.append(1) or original(*a, **k)
+    trainer.train()
+    assert len(calls) == 2
+
+
+def test_item_5_output_dir_is_the_args_output_dir_without_a_trial(tmp_path):
+    assert _params(Trainer._get_output_dir) == ["self", "trial"]
+    trainer = _trainer(tmp_path)
+    assert trainer._get_output_dir(trial=None) == str(tmp_path)
+
+
+def test_item_6_unscale_gradients_and_the_prepared_optimizers():
+    assert _params(Accelerator.unscale_gradients) == ["self", "optimizer"]
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert list(acc._optimizers) == [opt]
+    assert gate.unwrap(opt) is opt.optimizer
+
+
+def test_item_7_gradient_state_says_whether_the_accumulation_ends():
+    assert isinstance(GradientState().sync_gradients, bool)
+    assert callable(hf_adapter.sync_step())
+
+
+# ---- torch: GradScaler's per-optimizer state (gate.py) --------------------------------------
+
+def test_grad_scaler_keeps_its_stage_and_found_inf_per_optimizer():
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    assert scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+    assert not gate.unscaled(opt, scaler)
+    gate.unscale(opt, scaler)
+    assert gate.unscaled(opt, scaler)
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+    assert found and all(isinstance(f, torch.Tensor) and f.numel() == 1
+                         for f in found.values())
+    skipped = gate.step_with_scaler(opt, scaler, torch.tensor(True), guard=True)
+    assert bool(skipped)  # the verdict joined found_inf: the scaler skipped the step
+    assert id(opt) not in scaler._per_optimizer_states or \
+        scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY
+
+
+# ---- Lightning: _lightning.py's items --------------------------------------------------------
+
+def test_lightning_save_and_remove_checkpoint_and_the_precision_scaler():
+    """``trainer.save_checkpoint(filepath, ...)`` and ``strategy.remove_checkpoint(filepath)``
+    are wrapped on the instances (ModelCheckpoint calls them through the instances); the AMP
+    plugin keeps its GradScaler as ``.scaler``; schedulers are in ``lr_scheduler_configs``."""
+    assert _params(pl.Trainer.save_checkpoint)[:2] == ["self", "filepath"]
+    from lightning.pytorch.strategies import Strategy
+    assert _params(Strategy.remove_checkpoint) == ["self", "filepath"]
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    assert "scaler" in _params(MixedPrecision.__init__)
+    plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert hasattr(plugin, "scaler")
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert trainer.lr_scheduler_configs == []
+    src = inspect.getsource(pl.callbacks.ModelCheckpoint)
+    assert "trainer.save_checkpoint(" in src and "trainer.strategy.remove_checkpoint(" in src
