@@ -1,7 +1,7 @@
 """The learning-rate schedule as evidence (docs/spec.md section 6; fasthealth/monitor/schedule.py):
 a warm restart the scheduler makes is a new start for the rules, not an alarm; a change of rate
-no schedule explains is ``lr_jump``; the scheduler is found or given, in plain loops and in the
-trainers."""
+no schedule explains is ``lr_jump``; the scheduler is given in plain loops (``scheduler=``) and
+by the trainers' callbacks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 import fasthealth as fh
 from fasthealth.monitor import rules, schedule
-from fasthealth.monitor.schedule import ScheduleConfig, ScheduleView, find_scheduler
+from fasthealth.monitor.schedule import ScheduleConfig, ScheduleView
 from fasthealth.monitor.skip_rule import SkipRule
 
 
@@ -36,8 +36,7 @@ def _sgdr_run(seed=0, steps=300, by_hand=False, known=None, garbage_at=None, **m
     opt = torch.optim.SGD(m.parameters(), lr=1.0, momentum=0.9)
     rates = [0.5 * (1 + math.cos(math.pi * (t % 60) / 60)) for t in range(steps)]
     sched = None if by_hand else torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, 60)
-    if known is not None:
-        known = known(opt)
+    known = known(opt) if known is not None else sched  # as a user passes it
     mon = fh.Monitor(m, opt, scheduler=known, **monitor)
     losses = []
     for t in range(steps):
@@ -62,7 +61,7 @@ def _alarms(mon):
 
 def test_warm_restarts_are_the_schedules_and_raise_no_alarm():
     mon, losses = _sgdr_run()
-    assert mon.schedule.scheduler is not None  # found among the optimizer's holders
+    assert mon.schedule.scheduler is not None  # given
     assert _alarms(mon) == []
     # the run does what makes the case: the loss climbs after the restart at step 60
     assert max(losses[61:90]) > 2 * min(losses[40:60])
@@ -141,12 +140,11 @@ def test_restart_view():
     assert v.observe(2.0, 0.1) == (False, True)
 
 
-def test_find_scheduler_and_bad_argument():
+def test_the_scheduler_given_and_a_bad_argument():
     m = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(m.parameters())
-    assert find_scheduler(opt) is None
     s = torch.optim.lr_scheduler.StepLR(opt, 5)
-    assert find_scheduler(opt) is s
+    assert schedule.ScheduleSource(opt).rates() == (pytest.approx(1e-3), None)
     with pytest.raises(TypeError, match="scheduler must be a learning-rate scheduler"):
         fh.Monitor(m, opt, scheduler="cosine")
     assert schedule.ScheduleSource(opt, s).rates() == (pytest.approx(1e-3), pytest.approx(1e-3))
@@ -251,7 +249,7 @@ def _lightning_sgdr_alarms(seed=2):
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(Module(), loader)
-    assert cb.monitor is not None and cb.monitor.schedule.given  # the callback passed it
+    assert cb.monitor is not None and cb.monitor.schedule.scheduler is not None  # passed
     return _alarms(cb.monitor)
 
 

@@ -165,7 +165,7 @@ def read_incidents(mon) -> list[tuple] | None:
 
 def monitor_for(setup: Setup, options: dict) -> fh.Monitor:
     return fh.Monitor(setup.model, setup.opt, flush_every=50, scaler=setup.scaler,
-                      **{**setup.monitor, **options})
+                      **{"scheduler": setup.sched, **setup.monitor, **options})
 
 
 class _Feed:

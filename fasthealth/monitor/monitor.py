@@ -200,7 +200,6 @@ class Monitor(LongRun):
                               skip_rule=self.skip_rule, precursors=self.precursors)
         self.schedule = ScheduleSource(optimizer, de.scheduler)
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
-        self._rose = False  # a step since the last flush raised the rate (schedule.search)
         self.steps_seen = self._next_step = 0
         self._stepped = self._resumed = self._closed = False  # load_state_dict; close()
         self._rng = _rng_state()
@@ -265,7 +264,6 @@ class Monitor(LongRun):
         total = table[-1]
         rates = self.schedule.rates()
         restart = self._restarts.observe(*rates)[0]
-        self._rose |= restart
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
         if restart and self.skip_rule is not None:  # after this step: see journal._file
             self.skip_rule.rearm()
@@ -334,8 +332,6 @@ class Monitor(LongRun):
         NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
         ``write_errors``, never raised."""
         refuse_misuse(self, "flush")
-        self.schedule.search(self._rose)  # a few times a run at most
-        self._rose = False
         return self.journal.flush(self.record.take(), self._snapshots)
 
     @property

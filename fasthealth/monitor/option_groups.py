@@ -97,8 +97,9 @@ class DetectOptions:
     """The learning-rate scheduler that sets the optimizer's rate (a torch ``LRScheduler``,
     or anything with ``get_last_lr()``): evidence for the rules, which take a warm restart it
     makes as a new start and judge only a change of rate it did not make (``schedule.py``).
-    None: one that holds the optimizer is looked for, at the first flush and when the rate
-    rises, a few times a run; the trainer callbacks pass the trainer's."""
+    The trainer callbacks pass the trainer's; in a plain loop pass yours. None: a rise of the
+    rate back to at most its peak so far is taken as a restart, and a change of rate is told
+    from the schedule by its size alone."""
     rules: dict[str, dict[str, Any]] | None = None
     """Overrides of any rule's own config, by rule name: ``{"spike": {"zscore": 8.0}}``
     (the names: ``fasthealth.monitor.rules.names()``; each field is documented in its rule's

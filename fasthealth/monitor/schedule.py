@@ -10,11 +10,12 @@ a new noise, measured after the restart, as at the start of the run. Only a chan
 explains is suspect: ``lr_jump`` judges it (``rules/lr_jump.py``).
 
 Which scheduler set the rate: the one the Monitor was given (``scheduler=``; the trainer
-callbacks pass theirs), else one found among the objects that hold the optimizer (a torch
-``LRScheduler`` keeps it as ``.optimizer``), looked for a few times a run at most
-(``ScheduleSource.search``). Each step records the rate of the optimizer's first parameter
-group (``lr``) and the rate the scheduler last set for it (``lr_scheduled``, None without
-one): they agree when the scheduler set it.
+callbacks pass theirs). Each step records the rate of the optimizer's first parameter group
+(``lr``) and the rate the scheduler last set for it (``lr_scheduled``, None without one): they
+agree when the scheduler set it. Without a scheduler, a rise back to at most the peak so far
+is taken as a restart and a rise above it is left to ``lr_jump``; a rate set by hand (a bug, a
+misread config) is then told from the schedule by its size alone, so a loop with a scheduler
+passes it.
 
 ``ScheduleView`` reads those two per step, on the host, and says whether the step is a
 restart: the rate more than ``rise`` times the step before's, set by the scheduler (or, with no
@@ -24,7 +25,6 @@ thresholds are in ``ScheduleConfig``, each with its reason.
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -64,41 +64,12 @@ def _last_lr(scheduler: Any) -> float | None:
     return float(lr) if isinstance(lr, (int, float)) else None
 
 
-def find_scheduler(optimizer: Any) -> Any:
-    """A scheduler that holds ``optimizer`` (``.optimizer is optimizer``, or holds a wrapper of
-    it, as accelerate's ``AcceleratedOptimizer``), found among the objects referring to it;
-    None if there is none. Costs a pass over the interpreter's objects (``ScheduleSource.search``
-    calls it a few times a run)."""
-    if optimizer is None:
-        return None
-    targets = {id(optimizer)}
-    holders = gc.get_referrers(optimizer)
-    for h in list(holders):  # an optimizer wrapper holding ours: its scheduler holds it
-        inner = getattr(h, "optimizer", None)
-        if inner is optimizer and hasattr(h, "param_groups") and not hasattr(h, "get_last_lr"):
-            targets.add(id(h))
-            holders += gc.get_referrers(h)
-    for h in holders:
-        if hasattr(h, "get_last_lr") and id(getattr(h, "optimizer", None)) in targets:
-            return h
-        if isinstance(h, dict):  # an instance's __dict__ on older Pythons
-            for owner in gc.get_referrers(h):
-                if hasattr(owner, "get_last_lr") and getattr(owner, "__dict__", None) is h:
-                    return owner
-    return None
-
-
-MAX_SEARCHES = 4  # the first flush, then up to three flushes whose steps raised the rate
-
-
 class ScheduleSource:
     """The Monitor's side: the step's rate and the rate its scheduler set (``lr``,
-    ``lr_scheduled`` in the step's host info), and the search for a scheduler."""
+    ``lr_scheduled`` in the step's host info)."""
 
     def __init__(self, optimizer: Any, scheduler: Any = None) -> None:
         self.optimizer, self.scheduler = optimizer, scheduler
-        self.given = scheduler is not None
-        self.searches = 0
 
     def rates(self) -> tuple[float | None, float | None]:
         """(this step's rate, the rate the scheduler set), host floats, no sync."""
@@ -109,18 +80,6 @@ class ScheduleSource:
             lr = float(lr.detach().cpu()) if lr.device.type == "cpu" and lr.numel() == 1 else None
         lr = float(lr) if isinstance(lr, (int, float)) else None
         return lr, (_last_lr(self.scheduler) if self.scheduler is not None else None)
-
-    def search(self, rose: bool) -> None:
-        """Looks for a scheduler of the optimizer while none is known: at the first flush, then
-        at a flush whose steps raised the rate, ``MAX_SEARCHES`` times in all. A search walks
-        the objects that refer to the optimizer, which costs a pass over the interpreter's
-        objects, whose cost grows with the program's heap (a large one takes a good part of
-        a second): a few times a run, never per flush."""
-        if self.scheduler is not None or self.optimizer is None:
-            return
-        if self.searches < MAX_SEARCHES and (self.searches == 0 or rose):
-            self.searches += 1
-            self.scheduler = find_scheduler(self.optimizer)
 
 
 class ScheduleView:
