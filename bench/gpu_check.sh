@@ -28,7 +28,7 @@
 #                                  in one backend cannot poison the other)
 #   selftest      90 / 30   ~45 s  fasthealth selftest; its record goes into h200.json
 #                                                                               -> selftest.txt
-#   tests        130 / 30   ~90 s  tests/test_gpu.py, one pytest process per backend, side by
+#   tests        130 / 30   ~90 s  tests/ops/test_gpu.py, one pytest process per backend, side by
 #                                  side; a per-test limit fails that test only; one stuck past
 #                                  it ends its process and the tests after it run again
 #                                                                               -> tests.txt
@@ -41,14 +41,14 @@
 # Back under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
 # h200.json h200.png; h200.json is copied into bench/results/ too.
 #
-# Knobs, for the dry run here (tests/test_gpu_script.py) and for reruns:
+# Knobs, for the dry run here (bench/tests/test_gpu_check.py) and for reruns:
 #   DEADLINE=S              the whole run's budget (420)
 #   FASTHEALTH_GPU_DRY=1    no GPU needed: no build, both backends assumed, the benchmark with
 #                           fake timings (bench_gpu.py --fake), a fake selftest record; the
-#                           tests run for real (tests/test_gpu.py skips itself without CUDA)
+#                           tests run for real (tests/ops/test_gpu.py skips itself without CUDA)
 #   FORCE_FAIL=a,b          these steps fail at once; FORCE_HANG=a,b: they hang to their limit
 #   FASTHEALTH_GPU_LIMITS=name=S,...   a step's own limit
-#   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/test_gpu.py)
+#   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/ops/test_gpu.py)
 #   FASTHEALTH_GPU_COPY=PATH           the copy of h200.json (bench/results/h200.json; none in
 #                                      a dry run), empty for none
 #   PYTHON                             the interpreter (python3)
@@ -71,7 +71,7 @@ QUICK=
 RESULTS=$OUT/h200.json
 COPY=${FASTHEALTH_GPU_COPY-bench/results/h200.json}
 [ -n "$DRY" ] && COPY=${FASTHEALTH_GPU_COPY:-}  # a dry run writes into the tree only if told
-TEST_FILES=${FASTHEALTH_GPU_TEST_FILES:-tests/test_gpu.py}
+TEST_FILES=${FASTHEALTH_GPU_TEST_FILES:-tests/ops/test_gpu.py}
 TEST_LIMIT=${FASTHEALTH_TEST_TIMEOUT:-40}  # per test; stuck in C code: 15 s more, then exit
 SUMMARY=$OUT/summary.txt
 WORK=$(mktemp -d)

@@ -1,11 +1,11 @@
 """Which clauses of the rules earn their place: each switched off in turn, scored on the
-tuning part of bench/detectors/ (issue "rules", item 4). Never runs the held-out part.
+tuning part of evaluation/detectors/ (issue "rules", item 4). Never runs the held-out part.
 
-    python bench/ablate_rules.py --cache build/detector-runs     # replays recorded runs
+    python evaluation/ablate_rules.py --cache build/detector-runs     # replays recorded runs
 
 Every clause below was added for one corpus case. Under each setting (the defaults, then one
 clause off) every tuning run is replayed through a fresh Monitor and scored as
-``bench_detectors.py`` scores the defaults: alarms on healthy steps, fault runs caught within
+``eval_detectors.py`` scores the defaults: alarms on healthy steps, fault runs caught within
 their delay, faults with exactly one alarm incident in every run. A clause is kept only where
 switching it off makes a tuning family alarm or a fault worse; the others are deleted from the
 rules. Writes bench/results/rules_ablation.json (or --out) and prints the table.
@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE / "detectors"))
 sys.path.insert(0, str(HERE))
 
-import bench_detectors as bd  # noqa: E402  (after the paths above)
+import eval_detectors as bd  # noqa: E402  (after the paths above)
 
 INF = math.inf
 # clause -> the Monitor options that switch it off ("incidents": IncidentConfig fields). The
@@ -76,10 +77,10 @@ def one_incident_faults(faults: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cache", type=Path, help="recorded runs (bench_detectors.py --cache)")
+    ap.add_argument("--cache", type=Path, help="recorded runs (eval_detectors.py --cache)")
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--out", default=str(HERE / "results" / "rules_ablation.json"))
+    ap.add_argument("--out", default=str(RESULTS / "rules_ablation.json"))
     ap.add_argument("--together", help="clauses separated by ';' (names as in CLAUSES, or "
                     "'all') also scored switched off together")
     ap.add_argument("--only-together", action="store_true",

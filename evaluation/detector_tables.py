@@ -1,9 +1,9 @@
 """The Markdown tables of docs/performance.md ("Detector accuracy") from
 bench/results/detectors.json, side by side for the labels given (the last one is "now").
 
-    python bench/detector_tables.py before after_final after_23c
+    python evaluation/detector_tables.py before after_final after_23c
 
-Nothing is measured here: the figures are read from the file that bench_detectors.py wrote.
+Nothing is measured here: the figures are read from the file that eval_detectors.py wrote.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 
 
 def _get(d: dict, *keys, default=None):
@@ -138,7 +139,7 @@ def held_out(results: dict, label: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("labels", nargs="+", help="labels of detectors.json, oldest first")
-    ap.add_argument("--file", default=str(HERE / "results" / "detectors.json"))
+    ap.add_argument("--file", default=str(RESULTS / "detectors.json"))
     args = ap.parse_args(argv)
     results = json.loads(Path(args.file).read_text())
     missing = [x for x in args.labels if x not in results]

@@ -1,9 +1,9 @@
-"""Acting before the damage, measured on the corpus of bench/detectors/: ``on_spike="skip"`` and
-the precursors (docs/spec.md section 6).
+"""Acting before the damage, measured on the corpus of evaluation/detectors/:
+``on_spike="skip"`` and the precursors (docs/spec.md section 6).
 
-    python bench/bench_act.py                 # tuning families and faults, 2 seeds
-    python bench/bench_act.py --final         # also the held-out families and faults
-    python bench/bench_act.py --only NAME,... # some families / faults
+    python evaluation/eval_act.py                 # tuning families and faults, 2 seeds
+    python evaluation/eval_act.py --final         # also the held-out families and faults
+    python evaluation/eval_act.py --only NAME,... # some families / faults
 
 Every run is a real training loop under ``fh.Monitor(on_spike="skip")`` with the precursors on
 (the LM families also watch their head's logits and, for transformers, their attention
@@ -32,6 +32,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path.insert(0, str(HERE / "detectors"))
 
 BAD_BATCH = ("garbage_batch", "mislabelled_batch", "target_x50_batch", "garbage_batch_words")
@@ -226,7 +227,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--only", help="comma-separated family/fault names")
     ap.add_argument("--label", default="current")
-    ap.add_argument("--out", default=str(HERE / "results" / "act.json"))
+    ap.add_argument("--out", default=str(RESULTS / "act.json"))
     ap.add_argument("--series", help="also write every run's per-step values to this file")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()

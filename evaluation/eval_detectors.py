@@ -1,9 +1,9 @@
-"""Evaluates the Monitor's event rules on the corpus of bench/detectors/, leave one family out.
+"""Evaluates the Monitor's event rules on the corpus of evaluation/detectors/, leave one family out.
 
-    python bench/bench_detectors.py --label before   # tuning families, 6 seeds: ~15 min
-    python bench/bench_detectors.py --quick          # one seed, defaults only (make test's size)
-    python bench/bench_detectors.py --final          # also the held-out families, once
-    python bench/bench_detectors.py --cache build/detector-runs   # while tuning host rules:
+    python evaluation/eval_detectors.py --label before   # tuning families, 6 seeds: ~15 min
+    python evaluation/eval_detectors.py --quick          # one seed, defaults only (the tests' size)
+    python evaluation/eval_detectors.py --final          # also the held-out families, once
+    python evaluation/eval_detectors.py --cache build/detector-runs   # while tuning host rules:
                                        # replays earlier recordings instead of training again
 
 Every run is a real training loop under ``fh.Monitor`` at its defaults; its recorded steps are
@@ -46,6 +46,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 # this checkout's fasthealth, not whichever one is installed (an editable install of another
 # worktree would otherwise be what gets measured)
 sys.path.insert(0, str(HERE.parent))
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated family/fault names (tuning ones)")
     ap.add_argument("--label", default="current", help="key of the results in --out")
     ap.add_argument("--note", help="a line kept with the results (what was measured)")
-    ap.add_argument("--out", default=str(HERE / "results" / "detectors.json"))
+    ap.add_argument("--out", default=str(RESULTS / "detectors.json"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--cache", type=Path, help="a folder for the runs' recorded steps: a run "
                     "recorded there with the same sources is replayed, not trained (while "

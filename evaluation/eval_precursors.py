@@ -1,9 +1,9 @@
 """Do the precursors come before the spike? A small transformer LM trained into instability.
 
-    python bench/bench_precursors.py             # 5 seeds, ~10 min on 2 CPU cores
-    python bench/bench_precursors.py --seeds 2 --steps 300
+    python evaluation/eval_precursors.py             # 5 seeds, ~10 min on 2 CPU cores
+    python evaluation/eval_precursors.py --seeds 2 --steps 300
 
-The model is the corpus's GPT (bench/detectors/models.py: pre-LN blocks, attention written out,
+The model is the corpus's GPT (evaluation/detectors/models.py: pre-LN blocks, attention written out,
 no qk-layernorm, no z-loss) on character windows of the standard library's source, AdamW with
 betas (0.9, 0.95) warmed up linearly over ``--warmup`` steps to a peak learning rate ``--lr``
 far above what the model tolerates (the usual way real runs meet instability: the warm-up
@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path.insert(0, str(HERE / "detectors"))
 
-import data  # noqa: E402  (bench/detectors, put on the path above)
+import data  # noqa: E402  (evaluation/detectors, put on the path above)
 import models  # noqa: E402
 
 import fasthealth as fh  # noqa: E402
@@ -156,7 +157,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.3)
     ap.add_argument("--healthy-lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--out", default=str(HERE / "results" / "precursors.json"))
+    ap.add_argument("--out", default=str(RESULTS / "precursors.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()

@@ -1,10 +1,10 @@
 """Where the issue-31 alarms (weight_corruption, repeated_batch, no_grad, overflow_streak)
-fire in the detector corpus (bench/detectors/), one seed of every tuning family and fault at
+fire in the detector corpus (evaluation/detectors/), one seed of every tuning family and fault at
 the Monitor's defaults: a healthy family must raise none of them, and a fault's verdict must be
 what it was (a new kind may only join the fault's own incident). Writes
 bench/results/new_alarms_corpus.json.
 
-    OMP_NUM_THREADS=1 python bench/new_alarms_corpus.py [--workers 2]
+    OMP_NUM_THREADS=1 python evaluation/eval_silent_alarms.py [--workers 2]
 """
 
 import argparse
@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path[:0] = [str(HERE), str(HERE / "detectors")]
 
-import bench_detectors as bd  # noqa: E402
+import eval_detectors as bd  # noqa: E402
 
 NEW = {"weight_corruption", "repeated_batch", "no_grad", "overflow_streak"}
 
@@ -25,7 +26,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", default=str(HERE / "results" / "new_alarms_corpus.json"))
+    ap.add_argument("--out", default=str(RESULTS / "new_alarms_corpus.json"))
     args = ap.parse_args(argv)
     runs = bd.run_all(bd.jobs_for(bd.QUICK, False), args.workers, False)
     out: dict = {"healthy": {}, "faults": {}, "date": time.strftime("%Y-%m-%d")}

@@ -1,17 +1,17 @@
-"""Evaluates the monitor through the real trainers (bench/trainers/): healthy runs and planted
+"""Evaluates the monitor through the real trainers (evaluation/trainers/): healthy runs and planted
 faults trained by the Hugging Face Trainer and by Lightning with ``HealthCallback()`` at its
 defaults.
 
-    python bench/bench_trainers.py                 # the tuning families: ~15 min on 2 cores
-    python bench/bench_trainers.py --quick         # a smoke run (100 steps, three faults)
-    python bench/bench_trainers.py --final         # the held-out families too: once, at the end
+    python evaluation/eval_trainers.py                 # the tuning families: ~15 min on 2 cores
+    python evaluation/eval_trainers.py --quick         # a smoke run (100 steps, three faults)
+    python evaluation/eval_trainers.py --final         # the held-out families too: once, at the end
 
-The split is explicit in each family (``held_out``, bench/trainers/corpus.py): the tuning set
+The split is explicit in each family (``held_out``, evaluation/trainers/corpus.py): the tuning set
 holds the families the monitor may be tuned on, including the five that were held out until
 the first held-out scoring; the held-out set is five newer families, chosen after that scoring
 and never tuned on, to be scored once with ``--final``.
 
-Scores per run (bench/trainers/runner.py): a healthy run's alarms (each a false alarm); a
+Scores per run (evaluation/trainers/runner.py): a healthy run's alarms (each a false alarm); a
 faulted run's ``caught`` (an alarm at or after the fault's step within its delay), its alarm
 incidents (1 is right), ``right_cause`` (the cause of the incident that caught it equals the
 fault's expected cause); every run's steps recorded without a loss (0 is right); a faulted
@@ -46,6 +46,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path.insert(0, str(HERE))
 
 from trainers import corpus, faults, figure  # noqa: E402
@@ -257,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, help="healthy seeds per family")
     ap.add_argument("--label", default="current", help="key of the results in --out")
     ap.add_argument("--note", help="a line kept with the results")
-    ap.add_argument("--out", default=str(HERE / "results" / "trainers.json"))
-    ap.add_argument("--figure", default=str(HERE / "results" / "trainers.png"))
-    ap.add_argument("--harm-figure", default=str(HERE / "results" / "trainers_harm.png"),
+    ap.add_argument("--out", default=str(RESULTS / "trainers.json"))
+    ap.add_argument("--figure", default=str(RESULTS / "trainers.png"))
+    ap.add_argument("--harm-figure", default=str(RESULTS / "trainers_harm.png"),
                     help="each fault's effect at its step against its lasting harm")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--redraw", action="store_true",

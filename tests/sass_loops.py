@@ -15,16 +15,16 @@ behind the GPU speed estimates of docs/gpu.md:
 Loops are listed in code order: the fast pass, the masked pass (chunks holding NaN/Inf), then
 the shifted passes (masked and plain) and any other loop of four 16-byte loads or more.
 
-    python bench/sass_loops.py --out bench/results/triton_sass.json
+    python tests/sass_loops.py --out bench/results/triton_sass.json
 
 With ``--cuda LIB`` it reads the two CUDA chunk kernels (with and without range counts) of a
 CUDA build of the extension instead, each loop labelled with its element type and pass read
 from the code (``make gpu-prebuilt`` leaves one in build/prebuilt/):
 
-    python bench/sass_loops.py --cuda build/prebuilt/_C.cpython-312-x86_64-linux-gnu.so \
+    python tests/sass_loops.py --cuda build/prebuilt/_C.cpython-312-x86_64-linux-gnu.so \
         --out bench/results/cuda_sass.json
 
-``tests/test_triton_compile.py`` and ``tests/test_cuda_build.py`` check the fast and masked
+``tests/ops/test_triton_compile.py`` and ``tests/ops/test_cuda_build.py`` check the fast and masked
 loops with the same functions.
 """
 

@@ -23,7 +23,7 @@ import gpu_results
 import prebuilt
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 STEPS = ["env", "build-cuda", "backends", "bench-cuda", "bench-triton", "selftest", "tests",
          "finish"]
@@ -115,7 +115,7 @@ def assert_every_written_case_is_there(doc, wrote):
 def test_dry_run_every_step_ok(tmp_path):
     copy = ROOT / "bench" / "results" / "h200.json"
     before = copy.stat().st_mtime_ns if copy.exists() else None
-    p, out, doc = dry_run(tmp_path, test_files="tests/test_gpu.py")
+    p, out, doc = dry_run(tmp_path, test_files="tests/ops/test_gpu.py")
     assert p.returncode == 0, p.stdout
     assert (copy.stat().st_mtime_ns if copy.exists() else None) == before  # no copy: dry
     assert steps(doc) == dict.fromkeys(STEPS, "ok")
@@ -132,7 +132,7 @@ def test_dry_run_every_step_ok(tmp_path):
         "bench.txt", "build.txt", "env.txt", "h200.json", "h200.png", "selftest.txt",
         "summary.txt", "tests.txt"]
     tests = (out / "tests.txt").read_text()
-    # one process per backend; tests/test_gpu.py skips itself here, with its reason
+    # one process per backend; tests/ops/test_gpu.py skips itself here, with its reason
     assert "== tests, backend cuda, process 1" in tests
     assert "== tests, backend triton, process 1" in tests
     assert "needs a CUDA device" in tests and " deselected" in tests

@@ -1,7 +1,7 @@
 """The prebuilt extension's manifest and check (bench/prebuilt.py), without building anything:
 a fake library in a small tree. bench/gpu_check.sh loads a prebuilt only when `check` passes,
 so each reason to refuse one is tested here; the dry runs of the script with a prebuilt are in
-tests/test_gpu_script.py."""
+bench/tests/test_gpu_check.py."""
 
 import glob
 import json
@@ -12,7 +12,7 @@ import prebuilt
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HERE = {"version": torch.__version__, "cuda": torch.version.cuda}
 
 

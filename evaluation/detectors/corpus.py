@@ -13,7 +13,7 @@ each a real training loop under ``fh.Monitor`` on real data (nothing downloaded)
 ``run(kind, name, seed)`` trains one run and returns its events (and, for ``options``, the
 events of its replay under each of those Monitor settings); with ``cache``, a run trained
 before with the same sources is replayed from its recording instead (``recording_key``).
-Held-out families and faults are listed apart (``HELD_OUT_*``): ``bench/bench_detectors.py``
+Held-out families and faults are listed apart (``HELD_OUT_*``): ``evaluation/eval_detectors.py``
 runs them only with ``--final``.
 """
 

@@ -4,7 +4,7 @@ task, model, optimizer, schedule, batch size, regularisation, precision, clippin
 A family is a builder ``(generator, steps) -> Setup`` and a length. Every run of a family is
 healthy: its loss falls, or sits at its noise floor, and nothing in it is broken, so any alarm
 it raises is a false alarm. ``HELD_OUT`` families are never run while the thresholds are
-chosen (``bench/bench_detectors.py --final`` scores them, once).
+chosen (``evaluation/eval_detectors.py --final`` scores them, once).
 
 Real data: scikit-learn's bundled tables and photos, the standard library's source, the
 interpreter's help texts (``data.py``). The four cases users reported as false alarms are

@@ -5,7 +5,7 @@ its own), what it does from its onset on (``before(step, batch, setup, onset)``:
 the batch or touch the model, optimizer or schedule), the event kinds that would name it, and
 the delay a user would accept (non-finite values and single bad batches at their
 step, LR jumps within 10, 1%-a-step rises within 40, dead layers within 10, stalls within 100).
-``HELD_OUT`` faults run only under ``bench/bench_detectors.py --final``.
+``HELD_OUT`` faults run only under ``evaluation/eval_detectors.py --final``.
 """
 
 from __future__ import annotations

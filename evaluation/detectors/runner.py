@@ -4,7 +4,7 @@ steps through fresh Monitors with other thresholds (no second training run).
 The Monitor's detectors look only at each step's host record (``record.HostStep``), so a run
 recorded once can be judged under any detector settings: ``replay`` feeds the recorded steps
 to a new Monitor built with those settings, flush by flush as in training, and reads its
-events and incidents back. ``bench/bench_detectors.py`` checks that the replay at the
+events and incidents back. ``evaluation/eval_detectors.py`` checks that the replay at the
 Monitor's defaults gives the very events of the training run (``faithful``).
 
 Events are read as ``(step, kind, severity, incident)``: ``severity`` is the event's
@@ -185,7 +185,7 @@ def replay(setup: Setup, steps: list[HostStep], options: dict) -> dict:
     its own flush, flush by flush as in training, fed the records instead of its device
     buffer."""
     options = dict(options)
-    tracker = options.pop("incidents", None)  # IncidentConfig fields (bench/ablate_rules.py)
+    tracker = options.pop("incidents", None)  # IncidentConfig fields (evaluation/ablate_rules.py)
     mon = monitor_for(setup, options)
     if tracker is not None:
         mon.journal.tracker = IncidentTracker(**tracker)

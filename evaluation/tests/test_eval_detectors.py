@@ -1,9 +1,9 @@
-"""The detector evaluation of bench/detectors/ at make test-eval's size: one seed of every tuning
-family and fault (never a held-out one), each a real training run under fh.Monitor, scored at
+"""The detector evaluation of evaluation/detectors/ at make test-eval's size: one seed of every
+tuning family and fault (never a held-out one), each a real training run under fh.Monitor, scored at
 the Monitor's defaults and replayed under one other setting (the leave-one-family-out path).
 About 2-3 minutes on 2 cores: the tests that train are marked ``corpus`` (``make test-eval`` runs
 them, ``make test`` and ``make test-fast`` not).
-The full evaluation is the benchmark ``bench/bench_detectors.py``.
+The full evaluation is the benchmark ``evaluation/eval_detectors.py``.
 
 A healthy family must raise no alarm and a fault must be caught (an alarm of an expected kind
 within its allowed delay). The families and faults the current rules fail are marked xfail
@@ -11,19 +11,12 @@ within its allowed delay). The families and faults the current rules fail are ma
 must keep passing, and an XPASS means an entry can go.
 """
 
-import sys
-from pathlib import Path
 
+import corpus  # evaluation/detectors, put on the path by conftest.py
+import eval_detectors
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(BENCH / "detectors"))
-
-import bench_detectors  # noqa: E402
-import corpus  # noqa: E402
-
-SLICE = dict(bench_detectors.QUICK, grid=[{}, {"spike_zscore": 11.0, "warmup_steps": 60}])
+SLICE = dict(eval_detectors.QUICK, grid=[{}, {"spike_zscore": 11.0, "warmup_steps": 60}])
 
 # Seed 0 at the Monitor's defaults: what the rules still get wrong (bench/results/detectors.json,
 # after_23c, has every seed). Everything else must hold.
@@ -33,7 +26,7 @@ KNOWN_MISSES: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def res():
-    return bench_detectors.evaluate(SLICE, workers=2, progress=False)
+    return eval_detectors.evaluate(SLICE, workers=2, progress=False)
 
 
 def _marked(names, known):
@@ -51,7 +44,7 @@ def test_corpus_is_broad_and_keeps_families_out():
         assert spec.group not in corpus.HEALTHY
     assert {f.group for f in corpus.TUNING_FAULTS.values()}.isdisjoint(corpus.HELD_OUT_HEALTHY)
     assert len(groups) >= 15
-    jobs = bench_detectors.jobs_for(SLICE, final=False)
+    jobs = eval_detectors.jobs_for(SLICE, final=False)
     ran = {name for _, name, *_ in jobs}
     assert ran.isdisjoint(corpus.HELD_OUT_HEALTHY) and ran.isdisjoint(corpus.HELD_OUT_FAULTS)
     assert ran == set(corpus.HEALTHY) | set(corpus.TUNING_FAULTS)
@@ -77,14 +70,14 @@ def test_verdict_counts_alarms_and_notices_apart():
                                    (150, "divergence", "alarm", 2)],
                         "incidents": [(1, 60, 60, "alarm", ["loss_spike"]),
                                       (2, 101, 150, "alarm", ["loss_spike"])]}]}
-    v = bench_detectors.verdict(run, 0)
+    v = eval_detectors.verdict(run, 0)
     assert v["alarms"] == [(60, "loss_spike")] and v["notices"] == [(50, "grad_norm_spike")]
     assert v["false_incidents"] == 1 and v["incidents_after"] == 1
     assert v["alarm_incidents_after"] == 1
     assert v["caught"] and v["delay"] == 4 and v["noticed"]
     assert (v["alarms_after"], v["notices_after"], v["events_after"]) == (2, 1, 3)
     run["max_delay"] = 3  # a notice in time is not a catch
-    v = bench_detectors.verdict(run, 0)
+    v = eval_detectors.verdict(run, 0)
     assert not v["caught"] and v["noticed"]
 
 
@@ -98,7 +91,7 @@ def test_final_scores_the_held_out_part_apart(monkeypatch):
     monkeypatch.setattr(corpus, "TUNING_FAULTS",
                         {k: v for k, v in corpus.TUNING_FAULTS.items() if k != flt})
     monkeypatch.setattr(corpus, "HELD_OUT_FAULTS", {flt: corpus.FAULTS[flt]})
-    res = bench_detectors.evaluate(dict(SLICE, seeds=range(1)), workers=1, progress=False,
+    res = eval_detectors.evaluate(dict(SLICE, seeds=range(1)), workers=1, progress=False,
                                    final=True, only={fam, flt, "iris_mlp_sgd_constant"})
     final = res["final"]
     assert set(final["held_out_defaults"]["families"]) == {fam}
@@ -106,7 +99,7 @@ def test_final_scores_the_held_out_part_apart(monkeypatch):
     assert final["held_out_defaults"]["faults"][flt]["delays"] == [0]
     assert set(res["defaults"]["families"]) == {"iris_mlp_sgd_constant"}
     assert final["chosen_on_all_tuning"] in res["grid"]
-    assert {f for _, f, *_ in bench_detectors.jobs_for(SLICE, final=False)}.isdisjoint({fam, flt})
+    assert {f for _, f, *_ in eval_detectors.jobs_for(SLICE, final=False)}.isdisjoint({fam, flt})
 
 
 @pytest.mark.corpus
@@ -115,8 +108,8 @@ def test_cached_recordings_replay_to_the_same_verdicts(tmp_path, monkeypatch):
     to the same verdicts; a change to a source that shapes training makes a new recording."""
     size = dict(SLICE, seeds=range(1))
     only = {"iris_mlp_sgd_constant", "nonfinite_input"}
-    first = bench_detectors.evaluate(size, workers=1, progress=False, only=only, cache=tmp_path)
-    second = bench_detectors.evaluate(size, workers=1, progress=False, only=only, cache=tmp_path)
+    first = eval_detectors.evaluate(size, workers=1, progress=False, only=only, cache=tmp_path)
+    second = eval_detectors.evaluate(size, workers=1, progress=False, only=only, cache=tmp_path)
     assert (first["cached_runs"], second["cached_runs"]) == (0, 2)
     assert first["faithful_replays"] == 2 and second["unfaithful"] == []
     assert first["per_run"] == second["per_run"] and first["loss"] == second["loss"]
@@ -143,7 +136,7 @@ def test_healthy_runs_learn_and_the_stack_does_not(res):
     for name in corpus.HEALTHY:
         first, last = res["loss"][f"{name}/0"]
         assert last < 0.9 * first, (name, first, last)
-    first, last = res["loss"][f"never_learning_sigmoid_stack/{bench_detectors.FAULT_SEED}"]
+    first, last = res["loss"][f"never_learning_sigmoid_stack/{eval_detectors.FAULT_SEED}"]
     assert last > 0.95 * first
 
 

@@ -1,6 +1,6 @@
-"""The trainer evaluation of bench/trainers/ (bench/bench_trainers.py) checked at --quick size:
-its scoring, and one healthy and one faulted run of one Hugging Face Trainer family and one
-Lightning family, trained for real with HealthCallback() at its defaults.
+"""The trainer evaluation of evaluation/trainers/ (evaluation/eval_trainers.py) checked at
+--quick size: its scoring, and one healthy and one faulted run of one Hugging Face Trainer
+family and one Lightning family, trained for real with HealthCallback() at its defaults.
 
 What is checked is the harness, not the monitor's verdicts (other work changes those): that a
 planted fault goes in at the step it declares, that ``caught`` / ``delay`` / the incident
@@ -10,18 +10,12 @@ The runs are marked ``corpus`` (``make test-eval`` runs them, ``make test`` and
 ``make test-fast`` not).
 """
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import eval_trainers  # evaluation/, put on the path by conftest.py
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import bench_trainers  # noqa: E402
-from trainers import corpus, faults, figure, runner  # noqa: E402
+from trainers import corpus, faults, figure, runner
 
 HF_FAMILY = "hf_gpt2_chars_adamw_linear"
 PL_FAMILY = "pl_wine_adagrad_multistep_accum2"  # accumulation: micro-batches != steps
@@ -76,15 +70,15 @@ def test_harm_compares_a_fault_with_its_healthy_twin(tmp_path):
         {"family": "g", "fault": "bit_flip", "seed": 0, "fault_step": 5, "caught": False,
          "losses": [1.0] * 40},  # no healthy twin
     ]
-    bench_trainers.harm(runs)
+    eval_trainers.harm(runs)
     shuffled, flipped, lone = runs[2:]
     assert shuffled["twin_identical_before"] and shuffled["harm_next"] == 0.451  # 2.902 / 2
     assert shuffled["harm_end"] == 0.01 and shuffled["seed_gap_end"] == pytest.approx(1 / 11,
                                                                                      abs=1e-5)
     assert not flipped["twin_identical_before"] and flipped["harm_end"] is None
     assert "harm_next" not in lone and all("losses" not in r for r in runs)
-    assert [m["fault"] for m in bench_trainers.missed(runs)] == ["shuffled_labels", "bit_flip"]
-    assert bench_trainers.missed(runs)[0]["harm_next"] == 0.451
+    assert [m["fault"] for m in eval_trainers.missed(runs)] == ["shuffled_labels", "bit_flip"]
+    assert eval_trainers.missed(runs)[0]["harm_next"] == 0.451
     # the harm figure takes these runs as they are (a harm of None, a run without a twin)
     out = tmp_path / "harm.png"
     figure.draw_harm(runs, out, title="test")
@@ -213,7 +207,7 @@ def test_quick_runs_are_scored(quick, family):
     _consistent(fault)
     # the healthy run is the faulted one's twin: the same losses up to the fault's step
     runs = [dict(healthy), dict(fault)]
-    bench_trainers.harm(runs)
+    eval_trainers.harm(runs)
     assert runs[1]["twin_identical_before"] is True
     assert runs[1]["harm_next"] is not None and all("losses" not in r for r in runs)
 

@@ -2,7 +2,7 @@
 by the Hugging Face ``Trainer`` and by Lightning, each with ``HealthCallback()`` at its defaults.
 
 - ``sets.py``: the data sets (torch ``Dataset`` s of dicts) over the real data of
-  ``bench/detectors/data.py`` (scikit-learn's tables and digits, the standard library's source,
+  ``evaluation/detectors/data.py`` (scikit-learn's tables and digits, the standard library's source,
   the interpreter's help texts): nothing is downloaded;
 - ``hf.py``: the Hugging Face families (tiny GPT-2, Llama, BERT and a table classifier built
   from config; the Trainer's own optimizers and schedulers or the user's, gradient
@@ -21,6 +21,6 @@ by the Hugging Face ``Trainer`` and by Lightning, each with ``HealthCallback()``
   and five newer ones are held out), and the jobs;
 - ``figure.py``: one row per run, the fault's step, the alarms coloured by kind.
 
-``bench/bench_trainers.py`` runs them (its docstring says how); the scores so far are in
+``evaluation/eval_trainers.py`` runs them (its docstring says how); the scores so far are in
 docs/performance.md ("Through the real trainers") and bench/results/trainers.json.
 """

@@ -10,7 +10,7 @@ bytes under warmup_stable_decay with accumulation, the user's NAdam with Exponen
 iris table, a ``compute_loss_func`` (cross-entropy plus a z-loss) with inverse_sqrt under bf16,
 a regression (mean squared error, the diabetes table) under SGD with Nesterov momentum and
 CosineAnnealingLR, and Adamax with PolynomialLR, accumulation 4 and ``gradient_clip_val``.
-``bench/bench_trainers.py`` runs the held-out set only under ``--final``, scored once at the
+``evaluation/eval_trainers.py`` runs the held-out set only under ``--final``, scored once at the
 end.
 
 Every fault that applies to a family (``faults.applies``: its data and model have what the

@@ -100,7 +100,7 @@ def fault_effect(rows: list[dict], fault_step: int) -> dict:
 
 def losses(rows: list[dict], steps: int) -> list[float | None]:
     """The loss of each step 0..steps-1 (the last row of a step), None where it is missing or
-    not finite: for the harm of a fault against its healthy twin (bench_trainers.harm), which
+    not finite: for the harm of a fault against its healthy twin (eval_trainers.harm), which
     drops it before the results are written."""
     out: list[float | None] = [None] * steps
     for r in rows:

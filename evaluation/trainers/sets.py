@@ -1,6 +1,6 @@
 """The data sets of the trainer families: map-style torch ``Dataset`` s of dicts, as the Hugging
 Face Trainer and Lightning's ``DataLoader`` take them, over the real data of
-``bench/detectors/data.py`` (nothing is downloaded).
+``evaluation/detectors/data.py`` (nothing is downloaded).
 
 Every set is a function of its seed and holds exactly ``steps * batch * accum`` samples: one
 epoch is the whole run, so the trainers' loops never end an epoch with a short accumulation
@@ -9,7 +9,7 @@ epoch is the whole run, so the trainers' loops never end an epoch with a short a
 
 - ``TokenWindows``: causal-LM windows (``input_ids``, ``labels`` = the same ids; the models
   shift them) of the standard library's source or the pydoc topics, tokenised by characters
-  (``chars``: bench/detectors' 98 symbols) or by bytes (``bytes``: 256 ids);
+  (``chars``: evaluation/detectors' 98 symbols) or by bytes (``bytes``: 256 ids);
 - ``Rows``: a scikit-learn table (iris, wine, breast_cancer, digits flattened; diabetes, a
   regression), standardised, as ``x`` (float32) and ``labels`` (class ids; for a regression
   table the standardised targets, float32 of shape (targets,), and ``classes`` 0);
@@ -27,7 +27,7 @@ from detectors import data as ddata
 
 @functools.cache
 def _stream(source: str, tokens: str) -> torch.Tensor:
-    """``source``: "stdlib" (bench/detectors' tuning modules' source) or "pydoc" (help topics);
+    """``source``: "stdlib" (evaluation/detectors' tuning modules' source) or "pydoc" (help topics);
     ``tokens``: "chars" or "bytes"."""
     if tokens == "chars" and source == "stdlib":
         return ddata.char_ids()

@@ -149,7 +149,7 @@ def test_main_loops_stay_under_the_issue_limit():
     streams at its memory limit (~3.3e13 thread instructions a second over ~2.4e12 bfloat16
     elements: 14 an element, 28 a float32 one), and each masked loop (chunks holding NaN/Inf)
     costs at most 2.5x the dearest fast loop of its instantiation, element type for element
-    type. Read from the sm_90 machine code with bench/sass_loops.py, which records the table
+    type. Read from the sm_90 machine code with tests/sass_loops.py, which records the table
     in bench/results/cuda_sass.json (nvcc 13.0: fast 8.0 to 12.0 instructions a bfloat16
     element, masked 14.4 to 18.4)."""
     import sass_loops

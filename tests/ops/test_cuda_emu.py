@@ -1,4 +1,4 @@
-"""The CUDA backend's kernels, run on the host through tests/cuda_emu/ (no GPU needed).
+"""The CUDA backend's kernels, run on the host through tests/ops/cuda_emu/ (no GPU needed).
 
 `csrc/cuda/stats_kernels.cuh` is compiled with g++ against a small CUDA emulation (one fiber
 per CUDA thread, taking turns at the barriers of __syncthreads and warp shuffles) and a chunk
@@ -34,8 +34,8 @@ from fasthealth.ops.layout import (
 )
 from fasthealth.ops.reference import tensor_stats_row
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "tests/cuda_emu/emu.h", ROOT / "tests/cuda_emu/run_kernels.cpp",
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [ROOT / "tests/ops/cuda_emu/emu.h", ROOT / "tests/ops/cuda_emu/run_kernels.cpp",
            ROOT / "csrc/cuda/stats_kernels.cuh", ROOT / "csrc/plan.h",
            ROOT / "csrc/stats.h"]
 CHUNK = 4096
@@ -56,7 +56,7 @@ def build(chunk: int) -> Path:
         subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={chunk}",
                         "-Wall", "-Werror", "-Wno-unknown-pragmas",
                         f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'tests/cuda_emu'}", "-o", str(tmp),
-                        str(ROOT / "tests/cuda_emu/run_kernels.cpp")], check=True)
+                        str(ROOT / "tests/ops/cuda_emu/run_kernels.cpp")], check=True)
         tmp.rename(out)
     return out
 
@@ -430,7 +430,7 @@ def test_emulation_catches_a_planted_bug(exe, tmp_path):
     out = tmp_path / "bad"
     subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DFH_CUDA_CHUNK={CHUNK}",
                     f"-I{tree}", f"-I{ROOT / 'tests/cuda_emu'}", "-o", str(out),
-                    str(ROOT / "tests/cuda_emu/run_kernels.cpp")], check=True)
+                    str(ROOT / "tests/ops/cuda_emu/run_kernels.cpp")], check=True)
     t = torch.randn(CHUNK + 3)
     table, _ = run(out, [t])
     with pytest.raises(AssertionError):

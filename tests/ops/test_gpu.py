@@ -70,7 +70,7 @@ def test_range_thresholds_as_the_reference(gbackend):
 def test_triton_capture_with_a_tensor_count_never_seen():
     """Triton's kernels do not depend on the plan: after one eager call with a single float32
     tensor, a capture with 37 never-seen tensors (another item range, tensor count and scratch
-    layout) needs no new kernel variant (tests/test_triton_compile.py checks the keys); its
+    layout) needs no new kernel variant (tests/ops/test_triton_compile.py checks the keys); its
     replays are exact."""
     if "triton" not in fh.available_backends() or "triton" not in SELECTED:
         pytest.skip("triton is not available or not selected")

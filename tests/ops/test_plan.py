@@ -2,7 +2,7 @@
 (csrc/work_list.h), on CPU tensors: one implementation serves both backends, so each policy is
 tested here once per backend's way of calling it (the CUDA launcher's one launch group and
 limits, the Triton launcher's groups per dtype and alignment and its limits). What needs a
-device (the stream order, a real graph) is in tests/test_gpu.py, for both backends.
+device (the stream order, a real graph) is in tests/ops/test_gpu.py, for both backends.
 """
 
 from __future__ import annotations

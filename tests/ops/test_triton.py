@@ -137,7 +137,7 @@ def test_thresholds_rounded_as_the_reference():
 
 def test_plan_cache_reuses_device_tables():
     # the work list cache is the CUDA backend's (csrc/work_list.h); its policy is tested for
-    # both backends in tests/test_plan.py
+    # both backends in tests/ops/test_plan.py
     counts = fh.ops.compiled.C.cache_counts
     xs = [torch.randn(100), torch.randn(2000)]
     fh.multi_tensor_stats(xs, backend="triton")

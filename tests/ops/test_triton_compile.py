@@ -1,6 +1,6 @@
 """The Triton kernels compiled for real GPUs, ahead of time, on a machine without one.
 
-Triton's interpreter (tests/test_triton.py) checks the kernels' results but accepts code that
+Triton's interpreter (tests/ops/test_triton.py) checks the kernels' results but accepts code that
 the compiler rejects (a non-constexpr global, a type mismatch between branches), and says
 nothing of the machine code. Here each kernel is compiled for sm_90 (H100/H200) and sm_80
 (A100) with the installed Triton and ptxas, under the launch's register cap; the checks: it
@@ -132,7 +132,7 @@ def test_main_loops_keep_their_loads_in_flight():
     at two programs, above the ~25 KB that 4.8 TB/s at ~700 ns needs), and the masked pass for
     chunks holding NaN/Inf costs at most 2.5x its instructions per 16-bit element (it cost
     2.7x to 2.9x with a compare and an add per class and flags converted from booleans). Read
-    from the sm_90 machine code of the installed Triton (bench/sass_loops.py).
+    from the sm_90 machine code of the installed Triton (tests/sass_loops.py).
     Without _in_flight's dependency, Triton 3.6's ptxas issued one of four."""
     import sass_loops
 
@@ -159,8 +159,8 @@ def test_waiting_for_all_loads_compiles_without_spills():
         "    for ranged in (False, True):\n"
         "        u = t._resources(sass_loops.compile_chunk_kernel(dtype, ranged).asm['cubin'])\n"
         "        assert u['LOCAL'] == 0 and u['REG'] <= ts.MAX_REGISTERS, u\n")
-    here = os.path.dirname(__file__)
-    path = os.pathsep.join([here, os.path.join(here, os.pardir, "bench")])
+    here = os.path.dirname(__file__)  # this module, and tests/ for sass_loops
+    path = os.pathsep.join([here, os.path.join(here, os.pardir), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, FASTHEALTH_TRITON_WAIT_ALL="1", PYTHONPATH=path)
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

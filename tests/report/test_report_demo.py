@@ -65,7 +65,7 @@ def test_demo_catches_every_planted_fault(tmp_path):
              for s in (run_of(tmp_path) / "events.jsonl").read_text().splitlines()}
     # every detector fired but those the demo does not plant: replicas need a process group
     # (tests/test_distributed.py), the stall and three precursors models of their own
-    # (tests/test_detectors_eval.py, tests/test_act.py)
+    # (evaluation/tests/test_eval_detectors.py, tests/monitor/test_act.py)
     assert set(kinds.KINDS) - NOT_PLANTED <= fired
 
 

@@ -42,7 +42,8 @@ class WeightCorruptionConfig:
     """The level a tensor is compared at is at least this share of the model's largest |w| at
     the scan before: a zero-initialised tensor (LoRA B, biases, zero-init output layers) must
     reach 10x the model's largest weight within one scan to count, which healthy growth from
-    zero does not (tests/test_new_alarms.py grows a LoRA-style B from 0 at a high rate)."""
+    zero does not (tests/monitor/test_silent_fault_alarms.py grows a LoRA-style B from 0 at a
+    high rate)."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.factor <= 1 or self.floor < 0:

@@ -1,5 +1,5 @@
 // Runs the CUDA backend's kernels (csrc/cuda/stats_kernels.cuh) on the host through emu.h, the
-// way csrc/cuda/tensor_stats.cu launches them: tests/test_cuda_emu.py builds and drives it.
+// way csrc/cuda/tensor_stats.cu launches them: tests/ops/test_cuda_emu.py builds and drives it.
 //
 //   run_kernels IN OUT
 // IN:  int64 n; float64 range_hi, range_lo; int64 resident blocks and merge run (the plan's
