@@ -139,18 +139,16 @@ cuda-check:
 	cd $(CUDA_TREE) && $(ONE_THREAD) TORCH_CUDA_ARCH_LIST="8.0;9.0" \
 		$(CUDA_PY) -m pytest -q $(XDIST) $(BIG) -k "$(NOT_CUDA)" $(CUDA_CHECK_TESTS)
 
-# The extension for a GPU machine, built ahead of time on one without a GPU (docs/gpu.md): bench/gpu_check.sh
-# loads it there instead of compiling for ~90 s of its 420. _C loads only under the CPython and
-# the torch it was compiled against, so a separate environment holds the device's: CPython
+# The extension for a GPU machine, built ahead of time on one without a GPU (docs/gpu.md):
+# bench/gpu_check.sh loads it there instead of compiling it. _C loads only under the CPython and
+# the torch it was compiled against, so a separate environment holds the GPU machine's: CPython
 # $(PREBUILT_PYTHON) (3.12) and torch==$(DEVICE_TORCH) (CUDA 13.0, as pip's wheel); nvcc from
 # CUDA_HOME compiles csrc/ for sm_90 only in a copy of the tree. The library and its manifest
-# (bench/prebuilt.py: Python, torch, CUDA, architectures, the sources' hash, so the device
+# (bench/prebuilt.py: Python, torch, CUDA, architectures, the sources' hash, so gpu_check.sh
 # refuses a stale one) go into $(PREBUILT_DIR); then the import test and the CPU kernel tests
 # under that torch. Copy $(PREBUILT_DIR) into the GPU machine's checkout.
-# the first CPython 3.12 that runs: python3.12 on PATH, else one that pyenv installed
-PREBUILT_PYTHON ?= $(or $(firstword $(foreach p,$(shell command -v python3.12) \
-	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python),$(shell $(p) -c "print('$(p)')" \
-	2>/dev/null))),python3.12)
+# python3.12 on PATH, unless given: make gpu-prebuilt PREBUILT_PYTHON=/path/to/python3.12
+PREBUILT_PYTHON ?= $(or $(shell command -v python3.12),python3.12)
 DEVICE_TORCH ?= 2.11.0
 PREBUILT_VENV ?= .venv-gpu312
 PREBUILT_PY := $(CURDIR)/$(PREBUILT_VENV)/bin/python
@@ -160,7 +158,7 @@ PREBUILT_ARCH := 9.0
 
 gpu-prebuilt:
 	@test -x $(PREBUILT_PYTHON) || { echo "gpu-prebuilt: no Python at" \
-		"PREBUILT_PYTHON=$(PREBUILT_PYTHON); set it to a CPython of the device's version" \
+		"PREBUILT_PYTHON=$(PREBUILT_PYTHON); set it to a CPython of the GPU machine's version" \
 		"(3.12): make gpu-prebuilt PREBUILT_PYTHON=/path/to/python3.12"; exit 1; }
 	test -x $(PREBUILT_PY) || $(PREBUILT_PYTHON) -m venv $(PREBUILT_VENV)
 	$(PREBUILT_PY) -m pip install -q torch==$(DEVICE_TORCH) ninja setuptools wheel numpy pytest \
