@@ -1,5 +1,5 @@
 """Which clauses of the rules earn their place: each switched off in turn, scored on the
-tuning part of evaluation/detectors/ (issue "rules", item 4). Never runs the held-out part.
+tuning part of evaluation/detectors/. Never runs the held-out part.
 
     python evaluation/ablate_rules.py --cache build/detector-runs     # replays recorded runs
 

@@ -1,7 +1,7 @@
 """The Markdown tables of docs/performance.md ("Detector accuracy") from
 bench/results/detectors.json, side by side for the labels given (the last one is "now").
 
-    python evaluation/detector_tables.py before after_final after_23c
+    python evaluation/detector_tables.py LABEL [LABEL ...]   # e.g. before current
 
 Nothing is measured here: the figures are read from the file that eval_detectors.py wrote.
 """

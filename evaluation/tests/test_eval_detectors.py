@@ -18,8 +18,8 @@ import pytest
 
 SLICE = dict(eval_detectors.QUICK, grid=[{}, {"spike_zscore": 11.0, "warmup_steps": 60}])
 
-# Seed 0 at the Monitor's defaults: what the rules still get wrong (bench/results/detectors.json,
-# after_23c, has every seed). Everything else must hold.
+# Seed 0 at the Monitor's defaults: what the rules still get wrong (bench/results/detectors.json
+# has every seed). Everything else must hold.
 KNOWN_FALSE_ALARMS: dict[str, str] = {}
 KNOWN_MISSES: dict[str, str] = {}
 

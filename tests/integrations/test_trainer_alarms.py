@@ -1,4 +1,5 @@
-"""Issue 31's new alarms and causes through the real Hugging Face Trainer, with
+"""The alarms for faults that do not show in the loss, and their causes, through the real
+Hugging Face Trainer, with
 ``HealthCallback()`` at its defaults: a flipped exponent bit in a weight (``weight_corruption``,
 cause "weights"), a stuck loader (``repeated_batch``, cause "batch"), and a loss x100 in the
 loss code, which replay of the incident's dump names as "outside"."""

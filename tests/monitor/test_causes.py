@@ -92,9 +92,9 @@ def test_a_garbage_batch_is_the_batch_and_every_garbage_sample_is_named(tmp_path
 
 
 def test_a_batch_of_garbage_only_is_the_batch_the_batch_before_as_control(tmp_path):
-    """Issue 31: a batch of 16 garbage samples named 1. Every sample alone reproduces it, as
-    with damaged weights; the batch of the step before, replayed on the same weights, does not:
-    the batch is the cause, all 16 named."""
+    """A batch of 16 garbage samples: every sample alone reproduces it, as with damaged
+    weights; the batch of the step before, replayed on the same weights, does not: the batch is
+    the cause, all 16 named (not one)."""
     def plant(step, batch, model, opt):
         if step == 25:
             x = torch.full_like(batch[0], 300.0)  # a loader that filled the batch with junk
@@ -135,7 +135,7 @@ def test_a_weight_set_to_1e30_is_the_weights(tmp_path):
 
 
 def test_a_weight_set_to_1e30_in_a_bf16_llama_is_the_weights(tmp_path):
-    """Issue 31's case: the incident and its replay lead to the weights, and replay names the
+    """A weight set to 1e30 in a bf16 Llama: the incident and its replay lead to the weights, and replay names the
     tensor."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -288,8 +288,8 @@ def ev(step, kind, **details):
 
 
 def test_a_loss_of_3e38_then_nan_gradients_is_one_incident():
-    """Issue 31: an incident of NaN losses at skipped steps closed 3 quiet steps later, at a
-    step whose loss was 3.06e38; the NaN gradients of the next step opened a second one."""
+    """NaN losses at skipped steps, 3 quiet steps, a loss of 3.06e38, then NaN gradients: one
+    incident, not closed at the huge loss and reopened by the NaN gradients."""
     t = IncidentTracker()
     for step in range(40):
         events = {20: [ev(20, "nonfinite_loss", skipped=True)],

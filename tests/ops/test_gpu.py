@@ -2,8 +2,8 @@
 the reference, and the guarantees (no host sync, O(N) workspace, current stream, CUDA-graph
 capture and replay, torch.compile without graph breaks, a number of launches independent of N).
 
-Marked `gpu`; skipped with a reason where there is no CUDA device. bench/gpu_check.sh runs them
-on the lent GPU.
+Marked `gpu`; skipped with a reason where there is no CUDA device. On a machine with a CUDA
+GPU, bench/gpu_check.sh runs them.
 """
 
 import os
@@ -44,8 +44,8 @@ def gbackend(request):
     return request.param
 
 
-# ---- the latest review's fixes, first: bench/gpu_check.sh runs the tests in file order, so
-# that these run even when the step's time runs out ----------------------------------------
+# ---- the paths most likely to break on a device, first: bench/gpu_check.sh runs the tests in
+# file order, so that these run even when the step's time runs out ---------------------------
 
 
 def test_range_thresholds_as_the_reference(gbackend):
