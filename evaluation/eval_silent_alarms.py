@@ -1,8 +1,8 @@
 """Where the alarms for faults that do not show in the loss (weight_corruption, repeated_batch,
-no_grad, overflow_streak) fire in the detector corpus (evaluation/detectors/), one seed of every tuning family and fault at
-the Monitor's defaults: a healthy family must raise none of them, and a fault's verdict must be
-what it was (a new kind may only join the fault's own incident). Writes
-bench/results/new_alarms_corpus.json.
+no_grad, overflow_streak) fire in the detector corpus (evaluation/detectors/), one seed of every
+tuning family and fault at the Monitor's defaults: a healthy family must raise none of them,
+and a fault's verdict must be what it was (a new kind may only join the fault's own incident).
+Writes bench/results/new_alarms_corpus.json.
 
     OMP_NUM_THREADS=1 python evaluation/eval_silent_alarms.py [--workers 2]
 """

@@ -135,8 +135,8 @@ def test_a_weight_set_to_1e30_is_the_weights(tmp_path):
 
 
 def test_a_weight_set_to_1e30_in_a_bf16_llama_is_the_weights(tmp_path):
-    """A weight set to 1e30 in a bf16 Llama: the incident and its replay lead to the weights, and replay names the
-    tensor."""
+    """A weight set to 1e30 in a bf16 Llama: the incident and its replay lead to the weights,
+    and replay names the tensor."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
