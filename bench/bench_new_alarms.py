@@ -1,4 +1,5 @@
-"""Cost of the issue-31 alarms' measurements on a CPU training step: the weight scan of the
+"""Cost on a CPU training step of what the alarms for faults that do not show in the loss
+measure: the weight scan of the
 ``weight_corruption`` rule (one fused pass over every parameter, once per ``flush_every`` steps)
 and the batch fingerprint of the ``repeated_batch`` rule (every step).
 

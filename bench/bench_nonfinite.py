@@ -1,6 +1,6 @@
 """The CPU kernel on gradients that hold NaN/Inf, against the same gradients all finite.
 
-Issue 33 item 3: a check of NaN-laden gradients (the step that matters) should run at >= 80% of
+The goal: a check of NaN-laden gradients (the step that matters) should run at >= 80% of
 the finite speed. Per dtype, GPT-2-small-shaped gradients (bench/harness.py's case) in five
 variants, each its own set of tensors:
   finite     randn * 0.02, as harness.py

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU step in one run on a machine with an NVIDIA GPU (written for an H200), and a results
-# file whatever happens:
-# $OUT/h200.json (bench/gpu_results.py) is rewritten after every benchmark case and every step,
-# so a step that fails, hangs or is skipped, or the whole call cut short, still leaves every
-# case that ran and every step's status.
+# Every GPU step in one run on a machine with an NVIDIA GPU, and a results file whatever happens:
+# $OUT/h200.json (bench/gpu_results.py; OUT is build/gpu-check unless set) is rewritten after
+# every benchmark case and every step, so a step that fails, hangs or is skipped, or the whole
+# run cut short, still leaves every case that ran and every step's status. The file keeps the
+# name of the first GPU it was written for; its "machine" entry names the GPU it ran on.
 #
 # Usage, from the repo root: bash bench/gpu_check.sh [--quick]
 # (to skip the build there: `make gpu-prebuilt` on a build machine, then copy build/prebuilt/
 #  into the GPU machine's checkout)
 #
 # Steps, most wanted first, with their limits in seconds (at most / needed to start) and the
-# time each should take on a fresh H200:
+# time each should take on an H200 (estimates; a slower GPU needs a larger DEADLINE):
 #   env           20 /  5   ~5 s   the GPU, driver, torch, triton, nvcc         -> env.txt
 #   prebuilt      30 /  5   ~10 s  the extension built ahead of time (`make gpu-prebuilt`,
 #                                  build/prebuilt): its manifest checked against this tree,
@@ -28,7 +28,7 @@
 #                                  in one backend cannot poison the other)
 #   selftest      90 / 30   ~45 s  fasthealth selftest; its record goes into h200.json
 #                                                                               -> selftest.txt
-#   tests        130 / 30   ~90 s  tests/test_gpu.py, one pytest process per backend, side by
+#   tests        130 / 30   ~90 s  tests/ops/test_gpu.py, one pytest process per backend, side by
 #                                  side; a per-test limit fails that test only; one stuck past
 #                                  it ends its process and the tests after it run again
 #                                                                               -> tests.txt
@@ -38,17 +38,17 @@
 # overruns cannot starve the ones after it, and finish always has its time. At its limit a step
 # gets SIGINT (pytest still prints its summary, the benchmark stops between writes), then
 # SIGKILL 10 s later.
-# Back under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
+# Written under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
 # h200.json h200.png; h200.json is copied into bench/results/ too.
 #
-# Knobs, for the dry run here (tests/test_gpu_script.py) and for reruns:
-#   DEADLINE=S              the whole run's budget (420)
+# Knobs, for the dry run here (bench/tests/test_gpu_check.py) and for reruns:
+#   DEADLINE=S              the whole run's time budget in seconds (420)
 #   FASTHEALTH_GPU_DRY=1    no GPU needed: no build, both backends assumed, the benchmark with
 #                           fake timings (bench_gpu.py --fake), a fake selftest record; the
-#                           tests run for real (tests/test_gpu.py skips itself without CUDA)
+#                           tests run for real (tests/ops/test_gpu.py skips itself without CUDA)
 #   FORCE_FAIL=a,b          these steps fail at once; FORCE_HANG=a,b: they hang to their limit
 #   FASTHEALTH_GPU_LIMITS=name=S,...   a step's own limit
-#   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/test_gpu.py)
+#   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/ops/test_gpu.py)
 #   FASTHEALTH_GPU_COPY=PATH           the copy of h200.json (bench/results/h200.json; none in
 #                                      a dry run), empty for none
 #   PYTHON                             the interpreter (python3)
@@ -61,7 +61,7 @@
 #                                      manifest's check, the copy and the clean-up run for real,
 #                                      and a dry run removes what it copied when it ends
 set -uo pipefail
-OUT=${OUT:-/tmp/fasthealth-gpu}
+OUT=${OUT:-build/gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-420}
@@ -71,7 +71,7 @@ QUICK=
 RESULTS=$OUT/h200.json
 COPY=${FASTHEALTH_GPU_COPY-bench/results/h200.json}
 [ -n "$DRY" ] && COPY=${FASTHEALTH_GPU_COPY:-}  # a dry run writes into the tree only if told
-TEST_FILES=${FASTHEALTH_GPU_TEST_FILES:-tests/test_gpu.py}
+TEST_FILES=${FASTHEALTH_GPU_TEST_FILES:-tests/ops/test_gpu.py}
 TEST_LIMIT=${FASTHEALTH_TEST_TIMEOUT:-40}  # per test; stuck in C code: 15 s more, then exit
 SUMMARY=$OUT/summary.txt
 WORK=$(mktemp -d)

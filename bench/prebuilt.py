@@ -1,5 +1,5 @@
-"""The extension built ahead of time for the lent GPU machine (`make gpu-prebuilt`), and the
-check that bench/gpu_check.sh runs before loading it there instead of compiling for ~90 s.
+"""The extension built ahead of time for a GPU machine (`make gpu-prebuilt`), and the check
+that bench/gpu_check.sh runs before loading it there instead of compiling it.
 
 fasthealth._C loads only under the CPython and the torch it was compiled against, and it holds
 the kernels of csrc/ as they were when it was built. So the library travels with a manifest,
@@ -8,7 +8,7 @@ build/prebuilt/manifest.json:
   library         the file's name (_C.cpython-312-x86_64-linux-gnu.so) and its sha256
   python          the CPython it was built for: version, tag (cp312), extension suffix
   torch, cuda     torch.__version__ and torch.version.cuda of the build
-  arch_list       TORCH_CUDA_ARCH_LIST of the build (9.0: the H200 alone)
+  arch_list       TORCH_CUDA_ARCH_LIST of the build (9.0 by default: Hopper, sm_90)
   sources         sha256 of each file that goes into _C (csrc/**, setup.py) and of them all
 
 and `check` refuses the library, saying why, when any of these differs from the tree, the

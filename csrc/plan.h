@@ -1,8 +1,8 @@
 // The work plan of the GPU kernels, one policy for CUDA (csrc/cuda/) and Triton (which gets it
 // through fasthealth._C.work_list): the (tensor, chunk) items the chunk kernel reduces, their
 // order, their size, and the order in which their records merge. Free of torch and of CUDA
-// headers, so that the host emulation test (tests/cuda_emu/) and the planner's own tests
-// (tests/test_plan.py, through _C.plan) run the very same code.
+// headers, so that the host emulation test (tests/ops/cuda_emu/) and the planner's own tests
+// (tests/ops/test_plan.py, through _C.plan) run the very same code.
 //
 // - Chunk size from the total work: the largest power of two in [min_chunk, max_chunk] that
 //   minimises the estimated time of the slowest program, ceil(items / resident) x (chunk +
@@ -133,7 +133,7 @@ inline WorkPlan plan_work(const std::vector<TensorMeta>& metas, const PlanLimits
   return p;
 }
 
-// The CUDA kernel's limits (csrc/cuda/tensor_stats.cu; FH_CUDA_CHUNK: tests/cuda_emu/ builds
+// The CUDA kernel's limits (csrc/cuda/tensor_stats.cu; FH_CUDA_CHUNK: tests/ops/cuda_emu/ builds
 // smaller chunks). Chunks of at least an eighth of the largest keep four 16-byte loads in flight
 // per thread for 16-bit types; an item costs about 1/32 of a largest chunk (its record load and
 // the block's four barriers).

@@ -2,7 +2,7 @@
 // implementation for both GPU backends. csrc/cuda/tensor_stats.cu calls it for the CUDA
 // kernels; the Triton launcher calls it through fasthealth._C.work_list. It uses only torch's
 // device-generic API (streams, events, pinned memory through the registered accelerator), so it
-// is compiled into every build, CPU-only ones too, and tests/test_plan.py runs it on CPU
+// is compiled into every build, CPU-only ones too, and tests/ops/test_plan.py runs it on CPU
 // tensors with the capture state passed in.
 //
 // The policy (docs/design.md, "The GPU work list"):

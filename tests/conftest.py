@@ -3,9 +3,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-# bench/'s harness, baselines and read probe: the tests check what the benchmarks run
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+# The shared helpers (cases, tolerances, runlog, nanogpt, sass_loops, ...) are imported by their
+# bare names from the tests in every folder under tests/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fasthealth  # noqa: E402
 

@@ -1,6 +1,7 @@
 """The package's shape (docs/design.md): layers that import only downward, no import cycle
 (imports inside functions counted), every import inside a function with its reason next to it,
-no benchmark code in the package, functions and classes of a size a reader can hold."""
+no benchmark code in the package, functions and classes of a size a reader can hold; the
+library's tests apart from the benchmarks' and the evaluation's."""
 
 from __future__ import annotations
 
@@ -235,3 +236,44 @@ def test_pyproject_lists_every_package():
                  ["packages"])
     found = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     assert found == listed, (found - listed, listed - found)
+
+
+# The benchmarks' and the evaluation's modules, by the bare names their folders import them by
+TOOLING = {p.stem for folder in ("bench", "evaluation", "evaluation/detectors")
+           for p in (ROOT / folder).glob("*.py")} | {"trainers", "detectors"}
+
+
+def test_the_library_tests_import_no_benchmark_or_evaluation_code():
+    """tests/ tests the library: it imports nothing of bench/ or evaluation/, puts neither on
+    sys.path, and holds no test of their tiers (corpus, device_script): those live in
+    bench/tests/ and evaluation/tests/, which `make test-eval` runs."""
+    wrong = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in TOOLING]
+        if path.name == "test_structure.py":
+            continue  # names what it looks for
+        for i, line in enumerate(text.splitlines(), 1):
+            if ("sys.path" in line or "PYTHONPATH" in line) and \
+                    ("bench" in line or "evaluation" in line):
+                wrong.append(f"{path.relative_to(ROOT)}:{i} puts bench/ or evaluation/ on "
+                             "the path")
+            if "mark.corpus" in line or "mark.device_script" in line:
+                wrong.append(f"{path.relative_to(ROOT)}:{i} an evaluation tier's test in tests/")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_test_folders_follow_the_package():
+    """A test folder under tests/ is named after the package part it tests, and every test
+    file's name is unique across the three test folders (pytest imports them by bare name)."""
+    for folder in (ROOT / "tests").iterdir():
+        if folder.is_dir() and any(folder.glob("test_*.py")):
+            assert (ROOT / "fasthealth" / folder.name).is_dir(), \
+                f"tests/{folder.name}/: no fasthealth/{folder.name}/ to follow"
+    names = [p.name for d in ("tests", "bench/tests", "evaluation/tests")
+             for p in (ROOT / d).rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

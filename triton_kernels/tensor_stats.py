@@ -263,14 +263,14 @@ def _in_flight(r0, r1, r2, r3, opaque, WAIT_ALL: tl.constexpr):
     does in csrc/cuda/stats_kernels.cuh. WAIT_ALL: every tile waits
     for all four loads (the ptxas of Triton 3.6 needs it); else the first tile waits for the
     fourth (enough for Triton 3.8 and 3.9, where waiting for all costs up to a quarter more
-    instructions in the masked loop). ``bench/sass_loops.py`` measures both."""
+    instructions in the masked loop). ``tests/sass_loops.py`` measures both."""
     b0 = _bits(r0)
     b3 = _bits(r3)
     if WAIT_ALL:
         b1 = _bits(r1)
         b2 = _bits(r2)
         # (b | (b & c) is b whatever c: the compiler may fold some of this; Triton 3.6's keeps
-        # enough of it, tests/test_triton_compile.py reads the machine code)
+        # enough of it, tests/ops/test_triton_compile.py reads the machine code)
         dep = b0 & b1 & b2 & b3 & opaque.to(b0.dtype)
         x1 = (b1 | dep).to(r1.dtype, bitcast=True)
         x2 = (b2 | dep).to(r2.dtype, bitcast=True)
@@ -633,7 +633,7 @@ if not (_POW2 and BLOCK <= CHUNK <= min(32 * BLOCK, (C21.value + 1) // 2)):
                      f"bits each)")
 VBLOCK = 128
 # Each tile of an iteration waits for all four loads (_in_flight), for the ptxas of Triton
-# before 3.7 (bench/sass_loops.py: with Triton 3.6 one or two of four 16-byte loads were in
+# before 3.7 (tests/sass_loops.py: with Triton 3.6 one or two of four 16-byte loads were in
 # flight, four with it; Triton 3.8 and 3.9 keep four without it). FASTHEALTH_TRITON_WAIT_ALL=0|1
 # forces it either way.
 _TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2] if v.isdigit())
@@ -646,7 +646,7 @@ NUM_WARPS = 8  # BLOCK / (32 * NUM_WARPS) = 8 elements per thread: one or two 16
 # Registers a thread may use in the chunk kernel: 65536 / (2 programs x 256 threads), so that
 # two programs share each SM and keep twice the loads in flight. Left to itself Triton takes a
 # few more than this with range counts, which leaves one program per SM; at 128 ptxas fits
-# every variant without spilling (tests/test_triton_compile.py checks).
+# every variant without spilling (tests/ops/test_triton_compile.py checks).
 MAX_REGISTERS = 128
 PROGRAMS_PER_SM = 65536 // (MAX_REGISTERS * 32 * NUM_WARPS)  # the grid: what the SMs hold
 # The plan's limits (csrc/plan.h): chunks from CHUNK down to CHUNK / 8 (at least one BLOCK), an

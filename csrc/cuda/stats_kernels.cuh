@@ -1,5 +1,5 @@
 // Device code of the CUDA backend (launcher: tensor_stats.cu). It includes no torch header, so
-// that tests/cuda_emu/ can compile these very kernels for the host, one OS thread per CUDA
+// that tests/ops/cuda_emu/ can compile these very kernels for the host, one OS thread per CUDA
 // thread, and check them against the reference on a machine without a GPU.
 //   reference: fasthealth/ops/reference.py   record and merge: ../stats.h   work plan: ../plan.h
 //
@@ -42,7 +42,7 @@
 #include "../stats.h"
 #include "../plan.h"
 
-// Test hook: tests/cuda_emu/ counts the chunks each path finishes (0 fast, 1 shifted, 2 slow,
+// Test hook: tests/ops/cuda_emu/ counts the chunks each path finishes (0 fast, 1 shifted, 2 slow,
 // 3 masked).
 #ifndef FH_COUNT_PATH
 #define FH_COUNT_PATH(path)
@@ -214,7 +214,7 @@ __device__ Sums thread_sums(const void* ptr, int64_t begin, int64_t end, float c
   // masked by it, into the first vector's makes the first use of the first load wait for the
   // fourth, so ptxas issues all four before any is used: without it, it sank the fourth load
   // past the first one's use (and into its registers) in about half of the loops, two memory
-  // latencies an iteration. One LOP3 an iteration (tests/test_cuda_build.py reads the SASS).
+  // latencies an iteration. One LOP3 an iteration (tests/ops/test_cuda_build.py reads the SASS).
   const uint32_t opaque_zero = static_cast<uint32_t>(-static_cast<int32_t>(end < 0));
   for (; v + 3 * kThreads < nvec; v += 4 * kThreads) {
     uint4 r[4];
@@ -518,7 +518,7 @@ __device__ Partial fast_chunk(const void* ptr, int dtype, int64_t begin, int64_t
 // first load's registers for the fourth in the 16-bit loops, so an iteration waited on memory
 // twice; the budget of 2 blocks (128 registers) leaves room for four loads in flight, and
 // thread_sums' opaque dependency makes ptxas issue them all before the first use in every loop
-// (tests/test_cuda_build.py checks it, and that nothing spills).
+// (tests/ops/test_cuda_build.py checks it, and that nothing spills).
 template <bool kRange>
 __global__ void __launch_bounds__(kThreads, 2)
 chunk_stats_cuda(const ChunkItem* items, int64_t n_items, Partial* parts, double hi, double lo,

@@ -57,7 +57,7 @@ class CauseConfig:
     """A weight that jumped by orders of magnitude and stayed finite (``weight_corruption``'s
     ``jumps``) names the weights even after broken optimizer state: a 1e37 weight's gradient
     squared overflows the second moments (Adafactor's were non-finite 10 steps before the
-    weight scan saw the weight, bench/trainers hf_bert_digits_adafactor_bf16), while broken
+    weight scan saw the weight, evaluation/trainers hf_bert_digits_adafactor_bf16), while broken
     moments make the weights they update NaN or Inf, not finite and huge."""
     weight_kinds: frozenset[str] = frozenset({"weight_corruption"})
     """Kinds that name the weights wherever they stand in the incident: a parameter seen
@@ -87,7 +87,7 @@ class CauseConfig:
     astronomical: float = 1e6
     """A first alarm's loss this many times its level names the weights before the run has
     shown whether it comes back (so that the trainer's log line, written at that step, leads
-    to them): a 1e30 weight makes a loss 7e28x its level in tests/test_causes.py, while its
+    to them): a 1e30 weight makes a loss 7e28x its level in tests/monitor/test_causes.py, while its
     garbage batch (inputs 300x, mislabelled) makes 210x; a batch would need inputs thousands
     of times off to come near a million."""
     back_share: float = 0.2

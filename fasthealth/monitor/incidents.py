@@ -119,8 +119,8 @@ class IncidentConfig:
     is a broken run and holds an alarm incident open, like a non-finite one: no real loss
     moves a million-fold while training (a cross-entropy that fell to 1e-3 and climbs back to
     its uniform value, about 10, moves 1e4-fold), while a NaN-filled stretch leaves the median
-    of the finite losses at its old level (an incident used to close at a loss of
-    3.06e38)."""
+    of the finite losses at its old level, where a loss of 3e38 would close the incident
+    (tests/monitor/test_causes.py plants one)."""
     causes: CauseConfig = CauseConfig()
     """The evidence rules that name an incident's likely cause (``causes.py``)."""
 

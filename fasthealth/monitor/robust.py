@@ -10,7 +10,7 @@ too wide to see a bad batch there and too narrow at a noisy loss floor; differen
 steady trend out, and the recent median follows it.
 
 ``spike_scores`` (host, Python lists) and ``spike_scores_t`` (device, tensors of fixed shape, no
-sync) are the same function; ``tests/test_act.py`` checks them equal on the same series.
+sync) are the same function; ``tests/monitor/test_act.py`` checks them equal on the same series.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def spike_scores(values: list[float], x: float) -> tuple[float, float]:
     and no negative value; a value of exactly 0 (a loss that underflowed on a batch the model
     fits) is a gap there, not minus infinity, nor a reason to drop the log scale: a fitted
     classifier's losses span orders of magnitude, and on the linear scale alone its ordinary
-    hard batch scored 8.8 units (bench/trainers, pl_digits_rmsprop_one_cycle). Without a
+    hard batch scored 8.8 units (evaluation/trainers, pl_digits_rmsprop_one_cycle). Without a
     positive value among the recent ones the log score is the linear one."""
     lin = _z(values, x)
     if x > 0 and min(values) >= 0:

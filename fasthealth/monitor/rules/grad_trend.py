@@ -37,7 +37,7 @@ class GradTrendConfig:
     warms up, so a steady climb alone says less than the loss's."""
     rise: float = 2.5
     """3.5x over the window and above the lowest level: above the healthy 2.5x early climb
-    that tests/test_monitor.py plants (no finding), below an 8%-a-step one (found)."""
+    that tests/monitor/test_monitor.py plants (no finding), below an 8%-a-step one (found)."""
     short: int = 10
     """Values in the recent medians (of the norm and of the loss)."""
     warmup: int = WARMUP_STEPS

@@ -23,7 +23,8 @@ from .base import Context, Finding, Rule, skipped
 class LogitConfig:
     ratio: float = 4.0
     """Times the early level: beyond the sharpening a model's logits show as it learns; the
-    value bench/bench_precursors.py measured the precursors with (bench/results/precursors.json)."""
+    value evaluation/eval_precursors.py measured the precursors with
+    (bench/results/precursors.json)."""
     logit_floor: float = 30.0
     """The largest output logit must also pass it: below 30, softmax is far from saturated."""
     drift: float = 10.0

@@ -27,8 +27,9 @@ class OscillationConfig:
     """Lag-1 autocorrelation of the detrended losses: near 0 for minibatch noise, near -1 for
     steps that alternate."""
     amplitude: float = 3.0
-    """Times the run's usual swing: tests/test_monitor.py plants swings 5x the noise (found);
-    the corpus's healthy runs raise none (the detector evaluation, bench/results/detectors.json)."""
+    """Times the run's usual swing: tests/monitor/test_monitor.py plants swings 5x the noise
+    (found); the corpus's healthy runs raise none (the detector evaluation,
+    bench/results/detectors.json)."""
     history: int = 512
     """Past windows whose swings make the usual one."""
     warmup: int = WARMUP_STEPS

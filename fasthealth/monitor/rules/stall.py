@@ -42,7 +42,7 @@ class StallConfig:
     by construction in healthy models (an attention key's bias: softmax ignores what it adds
     to every score; a bias just before a normalisation, whose mean it removes). A BERT has
     both: its key biases' gradients sit below 1e-5 of the largest from the first step, and a
-    BERT on its initial plateau (100 steps under AdamW, bench/trainers) raised a false stall
+    BERT on its initial plateau (100 steps under AdamW, evaluation/trainers) raised a false stall
     without this."""
 
 

@@ -34,7 +34,7 @@ class VanishingConfig:
     """A step whose loss is below this share of the run's first level is a batch the model
     fits: its gradient vanishes with its loss (cross-entropy's gradient is p - y), which is
     convergence, not a fault. A memorised digits batch at a loss of 2e-7 (first level 2.3)
-    had a gradient norm of 8e-6 against a median of 1.5 and alarmed (bench/trainers,
+    had a gradient norm of 8e-6 against a median of 1.5 and alarmed (evaluation/trainers,
     pl_digits_rmsprop_one_cycle). A loss of exactly 0 is never exempt: a masked-out or
     multiplied-away loss is 0 at every step."""
 

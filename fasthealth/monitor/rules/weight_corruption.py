@@ -29,10 +29,9 @@ from .base import Context, Finding, Rule, listed
 class WeightCorruptionConfig:
     every: int = 0
     """Steps between weight scans; 0: once per flush (``flush_every``), and never more than
-    that. One fused read of every weight: on a GPT-2-small-sized model on CPU a pass takes
-    109 ms against a 7.3 s step, 0.03% of a step once per 50 (bench/results/
-    new_alarms_cost.json); corrupted weights stay corrupted, so a scan per flush finds them by
-    the flush that reports them."""
+    that. One fused read of every weight, a small share of a step once per flush
+    (bench/results/new_alarms_cost.json); corrupted weights stay corrupted, so a scan per flush
+    finds them by the flush that reports them."""
     factor: float = 1e3
     """Times above a tensor's level at the scan before: three orders of magnitude. A healthy
     tensor's largest |w| moves by a few times at most over a flush (weight decay, warm-up, a
@@ -42,7 +41,8 @@ class WeightCorruptionConfig:
     """The level a tensor is compared at is at least this share of the model's largest |w| at
     the scan before: a zero-initialised tensor (LoRA B, biases, zero-init output layers) must
     reach 10x the model's largest weight within one scan to count, which healthy growth from
-    zero does not (tests/test_new_alarms.py grows a LoRA-style B from 0 at a high rate)."""
+    zero does not (tests/monitor/test_silent_fault_alarms.py grows a LoRA-style B from 0 at a
+    high rate)."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.factor <= 1 or self.floor < 0:

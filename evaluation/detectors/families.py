@@ -1,0 +1,307 @@
+"""Healthy training-run families: each differs from the others the way real runs differ (data,
+task, model, optimizer, schedule, batch size, regularisation, precision, clipping).
+
+A family is a builder ``(generator, steps) -> Setup`` and a length. Every run of a family is
+healthy: its loss falls, or sits at its noise floor, and nothing in it is broken, so any alarm
+it raises is a false alarm. ``HELD_OUT`` families are never run while the thresholds are
+chosen (``evaluation/eval_detectors.py --final`` scores them, once).
+
+Real data: scikit-learn's bundled tables and photos, the standard library's source, the
+interpreter's help texts (``data.py``). The four cases users reported as false alarms are
+``digits_mlp_onecycle_bf16_ls`` and ``pydoc_word_transformer_onecycle_bf16_ls`` (OneCycle
+warm-up, bf16 autocast, label smoothing), ``digits_mlp_sgd_momentum_plateau`` (an
+SGD-momentum classifier leaving its initial plateau: the gradient norm grows several-fold
+while the loss falls), ``python_char_transformer_clip`` (clipping) and
+``cancer_logreg_sgd_batch8`` (a small-batch logistic regression).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import data
+import models
+import synthetic
+import torch
+from runner import (
+    Setup,
+    autoencoder,
+    bce,
+    ce,
+    cosine,
+    cross_entropy,
+    lm,
+    mse,
+    one_cycle,
+    restarts,
+    step_decay,
+    warmup_cosine,
+    warmup_linear,
+)
+from torch import nn
+
+
+@dataclass
+class Family:
+    name: str
+    build: Callable[[torch.Generator, int], Setup]
+    steps: int
+    about: str
+    held_out: bool = False
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def family(steps: int, about: str, held_out: bool = False):
+    def register(build):
+        name = build.__name__
+        FAMILIES[name] = Family(name, build, steps, about, held_out)
+        return build
+    return register
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+@family(500, "iris, MLP, plain SGD (no momentum), constant LR, batch 16")
+def iris_mlp_sgd_constant(g, steps):
+    m = models.mlp([4, 32, 3], nn.ReLU)
+    return Setup(m, torch.optim.SGD(m.parameters(), lr=0.05),
+                 data.table_loader(g, "iris", 16), ce)
+
+
+@family(500, "wine, MLP with dropout 0.3, Adam, constant LR, batch 32")
+def wine_mlp_adam_dropout(g, steps):
+    m = models.mlp([13, 64, 64, 3], nn.ReLU, dropout=0.3)
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=1e-3),
+                 data.table_loader(g, "wine", 32), ce)
+
+
+@family(600, "breast cancer, logistic regression, SGD at lr 2 (high, and convergent: the loss "
+        "is convex), batch 8, constant LR")
+def cancer_logreg_sgd_batch8(g, steps):
+    m = nn.Linear(30, 1)
+    return Setup(m, torch.optim.SGD(m.parameters(), lr=2.0),
+                 data.table_loader(g, "breast_cancer", 8), bce)
+
+
+@family(400, "breast cancer, MLP, AdamW, batch 256 (2 batches an epoch), linear warm-up "
+        "then decay")
+def cancer_mlp_adamw_batch256_warmup(g, steps):
+    m = models.mlp([30, 64, 64, 1], nn.GELU)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.05)
+    return Setup(m, opt, data.table_loader(g, "breast_cancer", 256), bce,
+                 sched=warmup_linear(opt, 30, steps))
+
+
+@family(500, "diabetes regression, ReLU MLP, RMSprop, batch 32: a noisy floor (R^2 ~0.5)")
+def diabetes_mlp_rmsprop(g, steps):
+    m = models.mlp([10, 64, 64, 1], nn.ReLU)
+    return Setup(m, torch.optim.RMSprop(m.parameters(), lr=1e-3),
+                 data.table_loader(g, "diabetes", 32), mse)
+
+
+@family(400, "linnerud, 3 targets from 3 features of 20 athletes, tanh MLP, Adagrad, batch 8")
+def linnerud_adagrad_batch8(g, steps):
+    m = models.mlp([3, 16, 3], nn.Tanh)
+    return Setup(m, torch.optim.Adagrad(m.parameters(), lr=0.05),
+                 data.table_loader(g, "linnerud", 8), mse)
+
+
+@family(500, "diabetes, first layer in float16 under a GradScaler, Adam")
+def diabetes_fp16_gradscaler(g, steps):
+    m = models.mlp([10, 32, 32, 1])
+    opt = torch.optim.Adam(m.parameters(), lr=2e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=50)
+
+    def loss(model, batch):
+        x, y = batch
+        first = model[0]  # in float16, as autocast runs a matmul: float16 gradients too
+        h = torch.nn.functional.linear(x.half(), first.weight.half(), first.bias.half())
+        return torch.nn.functional.mse_loss(model[1:](h.float()), y)
+
+    return Setup(m, opt, data.table_loader(g, "diabetes", 32), loss, scaler=scaler)
+
+
+# ---- digits (8x8 images) --------------------------------------------------------------------
+
+class _Flat:
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __call__(self, step):
+        x, y = self.loader(step)
+        return x.flatten(1), y
+
+
+@family(600, "digits, 4-layer ReLU MLP at a small init, SGD momentum 0.9: a plateau at "
+        "ln 10, then the loss falls while the gradient norm grows several-fold")
+def digits_mlp_sgd_momentum_plateau(g, steps):
+    m = models.mlp([64, 64, 64, 64, 10], nn.ReLU)
+    with torch.no_grad():
+        for lin in models.linears(m):
+            lin.weight.mul_(0.5)
+            lin.bias.zero_()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    return Setup(m, opt, _Flat(data.table_loader(g, "digits", 32)), ce)
+
+
+@family(500, "digits, CNN, SGD Nesterov momentum, step decay x0.3 every 150, batch 64")
+def digits_cnn_nesterov_step(g, steps):
+    m = models.DigitsCNN()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    return Setup(m, opt, data.table_loader(g, "digits", 64), ce,
+                 sched=step_decay(opt, 150, 0.3))
+
+
+@family(400, "digits, MLP with dropout 0.25, Adam, bf16 autocast, batch 128")
+def digits_mlp_adam_bf16_batch128(g, steps):
+    m = models.mlp([64, 128, 64, 10], nn.ReLU, dropout=0.25)
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=2e-3),
+                 _Flat(data.table_loader(g, "digits", 128)), ce, autocast=torch.bfloat16)
+
+
+@family(500, "digits, GELU MLP, AdamW, warm-up 40 then cosine, label smoothing 0.1")
+def digits_mlp_adamw_label_smoothing(g, steps):
+    m = models.mlp([64, 128, 10], nn.GELU)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.01)
+    return Setup(m, opt, _Flat(data.table_loader(g, "digits", 32)), cross_entropy(0.1),
+                 sched=warmup_cosine(opt, 40, steps))
+
+
+@family(400, "digits, GELU MLP, AdamW under OneCycle (max lr 1e-2, warm-up 30%), bf16 "
+        "autocast, label smoothing 0.1, batch 64")
+def digits_mlp_onecycle_bf16_ls(g, steps):
+    m = models.mlp([64, 128, 128, 10], nn.GELU)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05)
+    return Setup(m, opt, _Flat(data.table_loader(g, "digits", 64)), cross_entropy(0.1),
+                 sched=one_cycle(opt, 1e-2, steps), autocast=torch.bfloat16)
+
+
+@family(500, "digits, autoencoder 64-32-8-32-64, Adam, batch 64")
+def digits_autoencoder_adam(g, steps):
+    m = models.mlp([64, 32, 8, 32, 64], nn.ReLU)
+    loader = _Flat(data.table_loader(g, "digits", 64))
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=2e-3), lambda t: (loader(t)[0],),
+                 autoencoder)
+
+
+# ---- photographs ----------------------------------------------------------------------------
+
+@family(500, "16x16 patches of scikit-learn's sample photos, conv autoencoder, Adam, cosine "
+        "with warm restarts (100, then 200 steps)")
+def photo_conv_autoencoder_restarts(g, steps):
+    m = models.ConvAE()
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    return Setup(m, opt, data.Patches(g, 32), autoencoder, sched=restarts(opt, 100))
+
+
+# ---- text -----------------------------------------------------------------------------------
+
+@family(400, "char-level transformer on stdlib source, AdamW, warm-up 50 then cosine, "
+        "clipped by the Monitor (max_grad_norm=1)")
+def python_char_transformer_clip(g, steps):
+    m = models.TransformerLM(data.CHAR_VOCAB, d=48, heads=2, layers=2, ctx=32)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+    return Setup(m, opt, data.Windows(g, data.char_ids(), 16, 32), lm(),
+                 sched=warmup_cosine(opt, 50, steps), monitor={"max_grad_norm": 1.0})
+
+
+@family(500, "char-level GRU on stdlib source, Adam, constant LR, the user's "
+        "clip_grad_norm_(1.0) before mon.step")
+def python_char_gru(g, steps):
+    m = models.RNNLM(data.CHAR_VOCAB, d=32, hidden=64, cell="gru")
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=3e-3),
+                 data.Windows(g, data.char_ids(), 16, 32), lm(), clip=1.0)
+
+
+@family(500, "word-level LSTM on the interpreter's help texts, plain SGD lr 1 with "
+        "clip_grad_norm_(0.5), step decay x0.5 every 200, batch 20")
+def pydoc_word_lstm_sgd_clip(g, steps):
+    m = models.RNNLM(512, d=48, hidden=96, cell="lstm")
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    return Setup(m, opt, data.Windows(g, data.word_ids("pydoc"), 20, 24), lm(),
+                 sched=step_decay(opt, 200, 0.5), clip=0.5)
+
+
+@family(400, "word-level transformer on the help texts, AdamW under OneCycle (warm-up 30%), "
+        "bf16 autocast, label smoothing 0.1, batch 8")
+def pydoc_word_transformer_onecycle_bf16_ls(g, steps):
+    m = models.TransformerLM(256, d=32, heads=2, layers=2, ctx=24)
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)
+    return Setup(m, opt, data.Windows(g, data.word_ids("pydoc", 256), 8, 24), lm(0.1),
+                 sched=one_cycle(opt, 3e-3, steps), autocast=torch.bfloat16)
+
+
+# ---- synthetic (the first corpus's runs) ----------------------------------------------------
+
+@family(500, "synthetic smooth regression to a noise floor, tanh MLP, Adam")
+def synthetic_regression_noise_floor(g, steps):
+    m = models.mlp([16, 64, 64, 1])
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=3e-3), synthetic.Regression(g), mse)
+
+
+@family(500, "synthetic Gaussian clusters, 30% noisy labels, ReLU MLP, SGD, batch 8")
+def synthetic_noisy_labels_batch8(g, steps):
+    m = models.mlp([20, 32, 5], nn.ReLU)
+    return Setup(m, torch.optim.SGD(m.parameters(), lr=0.05),
+                 synthetic.Clusters(g, batch=8, flip=0.3), ce)
+
+
+@family(500, "synthetic sequences, GRU regressor, Adam")
+def synthetic_gru_sequences(g, steps):
+    m = models.GRURegressor()
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=3e-3), synthetic.Sequences(g), mse)
+
+
+@family(500, "synthetic 16x16 bar images, CNN, SGD momentum under cosine decay")
+def synthetic_bars_cnn_cosine(g, steps):
+    m = models.SmallCNN()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    return Setup(m, opt, synthetic.Bars(g), ce, sched=cosine(opt, steps))
+
+
+# ---- held out: never run while thresholds are chosen ----------------------------------------
+
+@family(500, "wine, residual pre-LN MLP, AdamW, linear warm-up 50 then decay, batch 16",
+        held_out=True)
+def wine_resmlp_layernorm_warmup(g, steps):
+    m = models.ResidualLN(13, d=48, depth=3, d_out=3)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.05)
+    return Setup(m, opt, data.table_loader(g, "wine", 16), ce,
+                 sched=warmup_linear(opt, 50, steps))
+
+
+@family(500, "char-level 2-layer LSTM with dropout on other stdlib modules' source, RMSprop, "
+        "Monitor max_grad_norm=0.5", held_out=True)
+def stdlib_char_lstm_rmsprop_clip(g, steps):
+    m = models.RNNLM(data.CHAR_VOCAB, d=32, hidden=80, cell="lstm", layers=2, dropout=0.1)
+    ids = data.char_ids(data.HELD_OUT_SOURCE_MODULES)
+    return Setup(m, torch.optim.RMSprop(m.parameters(), lr=2e-3),
+                 data.Windows(g, ids, 24, 40), lm(), monitor={"max_grad_norm": 0.5})
+
+
+@family(500, "digits, CNN, SGD momentum under OneCycle, bf16 autocast, label smoothing 0.1, "
+        "batch 32", held_out=True)
+def digits_cnn_sgd_onecycle_bf16_ls(g, steps):
+    m = models.DigitsCNN(width=12)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    return Setup(m, opt, data.table_loader(g, "digits", 32), cross_entropy(0.1),
+                 sched=one_cycle(opt, 0.1, steps), autocast=torch.bfloat16)
+
+
+@family(600, "diabetes, linear regression, SGD, batch 8", held_out=True)
+def diabetes_linear_sgd_batch8(g, steps):
+    m = nn.Linear(10, 1)
+    return Setup(m, torch.optim.SGD(m.parameters(), lr=0.01),
+                 data.table_loader(g, "diabetes", 8), mse)
+
+
+@family(500, "word-level transformer with dropout 0.1 on scikit-learn's data-set "
+        "descriptions, Adam, cosine with warm restarts (150, then 300)", held_out=True)
+def descr_word_transformer_restarts(g, steps):
+    m = models.TransformerLM(384, d=32, heads=2, layers=2, ctx=24, dropout=0.1)
+    opt = torch.optim.Adam(m.parameters(), lr=2e-3)
+    return Setup(m, opt, data.Windows(g, data.word_ids("sklearn", 384), 16, 24), lm(),
+                 sched=restarts(opt, 150))
