@@ -2,7 +2,7 @@
 in one file. A ``TrainerCallback``'s events are given the model, the optimizer, the scheduler
 and the data loaders, never the ``Trainer``, nor any loss before the optimizer step; what the
 callback needs beyond that is here, each item with the test that fails when the library
-changes it (tests/test_trainer_adapters.py).
+changes it (tests/integrations/test_trainer_adapters.py).
 
 Tested with transformers 5.24.0 and accelerate 1.15.0 (the Makefile's ``TRAINERS``).
 

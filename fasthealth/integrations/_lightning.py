@@ -4,7 +4,8 @@ Lightning hands its callbacks the Trainer and the module at every hook, and the 
 (``on_before_backward``) and the optimizer (``on_before_optimizer_step``) where the check needs
 them; the callback's state rides in Lightning's checkpoint through ``state_dict`` /
 ``load_state_dict``. What it takes beyond the callback API, each item with its test in
-tests/test_trainer_adapters.py (tested with lightning 2.6.6, the Makefile's ``TRAINERS``):
+tests/integrations/test_trainer_adapters.py (tested with lightning 2.6.6, the Makefile's
+``TRAINERS``):
 
 1. ``trainer.save_checkpoint(filepath, ...)`` (public) is wrapped on the instance for the
    length of ``fit``: no write while the checkpoint guard refuses (``ModelCheckpoint`` calls it

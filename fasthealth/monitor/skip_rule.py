@@ -59,7 +59,7 @@ class SkipConfig:
     joint: float = 0.85
     """The loss and the gradient norm both above this share of ``zscore``: a bad batch moves
     both. The host rule no longer has this path (bench/results/rules_ablation.json: no tuning
-    fault needed it there); the device rule keeps it until bench/bench_act.py, which scores the
+    fault needed it there); the device rule keeps it until evaluation/eval_act.py, which scores the
     skips, says otherwise."""
     max_run: int = 5
     """Skips in a row at most: a level that stays is a regime change, which skipping cannot

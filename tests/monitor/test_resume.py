@@ -1,7 +1,7 @@
 """A run stopped at step k and resumed from ``mon.state_dict()`` raises the same events after k
 as the run uninterrupted (docs/spec.md section 11), in a plain loop: the model, the optimizer
 and the Monitor saved with ``torch.save`` and loaded with ``weights_only=True`` into new
-objects. The trainers' resumes are in tests/test_resume_trainers.py."""
+objects. The trainers' resumes are in tests/integrations/test_resume_trainers.py."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ class Rule(Generic[C]):
     # the fields that are the rule's state, by name: its windows and counters, what
     # ``Monitor.state_dict`` saves and ``load_state_dict`` restores (``state.py``). What the
     # config or the context make (thresholds, names) is not state; a field left out of this
-    # list starts from its initial value after a resume (tests/test_state.py checks that every
-    # field a rule changes while it runs is listed)
+    # list starts from its initial value after a resume (tests/monitor/test_state.py checks
+    # that every field a rule changes while it runs is listed)
     STATE: ClassVar[tuple[str, ...]] = ()
     # config field -> the Context attribute (a Monitor option) it follows, where the config
     # has that field

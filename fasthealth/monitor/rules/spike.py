@@ -64,7 +64,7 @@ class SpikeConfig:
     scale, is a spike whatever the log scale says. At a noisy loss floor (a classifier of
     batch 16 whose healthy losses swing 30x from one batch to the next) the log-scale noise
     unit is so wide that a loss 28x the window's largest (shuffled labels, 0.85 -> 24.4)
-    scored 1.7 there (bench/trainers: hf_mlp_digits_sgd_warm_restarts). The largest of 128
+    scored 1.7 there (evaluation/trainers: hf_mlp_digits_sgd_warm_restarts). The largest of 128
     healthy values is the tail already: 5x beyond it is not noise. Only with the window at
     least half full (its largest is then a tail), or after a restart against the larger of
     the new window's and the old one's largest: the loss climbing after a restart outgrew a
@@ -73,7 +73,7 @@ class SpikeConfig:
     """At a warm restart of the schedule (``rearm``), until the new window is armed: a loss
     this many times the largest of the window before the restart (which spans the cycle's
     higher losses, not only its low end at a rate near 0: against the last few values, the
-    climb after a restart from a floor of 0.01 reached 10x and alarmed, bench/trainers
+    climb after a restart from a floor of 0.01 reached 10x and alarmed, evaluation/trainers
     hf_mlp_digits_sgd_warm_restarts). A loss x100 at the restart's own step is still seen
     (hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm
     keeps ``early_grad_norm``."""

@@ -18,7 +18,7 @@ from fasthealth.integrations.log import log_dir_option
 from fasthealth.monitor import option_groups
 from fasthealth.monitor.option_groups import DEFAULTS, FLAT, GROUPS, with_default
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # every keyword Monitor took before the groups (README, examples/, integrations, bench/)
 OLD_KEYWORDS = [
     "log_dir", "flush_every", "on_nonfinite", "on_spike", "spike_zscore", "spike_window",

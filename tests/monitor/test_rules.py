@@ -19,7 +19,7 @@ import fasthealth as fh
 from fasthealth.monitor import incidents, kinds, robust, rules, skip_rule
 from fasthealth.monitor.rules.base import Context
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 NEW_RULE = '''
 """``loss_above``: the loss above a fixed ceiling (a test's rule)."""
