@@ -106,7 +106,7 @@ class Run:
                                   precursors=arm == "monitor")
         self.rule_s: dict[str, float] = {}
         if arm == "monitor":  # each rule's host time, summed over the run
-            for rule in self.mon.journal.detectors:
+            for rule in self.mon.analyser.rules:
                 rule.observe = self._timed(rule.observe, type(rule).__name__)
         self.step_s: list[float] = []  # whole steps
         self.inner_s: list[float] = []  # mon.step, or clip + optimizer.step

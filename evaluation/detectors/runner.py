@@ -1,11 +1,12 @@
 """One corpus run: a real training loop under ``fh.Monitor``, and the replay of its recorded
 steps through fresh Monitors with other thresholds (no second training run).
 
-The Monitor's detectors look only at each step's host record (``record.HostStep``), so a run
-recorded once can be judged under any detector settings: ``replay`` feeds the recorded steps
-to a new Monitor built with those settings, flush by flush as in training, and reads its
-events and incidents back. ``evaluation/eval_detectors.py`` checks that the replay at the
-Monitor's defaults gives the very events of the training run (``faithful``).
+The Monitor's detectors look only at each step's record (``record.StepRecord``), so a run
+recorded once can be judged under any detector settings: ``replay`` feeds the recorded steps,
+step by step, to the analyser a Monitor with those settings has
+(``fasthealth.monitor.analyser_for``), and reads its events and incidents back.
+``evaluation/eval_detectors.py`` checks that the replay at the Monitor's defaults gives the very
+events of the training run (``faithful``).
 
 Events are read as ``(step, kind, severity, incident)``: ``severity`` is the event's
 ``"alarm"`` or ``"notice"`` (``"alarm"`` for a Monitor that has none), ``incident`` its
@@ -15,6 +16,7 @@ Monitor without them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,8 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import fasthealth as fh
-from fasthealth.monitor.incidents import IncidentTracker
-from fasthealth.monitor.record import HostStep
+from fasthealth.monitor import analyser_for
+from fasthealth.monitor.incidents import IncidentConfig
+from fasthealth.monitor.record import StepRecord
 from fasthealth.monitor.rules import Rule
 
 # ---- what a run trains ----------------------------------------------------------------------
@@ -126,23 +129,18 @@ def step_decay(opt, every: int, gamma: float):
 
 # ---- recording and replay -------------------------------------------------------------------
 
-# what the step's batch and RNG state are, and what a Monitor's flush writes into the info
-_DROP = ("batch", "sample_ids", "rng", "events", "found", "dump", "dump_due", "incident",
-         "incidents")
-
-
 class Recorder(Rule):
-    """Keeps a copy of every step's host record (the batch and RNG state left out) for
-    ``replay``: raises no event."""
+    """Keeps every step's record (its batch and RNG state left out) for ``replay``: raises no
+    event."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.steps: list[HostStep] = []
+        self.steps: list[StepRecord] = []
 
-    def observe(self, s: HostStep) -> list:
-        info = {k: v for k, v in s.info.items() if k not in _DROP}
-        self.steps.append(HostStep(s.step, dict(s.values), list(s.per_norm), list(s.per_bad),
-                                   info))
+    def observe(self, s: StepRecord) -> list:
+        host = dataclasses.replace(s.host, batch=None, sample_ids=None, rng=None)
+        self.steps.append(StepRecord(s.step, dict(s.values), list(s.per_norm),
+                                     list(s.per_bad), host))
         return []
 
 
@@ -168,35 +166,19 @@ def monitor_for(setup: Setup, options: dict) -> fh.Monitor:
                       **{"scheduler": setup.sched, **setup.monitor, **options})
 
 
-class _Feed:
-    """Stands in for a Monitor's device record (``mon.record``): ``take()``, which every flush
-    calls for the steps recorded since the last, hands over the recorded steps put in it."""
-
-    def __init__(self) -> None:
-        self.steps: list[HostStep] = []
-
-    def take(self) -> list[HostStep]:
-        out, self.steps = self.steps, []
-        return out
-
-
-def replay(setup: Setup, steps: list[HostStep], options: dict) -> dict:
+def replay(setup: Setup, steps: list[StepRecord], options: dict) -> dict:
     """The events and incidents a Monitor with ``options`` raises over the recorded ``steps``:
-    its own flush, flush by flush as in training, fed the records instead of its device
-    buffer."""
+    its analyser, built on its own, fed the records step by step."""
     options = dict(options)
     tracker = options.pop("incidents", None)  # IncidentConfig fields (evaluation/ablate_rules.py)
-    mon = monitor_for(setup, options)
-    if tracker is not None:
-        mon.journal.tracker = IncidentTracker(**tracker)
-    mon.record = feed = _Feed()
-    n = mon.flush_every
-    for i in range(0, len(steps), n):
-        feed.steps = [HostStep(s.step, s.values, s.per_norm, s.per_bad, dict(s.info))
-                      for s in steps[i:i + n]]
-        mon.flush()
-    mon.close()
-    return {"events": read_events(mon), "incidents": read_incidents(mon)}
+    an = analyser_for(
+        setup.model, setup.opt, scaler=setup.scaler,
+        incidents=IncidentConfig(**tracker) if tracker is not None else None,
+        **{"scheduler": setup.sched, **setup.monitor, **options})
+    for s in steps:
+        an.analyse(s)
+    an.close()
+    return {"events": read_events(an), "incidents": read_incidents(an)}
 
 
 Fault = Callable[[int, Any, Setup], Any]

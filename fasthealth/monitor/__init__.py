@@ -1,9 +1,12 @@
 """The training-loop monitor (docs/spec.md section 6), in parts:
 
-- ``monitor.py``: ``Monitor``: ``step`` = record + gate, ``flush`` = detect + write;
+- ``monitor.py``: ``Monitor``: ``step`` = record + gate, ``flush`` = analyse + write
+  (``journal.py``); ``analyser_for`` builds the analyser a Monitor has, for recorded steps;
+- ``analyser.py``: ``Analyser``: the rules, events and incidents over step records, on its own;
 - ``option_groups.py``: its options, grouped by concern (``LogOptions``, ``ActOptions``, ...);
   ``options.py`` checks them;
-- ``record.py``: the device record, one row of named columns per step;
+- ``record.py``: the device record, one row of named columns per step, and the typed
+  ``StepRecord`` each step becomes on the host;
 - ``gate.py``: clipping and the step-or-skip, without a host sync where the optimizer allows;
 - ``rules/``: one file per event rule, and their registry; ``kinds.py``: every fact about
   each kind of event; ``robust.py``: the statistics the rules judge with;
@@ -13,11 +16,13 @@
 - ``replay.py``: ``replay``, which re-runs the step behind an event from its dump.
 """
 
+from .analyser import Analyser, Filing
 from .events import Event, Incident, NonFiniteError, Observation
-from .monitor import Monitor
+from .incidents import IncidentConfig
+from .monitor import Monitor, analyser_for
 from .option_groups import ActOptions, DetectOptions, LogOptions, MeasureOptions, PrecursorOptions
 from .replay import ReplayResult, replay
 
-__all__ = ["ActOptions", "DetectOptions", "Event", "Incident", "LogOptions", "MeasureOptions",
-           "Monitor", "NonFiniteError", "Observation", "PrecursorOptions", "ReplayResult",
-           "replay"]
+__all__ = ["ActOptions", "Analyser", "DetectOptions", "Event", "Filing", "Incident",
+           "IncidentConfig", "LogOptions", "MeasureOptions", "Monitor", "NonFiniteError",
+           "Observation", "PrecursorOptions", "ReplayResult", "analyser_for", "replay"]

@@ -77,7 +77,7 @@ class Verdict:
 def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     """The open alarm incident that says the model state may be damaged, and why (the module
     docstring, case 1); None when there is none."""
-    tracker = mon.journal.tracker
+    tracker = mon.analyser.tracker
     cur = tracker.current
     if cur is None or not cur.open or cur.severity != ALARM:
         return None

@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -145,7 +146,7 @@ def dump_due(policy: str, events: list[Event], alarmed: bool) -> bool:
     return policy == "event" and bool(events)
 
 
-def step_finite(values: dict) -> bool:
+def step_finite(values: Mapping[str, float]) -> bool:
     """Whether a step's loss and gradients were finite; under a GradScaler, Inf without NaN in
     the gradients at a finite loss is an overflow step, the scaler at work."""
     scale = values.get("loss_scale")

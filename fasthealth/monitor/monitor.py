@@ -33,7 +33,9 @@ from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
 from . import gate
+from .analyser import Analyser
 from .events import Event, Incident, Observation
+from .incidents import IncidentConfig, IncidentTracker
 from .journal import Journal
 from .long_run import LongRun
 from .option_groups import (
@@ -49,6 +51,7 @@ from .options import check_options, loss_value, refuse_misuse
 from .precursors import PrecursorProbe
 from .record import (
     DeviceRecord,
+    StepHost,
     loss_scale,
     optimizer_nonfinite,
     or_nan,
@@ -88,7 +91,8 @@ def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_byt
             "started": time.time(), "param_bytes": param_bytes}
     root = (None if self.log_dir is None else  # under torch.distributed: one rank writes
             writer_root(self.log_dir, self.process_group, self.options.log.all_ranks))
-    self.journal = Journal(self.names, self.detectors, log_dir=root, meta=meta,
+    self.analyser = Analyser(self.detectors)
+    self.journal = Journal(self.names, self.analyser, log_dir=root, meta=meta,
                            tensorboard=tensorboard, dumps=dumps,
                            per_tensor_every=self.per_tensor_every,
                            on_nonfinite=self.on_nonfinite)
@@ -134,6 +138,9 @@ class Monitor(LongRun):
     ``warmup_steps <= spike_window``, an optimizer of the model's parameters): a bad one raises
     TypeError or ValueError (ImportError for tensorboard) that names it and its value.
     """
+
+    analyser: Analyser  # the host side's rules, events and incidents (analyser.py)
+    journal: Journal  # the flushes' analysis and writing (journal.py)
 
     def __init__(
         self,
@@ -263,7 +270,7 @@ class Monitor(LongRun):
         bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
         rates = self.schedule.rates()
-        restart = self._restarts.observe(*rates)[0]
+        restart, unexplained = self._restarts.observe(*rates)  # the run's one schedule view
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
         if restart and self.skip_rule is not None:  # after this step: see journal._file
             self.skip_rule.rearm()
@@ -281,9 +288,12 @@ class Monitor(LongRun):
             "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
             "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
         }
-        info = self._step_info(t, batch, sample_ids, rates)
-        scalars.update(self.scans.measure(self.steps_seen, len(present), info, batch, sample_ids))
-        self.record.write(scalars, table, present, info)
+        scanned, weight_table, batch_key = self.scans.measure(self.steps_seen, batch,
+                                                              sample_ids)
+        scalars.update(scanned)
+        self.record.write(scalars, table, present, self._step_host(
+            t, batch, sample_ids, rates, restart, unexplained, len(present), weight_table,
+            batch_key))
         self.steps_seen += 1
         if self.record.full:
             self.flush()
@@ -308,21 +318,23 @@ class Monitor(LongRun):
             self.optimizer if due else None, self.names_by_id, self.backend, self.device)
         return count
 
-    def _step_info(self, t: int, batch: Any, sample_ids: Any,
-                   rates: tuple[float | None, float | None]) -> dict[str, Any]:
+    def _step_host(self, t: int, batch: Any, sample_ids: Any,
+                   rates: tuple[float | None, float | None], restart: bool, unexplained: bool,
+                   grads_present: int, weight_table: Any, batch_key: Any) -> StepHost:
         """What the flush needs of this step on the host: references to the batch (no copy,
-        kept until the flush), the RNG state its forward started from, the learning rate and
-        the rate the scheduler set (``schedule.py``)."""
+        kept until the flush), the RNG state its forward started from, the learning rate, the
+        rate the scheduler set and the schedule's verdict (``schedule.py``), the scans'
+        findings."""
         keep = self.journal.jsonl is not None
-        info = {
-            "step": t, "lr": rates[0], "lr_scheduled": rates[1],
-            "slot": self.record.fill,
-            "batch": map_tensors(torch.Tensor.detach, batch) if keep else None,
-            "sample_ids": map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
-            "rng": self._rng, "opt_stats": self._opt_stats,
-        }
+        host = StepHost(
+            t, slot=self.record.fill, lr=rates[0], lr_scheduled=rates[1], restart=restart,
+            unexplained=unexplained,
+            batch=map_tensors(torch.Tensor.detach, batch) if keep else None,
+            sample_ids=map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
+            rng=self._rng, opt_stats=self._opt_stats, grads_present=grads_present,
+            weight_table=weight_table, batch_key=batch_key)
         self._rng = _rng_state()  # the state the next step's forward starts from
-        return info
+        return host
 
     # ---- flush: detect + write --------------------------------------------------------------
 
@@ -337,17 +349,17 @@ class Monitor(LongRun):
     @property
     def events(self) -> list[Event]:
         """Every event so far, in step order."""
-        return self.journal.events
+        return self.analyser.events
 
     @property
     def incidents(self) -> list[Incident]:
         """Every incident so far, in order of opening (``Incident.open``: still collecting)."""
-        return self.journal.tracker.incidents
+        return self.analyser.incidents
 
     def on_alarm(self, listener: Callable[[Incident], None]) -> None:
         """Calls ``listener(incident)`` once per incident, at the flush where it becomes an
         alarm (notices never call it): how the trainer callbacks log one line per fault."""
-        self.journal.alarm_listeners.append(listener)
+        self.analyser.alarm_listeners.append(listener)
 
     @property
     def write_errors(self) -> list[str]:
@@ -388,3 +400,15 @@ class Monitor(LongRun):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def analyser_for(model: torch.nn.Module, optimizer: Any = None, *,
+                 incidents: IncidentConfig | None = None, **options: Any) -> Analyser:
+    """An analyser (``analyser.py``) with the rules a ``Monitor(model, optimizer, **options)``
+    has (its detection options and groups: ``spike_zscore``, ``detect=``, ``precursors=``,
+    ``scaler=``, ...) and the incident settings ``incidents``, for step records made elsewhere
+    (a recorded run). The Monitor it is built from writes nothing and is closed at once."""
+    options.pop("log_dir", None)
+    mon = Monitor(model, optimizer, **options)
+    mon.close()
+    return Analyser(mon.detectors, IncidentTracker(incidents))

@@ -1,14 +1,19 @@
-"""The monitor's device record: one row per step, copied to the host once per flush.
+"""The monitor's step record: one row per step on the device, copied to the host once per
+flush, and what the step keeps on the host beside it.
 
-A row holds the ``SCALARS`` of the step, then each watched tensor's gradient norm, then each
-one's NaN + Inf count (NaN where a tensor had no gradient that step). Rows are written on the
-device with no sync; ``take()`` copies the filled rows to the host in one transfer.
+A row holds the ``SCALARS`` of the step (declared in ``schema.py``), then each watched tensor's
+gradient norm, then each one's NaN + Inf count (NaN where a tensor had no gradient that step).
+Rows are written on the device with no sync; what the step knows on the host (its learning
+rate, the schedule's verdict, references to its batch) is a ``StepHost``, named and frozen.
+``take()`` copies the filled rows to the host in one transfer and returns one ``StepRecord``
+per step: the record every reader of a step reads (the rules, the sinks, the dumps).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,16 +26,47 @@ from .schema import DEVICE
 SCALARS = DEVICE  # the columns of a row, declared in schema.py
 
 
-@dataclass
-class HostStep:
-    """One step's record on the host: ``values`` by SCALARS name, per-tensor lists in the
-    order of the record's names, and what the step kept on the host (``info``)."""
+@dataclass(frozen=True)
+class StepHost:
+    """What a step knows on the host, set once at the step and read at its flush."""
 
     step: int
-    values: dict[str, float]
+    slot: int = 0
+    """The row of the device record (and of the parameter snapshots) the step was written to."""
+    lr: float | None = None
+    """The rate of the optimizer's first parameter group (``schedule.py``)."""
+    lr_scheduled: float | None = None
+    """The rate the scheduler last set for it; None without a scheduler."""
+    restart: bool = False
+    """The schedule restarted at this step: the rules' windows start again."""
+    unexplained: bool = False
+    """The rate differs from the one the scheduler set (``lr_jump`` judges it)."""
+    batch: Any = None
+    """The step's batch, by reference (no copy), with a log_dir: for its dump."""
+    sample_ids: Any = None
+    rng: dict[str, Any] | None = None
+    """The RNG state the step's forward started from: for its dump."""
+    opt_stats: Any = None
+    """The optimizer-state scan's statistics, at a scan (``optimizer_check_every``)."""
+    grads_present: int | None = None
+    """How many watched parameters had a ``.grad`` (``no_grad``)."""
+    weight_table: Any = None
+    """The weight scan's per-tensor table, at a scan (``weight_corruption``)."""
+    batch_key: Any = None
+    """A hashable key of the step's sample ids, when ``repeated_batch`` runs."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step on the host: ``values`` by the schema's field name (``SCALARS``), the
+    per-tensor gradient norms and NaN + Inf counts in the order of the record's names, and
+    ``host``."""
+
+    step: int
+    values: Mapping[str, float]
     per_norm: list[float]
     per_bad: list[float]
-    info: dict[str, Any] = field(default_factory=dict)
+    host: StepHost
 
 
 class DeviceRecord:
@@ -42,22 +78,22 @@ class DeviceRecord:
         self.scalars, self.norm, self.bad = slice(0, k), slice(k, k + n), slice(k + n, k + 2 * n)
         self._buf = torch.full((capacity, k + 2 * n), math.nan, dtype=torch.float64,
                                device=device)
-        self._info: list[dict[str, Any]] = []
+        self._host: list[StepHost] = []
         self._index: dict[tuple[int, ...], torch.Tensor] = {}  # rows present, when some aren't
 
     @property
     def fill(self) -> int:
-        return len(self._info)
+        return len(self._host)
 
     @property
     def full(self) -> bool:
         return self.fill == self.capacity
 
     def write(self, scalars: dict[str, torch.Tensor], table: torch.Tensor, present: list[int],
-              info: dict[str, Any]) -> int:
+              host: StepHost) -> int:
         """Records one step: ``scalars`` (0-dim tensors, SCALARS names), the per-tensor rows of
-        the stats ``table`` for the watched tensors ``present``, host-side ``info``. Returns
-        the slot written."""
+        the stats ``table`` for the watched tensors ``present``, and what it keeps on the host.
+        Returns the slot written (``host.slot``)."""
         slot = self.fill
         row = self._buf[slot]
         row[self.scalars] = torch.stack([scalars[k].to(self.device, torch.float64)
@@ -76,33 +112,33 @@ class DeviceRecord:
                                                  torch.tensor(present, device=self.device))
                 row[self.norm].index_copy_(0, idx, per_norm)
                 row[self.bad].index_copy_(0, idx, per_bad)
-        self._info.append(info)
+        self._host.append(host)
         return slot
 
     def put(self, slot: int, step: int, scalars: dict[str, torch.Tensor]) -> bool:
         """Fills SCALARS fields of the pending row ``slot`` after it was written (a value that
         comes after the trainer's optimizer step); False when that row has been flushed."""
-        if slot >= self.fill or self._info[slot]["step"] != step:
+        if slot >= self.fill or self._host[slot].step != step:
             return False
         for k, v in scalars.items():
             self._buf[slot, SCALARS.index(k)] = v.to(self.device, torch.float64)
         return True
 
-    def take(self) -> list[HostStep]:
+    def take(self) -> list[StepRecord]:
         """The filled rows on the host (one device-to-host copy); the record is then empty.
         It is emptied only once every row is on the host, so that a KeyboardInterrupt during
         the copy or the conversion leaves the rows in it for the exit flush."""
         k = self.fill
         if k == 0:
             return []
-        host = self._buf[:k].cpu()
-        info = self._info
+        rows = self._buf[:k].cpu()
+        kept = self._host
         out = []
         for j in range(k):
-            values = dict(zip(SCALARS, host[j, self.scalars].tolist()))
-            out.append(HostStep(info[j]["step"], values, host[j, self.norm].tolist(),
-                                host[j, self.bad].tolist(), info[j]))
-        self._info = []
+            values = dict(zip(SCALARS, rows[j, self.scalars].tolist()))
+            out.append(StepRecord(kept[j].step, values, rows[j, self.norm].tolist(),
+                                  rows[j, self.bad].tolist(), kept[j]))
+        self._host = []
         return out
 
 

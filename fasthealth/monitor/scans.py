@@ -137,20 +137,19 @@ class Scans:
             every = min(getattr(wc.config, "every", 0) or flush_every, flush_every)
         return cls(every, "repeated_batch" in by_name, params, backend)
 
-    def measure(self, n: int, grads_present: int, info: dict[str, Any], batch: Any,
-                sample_ids: Any) -> dict[str, torch.Tensor]:
-        """The record's fields for step number ``n`` of the Monitor (0 for its first); into
-        ``info``: the scan's table, the ids' key, and how many parameters have a ``.grad``
-        (known on the host: ``no_grad``)."""
-        info["grads_present"] = grads_present
+    def measure(self, n: int, batch: Any, sample_ids: Any
+                ) -> tuple[dict[str, torch.Tensor], Any, Any]:
+        """(the record's fields, the weight scan's table or None, the sample ids' key or None)
+        for step number ``n`` of the Monitor (0 for its first)."""
         nan = not_measured(self.device)
         out = {"weight_nonfinite": nan, "weight_amax": nan, "batch_fingerprint": nan}
+        table = key = None
         if self.every and (n == 0 or (n + 1) % self.every == 0):
-            out["weight_nonfinite"], out["weight_amax"], info["weight_table"] = weight_scan(
+            out["weight_nonfinite"], out["weight_amax"], table = weight_scan(
                 self.params, self.backend, self.device)
         if self.keyed:
-            info["batch_key"] = ids_key(sample_ids)
-            if info["batch_key"] is None:
+            key = ids_key(sample_ids)
+            if key is None:
                 fp = fingerprint(batch if sample_ids is None else sample_ids, self.device)
                 out["batch_fingerprint"] = fp if fp is not None else nan
-        return out
+        return out, table, key

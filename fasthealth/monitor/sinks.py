@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .events import Event, jsonable
-from .record import SCALARS, HostStep
+from .record import SCALARS, StepRecord
 from .runs import Run, open_existing, open_new
 from .schema import cast
 
@@ -34,11 +34,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return obj
 
 
-def step_json(s: HostStep, names: list[str], events: list[Event], per_tensor: bool) -> dict:
+def step_json(s: StepRecord, names: list[str], events: list[Event], per_tensor: bool) -> dict:
     """One line of steps.jsonl: the step's scalars (counts as ints, flags as bools), the
     learning rate, the kinds of its events and, when asked, every tensor's gradient norm."""
     rec: dict[str, Any] = {"step": s.step, **{k: cast(k, s.values[k]) for k in SCALARS},
-                           "lr": s.info.get("lr")}
+                           "lr": s.host.lr}
     if events:
         rec["events"] = [e.kind for e in events]
     if per_tensor:
@@ -262,18 +262,18 @@ class TensorBoardSink:
 
         self._writer = SummaryWriter(str(log_dir / "tensorboard"))
 
-    def write(self, s: HostStep) -> None:
+    def write(self, s: StepRecord) -> None:
         for k in ("loss", "grad_norm", "loss_scale"):
             if math.isfinite(s.values[k]):
                 self._writer.add_scalar(k, s.values[k], s.step)
-        if s.info.get("lr") is not None:
-            self._writer.add_scalar("lr", s.info["lr"], s.step)
+        if s.host.lr is not None:
+            self._writer.add_scalar("lr", s.host.lr, s.step)
 
     def close(self) -> None:
         self._writer.close()
 
 
-def write_dump(log_dir: Path, s: HostStep, names: list[str], events: list[Event],
+def write_dump(log_dir: Path, s: StepRecord, names: list[str], events: list[Event],
                params: list[torch.Tensor] | None, context: dict | None = None) -> str:
     """Saves what ``fh.replay`` needs to re-run step ``s``: the batch and sample ids, the RNG
     state its forward started from, its record and, when captured, the parameters as they were
@@ -294,12 +294,12 @@ def write_dump(log_dir: Path, s: HostStep, names: list[str], events: list[Event]
         torch.save({
             "step": s.step,
             "events": [e.to_json() for e in events],
-            "batch": map_tensors(cpu, s.info.get("batch")),
-            "sample_ids": map_tensors(cpu, s.info.get("sample_ids")),
+            "batch": map_tensors(cpu, s.host.batch),
+            "sample_ids": map_tensors(cpu, s.host.sample_ids),
             "record": jsonable(s.values),
             "per_tensor": {"names": names, "norm": s.per_norm},
-            "rng": s.info.get("rng"),
-            "lr": s.info.get("lr"),
+            "rng": s.host.rng,
+            "lr": s.host.lr,
             "params": (None if params is None
                        else {n: t.cpu().clone() for n, t in zip(names, params)}),
             **(context or {}),

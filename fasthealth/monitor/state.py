@@ -64,6 +64,7 @@ class Monitor(Protocol):
 
     names: list[str]
     journal: Any
+    analyser: Any
     detectors: list[Any]
     skip_rule: Any
     _restarts: Any
@@ -292,8 +293,7 @@ def _config(obj: Any) -> str:
 
 def _host_state(mon: Monitor) -> dict[str, Any]:
     """The objects whose fields are state, by name."""
-    j = mon.journal
-    return {"tracker": j.tracker, "schedule": j.schedule, "restarts": mon._restarts,
+    return {"tracker": mon.analyser.tracker, "restarts": mon._restarts,
             "skip_rule": mon.skip_rule}
 
 
@@ -316,13 +316,13 @@ class Forgotten(Incident):
         return f"incident #{self.id}: {self.why}"
 
 
-def kept_events(j: Any) -> list[Any]:
-    """The events a state keeps of ``j.events`` (journal.py), in order: the last
+def kept_events(a: Any) -> list[Any]:
+    """The events a state keeps of ``a.events`` (an ``Analyser``), in order: the last
     ``EVENTS_KEPT`` and the open incident's (what the tracker goes on counting repeats on)."""
-    cur = j.tracker.current
+    cur = a.tracker.current
     held = {id(e) for e in cur.events} if cur is not None else set()
-    first = len(j.events) - EVENTS_KEPT
-    return [e for n, e in enumerate(j.events) if n >= first or id(e) in held]
+    first = len(a.events) - EVENTS_KEPT
+    return [e for n, e in enumerate(a.events) if n >= first or id(e) in held]
 
 
 def _kept_fields(name: str, obj: Any) -> dict[str, Any]:
@@ -351,16 +351,16 @@ def state_dict(mon: Monitor) -> dict[str, Any]:
     objects = {name: None if obj is None else {"config": _config(obj),
                                                "fields": enc(_kept_fields(name, obj), name)}
                for name, obj in _host_state(mon).items()}
-    j = mon.journal
+    j, a = mon.journal, mon.analyser
     last = mon._next_step - 1 if mon.steps_seen else None
     return {
         "format": FORMAT, "names": list(mon.names),
         "run": {"id": getattr(mon, "run_id", None), "step": last},
         "next_step": mon._next_step, "steps_seen": mon.steps_seen,
         "rules": rules, "objects": objects,
-        "journal": enc({"events": kept_events(j), "recent_lr": j.recent_lr,
+        "journal": enc({"events": kept_events(a), "recent_lr": j.recent_lr,
                         "optimizer": j.optimizer}, "journal"),
-        "incidents": len(j.tracker.incidents),
+        "incidents": len(a.tracker.incidents),
     }
 
 
@@ -452,12 +452,12 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
         _restore(target, fields, path)
     for rule, saved in own:
         rule.load_state_dict(saved)
-    j = mon.journal
-    if isinstance(total, int) and any(t is j.tracker for t, _, _ in restore):
+    j, a = mon.journal, mon.analyser
+    if isinstance(total, int) and any(t is a.tracker for t, _, _ in restore):
         # the incidents before the kept ones, each in its place (an incident's id is its index)
-        before = total - len(j.tracker.incidents)
-        j.tracker.incidents[:0] = [Forgotten.at(n) for n in range(before)]
-    j.events[:] = events
+        before = total - len(a.tracker.incidents)
+        a.tracker.incidents[:0] = [Forgotten.at(n) for n in range(before)]
+    a.events[:] = events
     j.recent_lr.extend(recent_lr)
     j.optimizer = optimizer
     mon._next_step, mon.steps_seen, mon._resumed = next_step, steps_seen, True

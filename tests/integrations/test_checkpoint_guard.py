@@ -239,7 +239,7 @@ def test_safe_to_save_is_false_for_a_finite_corrupted_weight(monkeypatch):
         inc = v.incident
         assert inc is mon.incidents[-1] and inc.open and "weight_corruption" in inc.kinds
         assert v.reason == f"its cause is weights ({inc.why})", v.reason
-        tracker = mon.journal.tracker
+        tracker = mon.analyser.tracker
         assert not tracker.broken() and not (tracker.harmed and tracker._unrecovered())
         with monkeypatch.context() as mp:  # were the weights not its cause: its kind alone
             mp.setattr(guard, "DAMAGED_CAUSES", frozenset())

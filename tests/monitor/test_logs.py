@@ -225,7 +225,7 @@ def test_a_flush_interrupted_while_it_copies_the_record_loses_no_step(tmp_path, 
     m, opt = model_and_opt()
     mon = fh.Monitor(m, opt, log_dir=tmp_path, flush_every=1000)
     train(mon, m, opt, 7)
-    real, calls = record.HostStep, []
+    real, calls = record.StepRecord, []
 
     def interrupted(*args):
         calls.append(1)
@@ -233,10 +233,10 @@ def test_a_flush_interrupted_while_it_copies_the_record_loses_no_step(tmp_path, 
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(record, "HostStep", interrupted)
+    monkeypatch.setattr(record, "StepRecord", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mon.flush()
-    monkeypatch.setattr(record, "HostStep", real)
+    monkeypatch.setattr(record, "StepRecord", real)
     assert mon.record.fill == 7
     mon.close()
     steps = [json.loads(s)["step"] for s in (mon.run_dir / "steps.jsonl").read_text().splitlines()]

@@ -194,12 +194,12 @@ def test_divergence_after_lr_jump():
 
 
 def _host(t, loss=1.0, grad_norm=1.0, lr=None):
-    from fasthealth.monitor.record import HostStep
+    from fasthealth.monitor.record import StepHost, StepRecord
 
     values = dict(loss=loss, loss_finite=1.0, grads_finite=1.0, skipped=0.0,
                   loss_scale=float("nan"), nan_count=0.0, inf_count=0.0, grad_norm=grad_norm,
                   optimizer_nonfinite=float("nan"))
-    return HostStep(t, values, [grad_norm], [0.0], {"lr": lr})
+    return StepRecord(t, values, [grad_norm], [0.0], StepHost(t, lr=lr))
 
 
 def test_lr_jump_rule_ignores_schedules_and_reports_a_jump_above_the_peak():
@@ -367,13 +367,13 @@ def test_any_grad_scaler_a_user_passes_trains_like_the_plain_loop(make):
 def test_loss_scale_rule_below_minimum_and_overflow_steps_under_a_scaler():
     """A scale below min_loss_scale is a collapse at once; an isolated overflow step under a
     GradScaler (finite loss, the scaler skips) is the scaler at work: no event."""
-    from fasthealth.monitor.record import HostStep
+    from fasthealth.monitor.record import StepHost, StepRecord
 
     def step(t, scale, skipped=0.0, grads_finite=1.0, nan=0.0):
         values = dict(loss=1.0, loss_finite=1.0, grads_finite=grads_finite, skipped=skipped,
                       loss_scale=scale, nan_count=nan, inf_count=3.0 * (1 - grads_finite),
                       grad_norm=1.0, optimizer_nonfinite=float("nan"))
-        return HostStep(t, values, [1.0], [3.0 * (1 - grads_finite)], {"lr": None})
+        return StepRecord(t, values, [1.0], [3.0 * (1 - grads_finite)], StepHost(t))
 
     rule = rules.LossScale(rules.LossScale.Config(min_loss_scale=1.0))
     assert rule.observe(step(0, 4.0)) == []

@@ -9,15 +9,15 @@ import random
 
 import torch
 
-from fasthealth.monitor.record import HostStep
+from fasthealth.monitor.record import StepHost, StepRecord
 from fasthealth.monitor.rules import Context
 from fasthealth.monitor.rules.spike import Spike
 from fasthealth.monitor.rules.stall import Stall
 
 
 def _step(t, loss, grad_norm=1.0, per_norm=()):
-    return HostStep(t, {"loss": loss, "grad_norm": grad_norm, "grads_finite": 1.0,
-                        "skipped": 0.0}, list(per_norm), [0.0] * len(per_norm), {})
+    return StepRecord(t, {"loss": loss, "grad_norm": grad_norm, "grads_finite": 1.0,
+                          "skipped": 0.0}, list(per_norm), [0.0] * len(per_norm), StepHost(t))
 
 
 def _floor(n, seed=0):

@@ -351,6 +351,6 @@ def test_a_refused_state_leaves_the_run_and_the_monitor_as_they_were(tmp_path):
     with pytest.raises(RuntimeError, match="being written by another Monitor"):
         second.load_state_dict(sd)
     assert second.run_id is None and second.events == [] and second.steps_seen == 0
-    assert second.journal.tracker.current is None and second.incidents == []
+    assert second.analyser.tracker.current is None and second.incidents == []
     holder.close()
     second.close()

@@ -350,7 +350,7 @@ def test_without_their_rules_nothing_is_scanned():
         mon.step(torch.tensor(1.0), batch=(x[:16], y[:16]))
     mon.close()
     assert len(seen) == 6 and mon.scans.every == 0 and not mon.scans.keyed
-    assert all("weight_table" not in s.info and "batch_key" not in s.info for s in seen)
+    assert all(s.host.weight_table is None and s.host.batch_key is None for s in seen)
     assert all(math.isnan(s.values["batch_fingerprint"]) for s in seen)
 
 

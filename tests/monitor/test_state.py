@@ -107,9 +107,8 @@ def test_every_field_a_component_changes_while_it_runs_is_listed_as_state():
     for rule in mon.detectors:
         fresh = type(rule)(rule.config, ctx)
         missing += _unlisted_changes(rule, fresh, type(rule).__name__)
-    j = mon.journal
-    comps = [(j.tracker, type(j.tracker)(j.tracker.config), "tracker"),
-             (j.schedule, type(j.schedule)(j.schedule.config), "schedule"),
+    tracker = mon.analyser.tracker
+    comps = [(tracker, type(tracker)(tracker.config), "tracker"),
              (mon._restarts, type(mon._restarts)(mon._restarts.config), "restarts"),
              (mon.skip_rule, type(mon.skip_rule)(mon.device, mon.skip_rule.config),
               "skip_rule")]
@@ -133,7 +132,7 @@ def test_the_state_holds_the_listed_fields_and_says_its_format():
         rule = mon.detectors[int(key.split(":")[0])]
         assert saved["fields"]["k"] == list(type(rule).STATE), key
     tracker = sd["objects"]["tracker"]["fields"]["k"]
-    assert tracker == list(type(mon.journal.tracker).STATE)
+    assert tracker == list(type(mon.analyser.tracker).STATE)
     assert "quiet" not in tracker  # a setting the resumed Monitor's options make
     mon.close()
 
@@ -197,10 +196,10 @@ def test_a_component_with_other_fields_is_refused_and_nothing_is_applied(change)
         fields["k"].append("surprise")
         fields["v"].append(1)
     mon = _fresh()
-    before = (mon._next_step, mon.journal.tracker.incidents, list(mon.journal.events))
+    before = (mon._next_step, mon.analyser.tracker.incidents, list(mon.analyser.events))
     with pytest.raises(StateError, match="tracker has the fields .* refused"):
         mon.load_state_dict(bad)
-    assert (mon._next_step, mon.journal.tracker.incidents, list(mon.journal.events)) == before
+    assert (mon._next_step, mon.analyser.tracker.incidents, list(mon.analyser.events)) == before
     mon.load_state_dict(sd)  # the refusal changed nothing: the right state still loads
     mon.close()
 
@@ -216,5 +215,5 @@ def test_a_part_with_other_fields_is_refused_before_anything_is_applied():
     mon = _fresh()
     with pytest.raises(StateError, match=r"series\['loss'\] has the fields"):
         mon.load_state_dict(sd)
-    assert mon.journal.tracker.incidents == [] and mon._next_step == 0
+    assert mon.analyser.tracker.incidents == [] and mon._next_step == 0
     mon.close()

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Context, Finding, Rule, listed
 
 
@@ -47,7 +47,7 @@ class AdamEps(Rule[AdamEpsConfig]):
         self.run = 0
         self.fired = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         c, numels = self.config, self.ctx.numels
         low = [i for i, (norm, n, eps) in enumerate(zip(s.per_norm, numels, self.eps))
                if eps is not None and norm > 0 and norm / math.sqrt(max(n, 1)) < eps]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
 
 
@@ -113,7 +113,7 @@ class Rule(Generic[C]):
     def build(cls, ctx: Context) -> Rule[Any] | None:
         return cls(cls.configure(ctx), ctx)
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         raise NotImplementedError
 
     def rearm(self) -> None:
@@ -133,7 +133,7 @@ def listed(names: Any) -> str:
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
-def skipped(s: HostStep) -> bool:
+def skipped(s: StepRecord) -> bool:
     return s.values["skipped"] > 0
 
 

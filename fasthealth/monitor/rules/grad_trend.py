@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import WARMUP_STEPS
 from .base import Context, Finding
 from .trend import Rising
@@ -69,9 +69,9 @@ class GradNormTrend(Rising[GradTrendConfig]):
         self.lr_climb = False  # the learning rate rose lr_rise-fold with the episode's climb
         self.unconfirmed: Finding | None = None  # the episode's notice, until confirmed
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         loss = s.values["loss"]
-        lr = s.info.get("lr")
+        lr = s.host.lr
         if isinstance(lr, (int, float)) and lr > 0:
             self.lrs.append(float(lr))
         if math.isfinite(loss):

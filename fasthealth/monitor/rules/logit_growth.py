@@ -15,7 +15,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Context, Finding, Rule, skipped
 
 
@@ -91,7 +91,7 @@ class LogitGrowth(Rule[LogitConfig]):
         self.attention = _Growth(c.ratio, c.attention_floor, c)
         self.z_fired = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         if skipped(s):
             return []
         v = s.values

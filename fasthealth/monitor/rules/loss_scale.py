@@ -8,7 +8,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Context, Finding, Rule
 
 
@@ -40,7 +40,7 @@ class LossScale(Rule[LossScaleConfig]):
         self.recent: deque[float] = deque(maxlen=self.config.within + 1)
         self.collapsed = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
         scale = s.values["loss_scale"]
         self.recent.append(scale)

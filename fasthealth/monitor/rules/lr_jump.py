@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import WARMUP_STEPS
 from .base import Context, Finding, Rule
 
@@ -54,9 +54,9 @@ class LRJump(Rule[LRJumpConfig]):
         self.since = 0  # steps it has risen since
         self.seen = 0
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
-        lr = s.info.get("lr")
+        lr = s.host.lr
         if lr is None or not math.isfinite(lr):
             return []
         self.seen += 1
@@ -70,10 +70,10 @@ class LRJump(Rule[LRJumpConfig]):
             self.since += 1
         if self.seen <= c.warmup:
             return []
-        if s.info.get("lr_unexplained") and last and lr > c.unexplained * last:
+        if s.host.unexplained and last and lr > c.unexplained * last:
             ref = last
             how = (f"the step before's ({last:.4g}), and the scheduler did not set it (it set "
-                   f"{s.info.get('lr_scheduled'):.4g})")
+                   f"{s.host.lr_scheduled:.4g})")
         elif peak > 0 and lr > c.ratio * peak:
             ref, how = peak, f"the highest it had been ({peak:.4g})"
         elif c.climb and self.settled is not None and self.settled > 0 \

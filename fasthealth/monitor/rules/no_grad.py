@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Context, Finding, Rule
 
 
@@ -31,8 +31,8 @@ class NoGrad(Rule[NoGradConfig]):
         self.missing = 0
         self.fired = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
-        if s.info.get("grads_present", 1) != 0:
+    def observe(self, s: StepRecord) -> list[Finding]:
+        if s.host.grads_present != 0:
             self.missing, self.fired = 0, False
             return []
         self.missing += 1

@@ -7,7 +7,7 @@ always reported.
 
 from __future__ import annotations
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Finding, NoConfig, Rule, listed, skipped
 
 
@@ -15,7 +15,7 @@ class NonFiniteLoss(Rule[NoConfig]):
     name = "nonfinite_loss"
     kinds = ("nonfinite_loss",)
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         v = s.values
         if v["loss_finite"]:
             return []
@@ -33,7 +33,7 @@ class NonFiniteGrad(Rule[NoConfig]):
     name = "nonfinite_grad"
     kinds = ("nonfinite_grad",)
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         v = s.values
         overflow = self.ctx.scaler and v["loss_finite"] and v["nan_count"] == 0 and skipped(s)
         if v["grads_finite"] or overflow:

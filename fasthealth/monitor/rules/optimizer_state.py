@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Finding, NoConfig, Rule, listed
 
 
@@ -16,7 +16,7 @@ class OptimizerState(Rule[NoConfig]):
         super().__init__(config, ctx)
         self.bad = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         count = s.values["optimizer_nonfinite"]
         if count != count:  # not scanned this step
             return []
@@ -26,7 +26,7 @@ class OptimizerState(Rule[NoConfig]):
         if self.bad:
             return []
         self.bad = True
-        stats = s.info.get("opt_stats")
+        stats = s.host.opt_stats
         names = stats.nonfinite() if stats is not None else []
         return [Finding(
             "optimizer_state_nonfinite",

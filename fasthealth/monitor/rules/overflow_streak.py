@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Context, Finding, Rule, skipped
 
 
@@ -39,7 +39,7 @@ class OverflowStreak(Rule[OverflowStreakConfig]):
         self.streak = 0
         self.start = 0
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         v = s.values
         if not (skipped(s) and v["loss_finite"] and not v["grads_finite"]):
             self.streak = 0

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Context, Finding, Rule
 
 
@@ -56,8 +56,8 @@ class RepeatedBatch(Rule[RepeatedBatchConfig]):
         self.moved = 0  # how long the run had been moving when the batch ``last`` came
         self.fired = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
-        key: Any = s.info.get("batch_key")
+    def observe(self, s: StepRecord) -> list[Finding]:
+        key: Any = s.host.batch_key
         by = "sample ids"
         if key is None:
             fp = s.values.get("batch_fingerprint", math.nan)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ...stats import decode_ranks
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Finding, NoConfig, Rule, listed
 
 
@@ -20,7 +20,7 @@ class ReplicaDivergence(Rule[NoConfig]):
         super().__init__(config, ctx)
         self.active = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         count = s.values.get("replica_mismatch", math.nan)
         if not count > 0:
             self.active = False

@@ -19,7 +19,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, spike_scores
 from ..skip_rule import GRAD_FACTOR, SERIES
 from .base import Context, Finding, Rule
@@ -145,7 +145,7 @@ class Spike(Rule[SpikeConfig]):
         self.series = {"loss": _Series("loss", c.window, c.early_loss, c.first),
                        "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm, c.first)}
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         return self._device_skips(s, self._host(s))
 
     def rearm(self) -> None:
@@ -161,7 +161,7 @@ class Spike(Rule[SpikeConfig]):
             ser.early_ratio = c.restart_loss if key == "loss" else c.early_grad_norm
             ser.restarted = True
 
-    def _host(self, s: HostStep) -> list[Finding]:
+    def _host(self, s: StepRecord) -> list[Finding]:
         c = self.config
         values = {"loss": s.values["loss"],
                   "grad_norm": s.values["grad_norm"] if s.values["grads_finite"] else math.nan}
@@ -185,7 +185,7 @@ class Spike(Rule[SpikeConfig]):
                 found.append(self._spike(ser, v, max(z, pair[0]) if beyond else z))
         return found
 
-    def _device_skips(self, s: HostStep, found: list[Finding]) -> list[Finding]:
+    def _device_skips(self, s: StepRecord, found: list[Finding]) -> list[Finding]:
         """``found`` with the device rule's skip said (spike_skip is NaN with on_spike off)."""
         if not s.values.get("spike_skip", 0) > 0:
             return found

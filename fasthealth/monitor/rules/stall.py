@@ -18,7 +18,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from ..record import HostStep
+from ..record import StepRecord
 from .base import Finding, Rule, listed
 
 
@@ -63,7 +63,7 @@ class Stall(Rule[StallConfig]):
         self.seen = 0
         self.done = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
         loss = s.values["loss"]
         if self.done or not math.isfinite(loss):

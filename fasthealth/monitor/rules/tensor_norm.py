@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import WARMUP_STEPS
 from .base import Context, Finding, Rule, listed
 
@@ -49,7 +49,7 @@ class TensorNorm(Rule[TensorNormConfig]):
         self.reported_low = torch.zeros(n, dtype=torch.bool)
         self.reported_high = torch.zeros(n, dtype=torch.bool)
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
         if not s.values["grads_finite"] or not s.per_norm:
             return []

@@ -8,7 +8,7 @@ import statistics
 from collections import deque
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import slope_t
 from .base import Finding, Rule
 
@@ -47,7 +47,7 @@ class LossTrend(Rule[C]):
         self.seen = 0
         self.active = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         return self.update(s.values["loss"])
 
     def update(self, value: float) -> list[Finding]:

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import level_and_noise
 from .base import Context, Finding, Rule, skipped
 
@@ -55,7 +55,7 @@ class UpdateRatio(Rule[UpdateRatioConfig]):
         self.history: deque[float] = deque(maxlen=c.window)
         self.fired = False  # reported until the series comes back
 
-    def observe(self, s: HostStep) -> list[Finding]:
+    def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
         v = s.values.get("update_ratio_max", math.nan)
         g = s.values.get("grad_norm", math.nan)

@@ -10,7 +10,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from ..record import HostStep
+from ..record import StepRecord
 from ..robust import SPIKE_WINDOW, WARMUP_STEPS
 from .base import Context, Finding, Rule
 
@@ -55,8 +55,8 @@ class Vanishing(Rule[VanishingConfig]):
         self.low = 0
         self.active = False
 
-    def observe(self, s: HostStep) -> list[Finding]:
-        if s.info.get("grads_present", 1) == 0:  # no .grad at all: ``no_grad``'s finding
+    def observe(self, s: StepRecord) -> list[Finding]:
+        if s.host.grads_present == 0:  # no .grad at all: ``no_grad``'s finding
             return []
         loss = s.values["loss"]
         if math.isfinite(loss) and len(self.first_losses) < self.config.warmup:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..events import SCANNED_SINCE, SEVERAL_TENSORS
-from ..record import HostStep
+from ..record import StepRecord
 from ..scans import scan_table
 from .base import Context, Finding, Rule, listed
 
@@ -63,8 +63,8 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
         super().__init__(config, ctx)
         self.prev: tuple[int, list[float], list[float]] | None = None  # step, bad, amax
 
-    def observe(self, s: HostStep) -> list[Finding]:
-        table = s.info.get("weight_table")
+    def observe(self, s: StepRecord) -> list[Finding]:
+        table = s.host.weight_table
         if table is None:
             return []
         bad, amax = scan_table(table)
