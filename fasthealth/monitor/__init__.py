@@ -17,12 +17,13 @@
 """
 
 from .analyser import Analyser, Filing
+from .causes import CauseConfig
 from .events import Event, Incident, NonFiniteError, Observation
 from .incidents import IncidentConfig
 from .monitor import Monitor, analyser_for
 from .option_groups import ActOptions, DetectOptions, LogOptions, MeasureOptions, PrecursorOptions
 from .replay import ReplayResult, replay
 
-__all__ = ["ActOptions", "Analyser", "DetectOptions", "Event", "Filing", "Incident",
+__all__ = ["ActOptions", "Analyser", "CauseConfig", "DetectOptions", "Event", "Filing", "Incident",
            "IncidentConfig", "LogOptions", "MeasureOptions", "Monitor", "NonFiniteError",
            "Observation", "PrecursorOptions", "ReplayResult", "analyser_for", "replay"]

@@ -35,7 +35,7 @@ from ..stats import MultiTensorStats
 from . import gate
 from .analyser import Analyser
 from .events import Event, Incident, Observation
-from .incidents import IncidentConfig, IncidentTracker
+from .incidents import IncidentTracker
 from .journal import Journal
 from .long_run import LongRun
 from .option_groups import (
@@ -91,7 +91,7 @@ def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_byt
             "started": time.time(), "param_bytes": param_bytes}
     root = (None if self.log_dir is None else  # under torch.distributed: one rank writes
             writer_root(self.log_dir, self.process_group, self.options.log.all_ranks))
-    self.analyser = Analyser(self.detectors)
+    self.analyser = Analyser(self.detectors, IncidentTracker(self.options.detect.incidents))
     self.journal = Journal(self.names, self.analyser, log_dir=root, meta=meta,
                            tensorboard=tensorboard, dumps=dumps,
                            per_tensor_every=self.per_tensor_every,
@@ -402,13 +402,13 @@ class Monitor(LongRun):
         self.close()
 
 
-def analyser_for(model: torch.nn.Module, optimizer: Any = None, *,
-                 incidents: IncidentConfig | None = None, **options: Any) -> Analyser:
-    """An analyser (``analyser.py``) with the rules a ``Monitor(model, optimizer, **options)``
-    has (its detection options and groups: ``spike_zscore``, ``detect=``, ``precursors=``,
-    ``scaler=``, ...) and the incident settings ``incidents``, for step records made elsewhere
-    (a recorded run). The Monitor it is built from writes nothing and is closed at once."""
+def analyser_for(model: torch.nn.Module, optimizer: Any = None, **options: Any) -> Analyser:
+    """A fresh analyser (``analyser.py``) with the rules and incident settings a
+    ``Monitor(model, optimizer, **options)`` has (its detection options and groups:
+    ``spike_zscore``, ``incidents``, ``detect=``, ``precursors=``, ``scaler=``, ...), for step
+    records made elsewhere (a recorded run). The Monitor it is built from writes nothing and is
+    closed at once."""
     options.pop("log_dir", None)
     mon = Monitor(model, optimizer, **options)
     mon.close()
-    return Analyser(mon.detectors, IncidentTracker(incidents))
+    return Analyser(mon.detectors, IncidentTracker(mon.options.detect.incidents))

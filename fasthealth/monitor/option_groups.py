@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .incidents import IncidentConfig
 from .options import shown
 from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
 from .rules import Rule
@@ -108,6 +109,10 @@ class DetectOptions:
     """A rule set of one's own, ``Rule`` instances in reporting order, in place of the
     built-in ones (which the options above configure, and which then are not made). None: the
     built-in rules."""
+    incidents: IncidentConfig | None = None
+    """How events are grouped into incidents and their causes named (``incidents.py``'s
+    ``IncidentConfig``, its ``causes`` a ``CauseConfig``; each field gives its reason). None:
+    the defaults, which the detector evaluation measured."""
 
 
 @dataclass(frozen=True)

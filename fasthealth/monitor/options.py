@@ -15,7 +15,7 @@ import torch
 
 from ..ops.backends import BACKENDS
 from . import gate
-from .incidents import DUMPS
+from .incidents import DUMPS, IncidentConfig
 from .rules import Rule
 
 ON_NONFINITE = ("skip", "raise", "warn")
@@ -229,6 +229,9 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
         raise TypeError(f"fasthealth: scheduler must be a learning-rate scheduler (an object "
                         f"with get_last_lr(), as torch's LRScheduler) or None, got "
                         f"{shown(sched)}")
+    if o["incidents"] is not None and not isinstance(o["incidents"], IncidentConfig):
+        raise TypeError(f"fasthealth: incidents must be a fasthealth.monitor.IncidentConfig or "
+                        f"None, got {shown(o['incidents'])}")
     if not isinstance(o["precursors"], bool):
         raise TypeError(f"fasthealth: precursors must be True, False or a "
                         f"fh.PrecursorOptions, got {shown(o['precursors'])}")

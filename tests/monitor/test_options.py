@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ OLD_KEYWORDS = [
     "precursors", "logits", "attention",
     "scheduler",  # the schedule as evidence
     "all_ranks",  # one rank writes under torch.distributed unless asked
+    "incidents",  # how events are grouped into incidents, their causes named
 ]
 # docs/spec.md section 6's signature: shown by IDEs, so kept in Monitor's own
 SPEC_KEYWORDS = ["log_dir", "flush_every", "on_nonfinite", "on_spike", "spike_zscore",
@@ -275,3 +277,28 @@ def test_watch_takes_the_groups(tmp_path):
         opt.step()
     mon.close()
     assert len((mon.run_dir / "steps.jsonl").read_text().splitlines()) == 4
+
+
+def test_the_incident_settings_reach_the_analyser_and_group_events_by_them():
+    """``incidents=fh.IncidentConfig(...)`` (or ``detect=fh.DetectOptions(incidents=...)``)
+    sets how events are grouped: two skipped NaN losses 6 steps apart are two incidents by
+    default (one whose events were all at skipped steps closes after 3 quiet steps), one with
+    ``skipped_quiet=10``."""
+    def alarms(**options):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        with fh.Monitor(m, opt, flush_every=10, precursors=False, **options) as mon:
+            for t in range(100):
+                loss = m(torch.randn(8, 4)).pow(2).mean()
+                loss.backward()
+                mon.step(loss * math.nan if t in (60, 66) else loss)
+                opt.zero_grad()
+        return [(i.start, i.kinds) for i in mon.incidents if i.severity == "alarm"]
+
+    assert alarms() == [(60, ["nonfinite_loss"]), (66, ["nonfinite_loss"])]
+    one = [(60, ["nonfinite_loss"])]
+    assert alarms(incidents=fh.IncidentConfig(skipped_quiet=10)) == one
+    assert alarms(detect=fh.DetectOptions(incidents=fh.IncidentConfig(skipped_quiet=10))) == one
+    with pytest.raises(TypeError, match="incidents must be a fasthealth.monitor.IncidentConfig"):
+        fh.Monitor(torch.nn.Linear(2, 1), incidents={"quiet": 10})
