@@ -33,9 +33,10 @@
 #                                  it ends its process and the tests after it run again
 #                                                                               -> tests.txt
 #   finish        30 / 10   ~5 s   the goals and h200.png
-# About 250 s in all with the prebuilt, 340 s without. A step gets at most its own limit, and
-# never more than the deadline leaves after the needs of every step still to come: one that
-# overruns cannot starve the ones after it, and finish always has its time. At its limit a step
+# The last recorded run took 381 s with the prebuilt (bench/results/h200.json's steps). A step
+# gets at most its own limit, and never more than the deadline leaves after the needs of every
+# step still to come: one that overruns cannot starve the ones after it, and finish always has
+# its time. At its limit a step
 # gets SIGINT (pytest still prints its summary, the benchmark stops between writes), then
 # SIGKILL 10 s later.
 # Written under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
