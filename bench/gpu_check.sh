@@ -36,9 +36,8 @@
 # The last recorded run took 381 s with the prebuilt (bench/results/h200.json's steps). A step
 # gets at most its own limit, and never more than the deadline leaves after the needs of every
 # step still to come: one that overruns cannot starve the ones after it, and finish always has
-# its time. At its limit a step
-# gets SIGINT (pytest still prints its summary, the benchmark stops between writes), then
-# SIGKILL 10 s later.
+# its time. At its limit a step gets SIGINT (pytest still prints its summary, the benchmark
+# stops between writes), then SIGKILL 10 s later.
 # Written under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
 # h200.json h200.png; h200.json is copied into bench/results/ too.
 #
