@@ -324,15 +324,15 @@ class Monitor(LongRun):
         """What the flush needs of this step on the host: references to the batch (no copy,
         kept until the flush), the RNG state its forward started from, the learning rate, the
         rate the scheduler set and the schedule's verdict (``schedule.py``), the scans'
-        findings."""
-        keep = self.journal.jsonl is not None
+        findings. The batch and the RNG state only with a log_dir: they are for the dumps."""
+        if self.journal.jsonl is None:
+            return StepHost(t, self.record.fill, rates[0], rates[1], restart, unexplained,
+                            opt_stats=self._opt_stats, grads_present=grads_present,
+                            weight_table=weight_table, batch_key=batch_key)
         host = StepHost(
-            t, slot=self.record.fill, lr=rates[0], lr_scheduled=rates[1], restart=restart,
-            unexplained=unexplained,
-            batch=map_tensors(torch.Tensor.detach, batch) if keep else None,
-            sample_ids=map_tensors(torch.Tensor.detach, sample_ids) if keep else None,
-            rng=self._rng, opt_stats=self._opt_stats, grads_present=grads_present,
-            weight_table=weight_table, batch_key=batch_key)
+            t, self.record.fill, rates[0], rates[1], restart, unexplained,
+            map_tensors(torch.Tensor.detach, batch), map_tensors(torch.Tensor.detach, sample_ids),
+            self._rng, self._opt_stats, grads_present, weight_table, batch_key)
         self._rng = _rng_state()  # the state the next step's forward starts from
         return host
 
