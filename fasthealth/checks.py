@@ -170,6 +170,33 @@ def grads_stats(
     return s
 
 
+class GradPass:
+    """``grads_stats`` for a loop that calls it every step on gradients of one device (the
+    Monitor): the backend is resolved and the range thresholds taken once, when it is made, so
+    that a call is the op and the table's view. Anything else (a process group, gradients on
+    several devices, sparse or DTensor gradients, an input the op refuses) goes through
+    ``grads_stats`` as it is, which handles it or raises naming the input."""
+
+    def __init__(self, backend: str | None, device: torch.device) -> None:
+        self.backend = ops.backends.resolve(backend, device)
+        self.rng = range_thresholds(None)
+
+    def __call__(self, grads: list[torch.Tensor], names: list[str], *,
+                 process_group: Any = None, extra_bad: torch.Tensor | None = None,
+                 replica_group: Any = None, extra_loss: torch.Tensor | None = None
+                 ) -> MultiTensorStats:
+        if process_group is None and grads:
+            try:
+                with torch.no_grad():
+                    table = ops.run(self.backend, grads, *self.rng)
+                return MultiTensorStats(table, names, grads, [], None)
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                pass  # the general path handles it, or raises naming the input at fault
+        return grads_stats([grad_values(g) for g in grads], names, [], backend=self.backend,
+                           process_group=process_group, extra_bad=extra_bad,
+                           replica_group=replica_group, extra_loss=extra_loss)
+
+
 def check_params(
     model_or_params: Any,
     *,

@@ -22,9 +22,9 @@ from .analyser import Analyser, Filing
 from .events import Event, NonFiniteError
 from .incidents import dump_due
 from .kinds import fatal_kinds
-from .record import StepRecord
+from .record import StepRecord, map_tensors
 from .runs import Run
-from .sinks import JsonlSink, TensorBoardSink, map_tensors, step_json, write_dump
+from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
 
 RECENT_LR = 64  # steps whose learning rate a dump keeps: an earlier level to compare with
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..activations import ActivationMonitor
-from ..checks import grad_values, grads_stats
+from ..checks import GradPass
 from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
@@ -53,6 +53,7 @@ from .record import (
     DeviceRecord,
     StepHost,
     loss_scale,
+    map_tensors,
     optimizer_nonfinite,
     or_nan,
 )
@@ -62,15 +63,17 @@ from .rules import build as build_rules
 from .runs import writer_root
 from .scans import Scans
 from .schedule import ScheduleSource, ScheduleView
-from .sinks import map_tensors
 from .skip_rule import SkipConfig, SkipRule
 
 
-def _check_backend(backend: str | None, device: torch.device) -> None:
+def _grad_pass(backend: str | None, device: torch.device) -> GradPass:
+    """The Monitor's fused pass, its backend chosen now; a backend that cannot run on the
+    model's device is a ValueError naming both."""
     why = None if backend in (None, "auto") else unsupported(backend, device)
     if why is not None:
         raise ValueError(f"fasthealth: backend={backend!r} cannot run on model's device "
                          f"({device}): {why}")
+    return GradPass(backend, device)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -185,10 +188,11 @@ class Monitor(LongRun):
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
         self.device = self.params[0][1].device
-        _check_backend(me.backend, self.device)
+        self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
         self.precursors = (PrecursorProbe(model, self.params, self.device, logits=pr.logits,
-                                          attention=pr.attention) if pr.enabled else None)
+                                          attention=pr.attention, stats=self._grad_pass)
+                           if pr.enabled else None)
         self.rule_context = Context(
             names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,
             optimizer=optimizer, scaler=self.scaler is not None, spike_zscore=de.spike_zscore,
@@ -257,14 +261,12 @@ class Monitor(LongRun):
             gate.unscale(self.optimizer, self.scaler)
         present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
         grads = [g for g in (self.params[i][1].grad for i in present) if g is not None]
-        values = [grad_values(g) for g in grads]  # a sparse gradient's stored values
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere,
         # and the skip rule sees the ranks' mean loss
         pg = self.process_group
-        stats = grads_stats(values, [self.names[i] for i in present], [], backend=self.backend,
-                            process_group=pg, extra_bad=~loss_ok,
-                            replica_group=self.replica_group,
-                            extra_loss=loss_d if self.skip_rule is not None else None)
+        stats = self._grad_pass(grads, [self.names[i] for i in present], process_group=pg,
+                                extra_bad=~loss_ok, replica_group=self.replica_group,
+                                extra_loss=loss_d if self.skip_rule is not None else None)
         table = stats.raw.to(self.device)
         grads_ok = table[-1, COL["all_finite"]] != 0
         bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
@@ -315,7 +317,7 @@ class Monitor(LongRun):
         k = self.optimizer_check_every
         due = self.optimizer is not None and k and t % k == 0
         count, self._opt_stats = optimizer_nonfinite(
-            self.optimizer if due else None, self.names_by_id, self.backend, self.device)
+            self.optimizer if due else None, self.names_by_id, self._grad_pass, self.device)
         return count
 
     def _step_host(self, t: int, batch: Any, sample_ids: Any,

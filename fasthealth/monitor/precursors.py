@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,9 +108,17 @@ class PrecursorProbe:
 
     def __init__(self, model: nn.Module, params: Sequence[tuple[str, torch.Tensor]],
                  device: torch.device, *, every: int = 10, max_bytes: int = 2**30,
-                 logits: Any = None, attention: str | None = None) -> None:
+                 logits: Any = None, attention: str | None = None,
+                 stats: Callable[[list[torch.Tensor], list[str]], Any] | None = None) -> None:
         self.device, self.every = device, every
+        # the fused pass (the Monitor's, its backend chosen once), else multi_tensor_stats
+        self.stats = stats if stats is not None else (
+            lambda tensors, names: multi_tensor_stats(tensors, names=names))
         self.matrices = [(n, p) for n, p in params if p.dim() >= 2]
+        # no DTensor among them (a parameter keeps its type): no local view to take per step
+        self._plain = all(local_view(p.detach())[1] is None for _, p in self.matrices)
+        # the pass's rows: each matrix's change, then the matrix
+        self._rows = [f"{n} (change)" for n, _ in self.matrices] + [n for n, _ in self.matrices]
         size = sum(p.numel() * p.element_size() for _, p in self.matrices)
         self.copy: list[torch.Tensor] | None = None
         if every and self.matrices and size <= max_bytes:
@@ -132,6 +140,8 @@ class PrecursorProbe:
 
     def _now(self) -> list[torch.Tensor]:
         """The matrices' data: a DTensor's local shard (FSDP2), where foreach ops run."""
+        if self._plain:
+            return [p.detach() for _, p in self.matrices]
         return [local_view(p.detach())[0] for _, p in self.matrices]
 
     def before_step(self, t: int) -> None:
@@ -149,7 +159,7 @@ class PrecursorProbe:
         assert self.copy is not None
         now = self._now()
         torch._foreach_sub_(self.copy, now)
-        norms = multi_tensor_stats(self.copy + now).raw[:-1, COL["norm"]].to(self.device)
+        norms = self.stats(self.copy + now, self._rows).raw[:-1, COL["norm"]].to(self.device)
         n = len(now)
         ratio = norms[:n] / norms[n:].clamp_min(torch.finfo(torch.float64).tiny)
         ratio = torch.where(norms[n:] > 0, ratio, 0.0)

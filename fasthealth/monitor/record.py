@@ -12,13 +12,13 @@ per step: the record every reader of a step reads (the rules, the sinks, the dum
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..checks import multi_tensor_stats
+from ..checks import GradPass
 from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
 from .schema import DEVICE
@@ -142,6 +142,20 @@ class DeviceRecord:
         return out
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``obj`` (tensors inside dicts, lists, tuples and named tuples) with ``fn`` applied to
+    every tensor; other leaves are kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
+
+
 _NANS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -167,17 +181,17 @@ def loss_scale(scaler: Any, device: torch.device) -> torch.Tensor:
     return scale.detach().reshape(()).to(device, torch.float64)
 
 
-def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], backend: str | None,
+def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], grad_pass: GradPass,
                         device: torch.device) -> tuple[torch.Tensor, Any]:
-    """(NaN + Inf count over the optimizer's state, its MultiTensorStats): one fused pass;
-    (NaN, None) without an optimizer or state (not scanned)."""
+    """(NaN + Inf count over the optimizer's state, its MultiTensorStats): one fused pass, by
+    the Monitor's ``grad_pass``; (NaN, None) without an optimizer or state (not scanned)."""
     nan = not_measured(device)
     if optimizer is None:
         return nan, None
     names, tensors = optimizer_state_tensors(optimizer, names_by_id)
     if not tensors:
         return nan, None
-    stats = multi_tensor_stats(tensors, names=names, backend=backend)
+    stats = grad_pass(tensors, names)
     total = stats.raw[-1].to(device)
     return total[COL["nan_count"]] + total[COL["inf_count"]], stats
 

@@ -72,8 +72,8 @@ from ..activations import ActivationMonitor
 from ..checks import check_grads, multi_tensor_stats
 from ..stats import MultiTensorStats
 from .kinds import cause_of, fatal_kinds
+from .record import map_tensors
 from .replay_text import cause_text, loss_far, verdict_text
-from .sinks import map_tensors
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 RESULT_SUFFIX = ".replay.json"  # what replay found, beside the dump: "<dump>.replay.json"

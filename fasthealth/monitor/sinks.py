@@ -15,23 +15,9 @@ from typing import Any
 import torch
 
 from .events import Event, jsonable
-from .record import SCALARS, StepRecord
+from .record import SCALARS, StepRecord, map_tensors
 from .runs import Run, open_existing, open_new
 from .schema import cast
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """``obj`` (tensors inside dicts, lists, tuples and named tuples) with ``fn`` applied to
-    every tensor; other leaves are kept as they are."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(fn, v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(fn, v) for v in obj)
-    return obj
 
 
 def step_json(s: StepRecord, names: list[str], events: list[Event], per_tensor: bool) -> dict:
