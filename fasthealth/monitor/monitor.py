@@ -274,7 +274,7 @@ class Monitor(LongRun):
         rates = self.schedule.rates()
         restart, unexplained = self._restarts.observe(*rates)  # the run's one schedule view
         spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
-        if restart and self.skip_rule is not None:  # after this step: see journal._file
+        if restart and self.skip_rule is not None:  # as the host rules do (analyser.py)
             self.skip_rule.rearm()
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
         skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
