@@ -3,16 +3,17 @@ without a sync, looks at the numbers once per flush.
 
 ``Monitor.step(loss, ...)`` replaces ``optimizer.step()``; it is *record + gate*:
 
-1. one fused pass over all gradients (``grads_stats``) and an ``isfinite`` on the loss;
+1. one fused pass over all gradients (``checks.GradPass``, its backend chosen when the Monitor
+   is made) and an ``isfinite`` on the loss; the learning rate and the schedule's verdict;
 2. gate (``gate.py``): clip with the norm that pass computed, then step the optimizer or skip it
    when the loss or a gradient is non-finite, on the device where the optimizer allows;
 3. record (``record.py``): one row of scalars and per-tensor norms and non-finite counts in a
-   device buffer.
+   device buffer, and the step's ``StepHost``.
 
-``Monitor.flush()`` is *detect + file + write* (``journal.py``): every ``flush_every`` steps the
-buffer comes to the host in one copy, every rule of ``rules/`` looks at each step, its
-events are filed under incidents, and the sinks write the JSONL logs, TensorBoard and a dump
-per incident.
+``Monitor.flush()`` is *analyse + write* (``journal.py``): every ``flush_every`` steps the
+buffer comes to the host in one copy, as ``StepRecord``s; the analyser (``analyser.py``) runs
+every rule of ``rules/`` on each step and files its events under incidents, and the sinks write
+the JSONL logs, TensorBoard and a dump per incident.
 """
 
 from __future__ import annotations
@@ -341,8 +342,8 @@ class Monitor(LongRun):
     # ---- flush: detect + write --------------------------------------------------------------
 
     def flush(self) -> list[Event]:
-        """Copy the pending records to the host (once), run the rules, file the events under
-        incidents, write logs and dumps (``journal.py``). Returns the new events; raises
+        """Copy the pending records to the host (once), run the rules and file the events under
+        incidents (``analyser.py``), write logs and dumps (``journal.py``). Returns the new events; raises
         NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
         ``write_errors``, never raised."""
         refuse_misuse(self, "flush")
