@@ -343,9 +343,9 @@ class Monitor(LongRun):
 
     def flush(self) -> list[Event]:
         """Copy the pending records to the host (once), run the rules and file the events under
-        incidents (``analyser.py``), write logs and dumps (``journal.py``). Returns the new events; raises
-        NonFiniteError with ``on_nonfinite="raise"``. Writing failures are recorded in
-        ``write_errors``, never raised."""
+        incidents (``analyser.py``), write logs and dumps (``journal.py``). Returns the new
+        events; raises NonFiniteError with ``on_nonfinite="raise"``. Writing failures are
+        recorded in ``write_errors``, never raised."""
         refuse_misuse(self, "flush")
         return self.journal.flush(self.record.take(), self._snapshots)
 
