@@ -131,8 +131,12 @@ def test_item_6_unscale_gradients_and_the_prepared_optimizers():
 
 
 def test_item_7_gradient_state_says_whether_the_accumulation_ends():
-    assert isinstance(GradientState().sync_gradients, bool)
-    assert callable(hf_adapter.sync_step())
+    state = GradientState()
+    assert isinstance(state.sync_gradients, bool)
+    sync = hf_adapter.sync_step()
+    for flag in (False, True):  # the adapter reads the flag accelerate keeps, as it is now
+        state._set_sync_gradients(flag)
+        assert sync() is flag
 
 
 # ---- torch: GradScaler's per-optimizer state (gate.py) --------------------------------------
