@@ -15,8 +15,12 @@ sync) are the same function; ``tests/monitor/test_act.py`` checks them equal on 
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +52,20 @@ digits_mlp_sgd_momentum_plateau)."""
 
 def quantile(xs: list[float], q: float) -> float:
     """The ``q`` quantile of ``xs``, interpolated linearly (torch.quantile's default)."""
-    xs = sorted(xs)
+    return _quantile_sorted(sorted(xs), q)
+
+
+def _quantile_sorted(xs: list[float], q: float) -> float:
     k = (len(xs) - 1) * q
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+@functools.lru_cache(maxsize=64)
+def _sxx(n: int) -> float:
+    xm = (n - 1) / 2
+    return sum((i - xm) ** 2 for i in range(n))
 
 
 def slope_t(ys: list[float]) -> tuple[float, float]:
@@ -60,7 +73,7 @@ def slope_t(ys: list[float]) -> tuple[float, float]:
     n = len(ys)
     xm = (n - 1) / 2
     ym = statistics.fmean(ys)
-    sxx = sum((i - xm) ** 2 for i in range(n))
+    sxx = _sxx(n)
     slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sxx
     resid = sum((y - ym - slope * (i - xm)) ** 2 for i, y in enumerate(ys))
     se = math.sqrt(resid / max(n - 2, 1) / sxx)
@@ -105,6 +118,130 @@ def spike_scores(values: list[float], x: float) -> tuple[float, float]:
         if log == log:
             return lin, log
     return lin, lin
+
+
+class _Scale:
+    """One scale (linear or log) of a ``SpikeWindow``: its values in order (NaN: a gap) and,
+    kept sorted as values come and go, the non-NaN step-to-step differences of the window, those
+    among its last ``tail`` values, and those last values themselves: what ``level_and_noise``
+    sorts afresh at every call."""
+
+    def __init__(self, width: int, tail: int) -> None:
+        self.width, self.tail = width, tail
+        self.vals: deque[float] = deque()
+        self.diffs: deque[float] = deque()  # diffs[i]: |vals[i+1] - vals[i]|, NaN at a gap
+        self.all_diffs: list[float] = []
+        self.tail_diffs: list[float] = []
+        self.tail_vals: list[float] = []
+
+    def push(self, y: float) -> None:
+        vals, diffs, tail = self.vals, self.diffs, self.tail
+        if vals:
+            d = abs(y - vals[-1])
+            diffs.append(d)
+            if d == d:
+                insort(self.all_diffs, d)
+                insort(self.tail_diffs, d)
+        vals.append(y)
+        if y == y:
+            insort(self.tail_vals, y)
+        if len(vals) > tail:  # the value and the difference that left the tail
+            _discard(self.tail_vals, vals[-tail - 1])
+        if len(diffs) > tail - 1:
+            _discard(self.tail_diffs, diffs[-tail])
+        if len(vals) > self.width:
+            vals.popleft()
+            _discard(self.all_diffs, diffs.popleft())
+
+    def z(self, x: float, floor: float) -> float:
+        """``_z(list(self.vals), x, floor)``, from the sorted views."""
+        noise = 0.0
+        if self.all_diffs:
+            noise = _quantile_sorted(self.all_diffs, NOISE_QUANTILE) / NOISE_PER_SIGMA
+        if self.tail_diffs:
+            noise = max(noise, _quantile_sorted(self.tail_diffs, NOISE_QUANTILE)
+                        / NOISE_PER_SIGMA)
+        level = _median_sorted(self.tail_vals)
+        noise = max(noise, floor)
+        return (x - level) / noise if noise > 0 else (math.inf if x > level else 0.0)
+
+
+def _discard(xs: list[float], x: float) -> None:
+    if x == x:
+        del xs[bisect_left(xs, x)]
+
+
+def _median_sorted(xs: list[float]) -> float:
+    """``statistics.median`` of a sorted list (NaN when empty)."""
+    n = len(xs)
+    if not n:
+        return math.nan
+    i = n // 2
+    return xs[i] if n % 2 else (xs[i - 1] + xs[i]) / 2
+
+
+class RollingMedian:
+    """The last ``width`` finite values (``values``, oldest first) and their median, kept
+    sorted as values come and go: ``median()`` is ``statistics.median(values)`` without a
+    sort. Change ``values`` only through ``append``."""
+
+    def __init__(self, width: int, values: Iterable[float] = ()) -> None:
+        self.values: deque[float] = deque(maxlen=width)
+        self._sorted: list[float] = []
+        for v in values:
+            self.append(v)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def append(self, v: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            _discard(self._sorted, self.values[0])
+        self.values.append(v)
+        insort(self._sorted, v)
+
+    def median(self) -> float:
+        return _median_sorted(self._sorted)
+
+
+class SpikeWindow:
+    """The last ``width`` values of a series, scored as ``spike_scores`` scores them, with the
+    same numbers: the statistics are kept sorted as values come and go (a value in, one out),
+    so a score costs a few bisections instead of sorting the window four times. ``values`` is
+    the window, oldest first; change it only through ``append`` and ``clear``."""
+
+    def __init__(self, width: int, values: Iterable[float] = ()) -> None:
+        self.width = width
+        self.values: deque[float] = deque(maxlen=width)
+        self.clear()
+        for v in values:
+            self.append(v)
+
+    def clear(self) -> None:
+        self.values.clear()
+        tail = min(RECENT, self.width)
+        self._lin, self._log = _Scale(self.width, tail), _Scale(self.width, tail)
+        self._negative = 0  # values below 0 in the window: then no log scale
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def append(self, v: float) -> None:
+        if len(self.values) == self.width and self.values[0] < 0:
+            self._negative -= 1
+        self.values.append(v)
+        self._negative += v < 0
+        self._lin.push(v)
+        self._log.push(math.log(v) if v > 0 else math.nan)
+
+    def scores(self, x: float) -> tuple[float, float]:
+        """``spike_scores(list(self.values), x)``."""
+        lin = self._lin.z(x, 0.0)
+        if x > 0 and not self._negative:
+            log = self._log.z(math.log(x), MIN_LOG_NOISE)
+            if log == log:
+                return lin, log
+        return lin, lin
 
 
 def spike_score(values: list[float], x: float) -> float:

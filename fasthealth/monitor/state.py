@@ -213,7 +213,11 @@ class _Decoder:
                     raise StateError(f"fasthealth: the {v['cls']} at {path} has fields "
                                      f"{sorted(state)}, this fasthealth's has {sorted(names)}")
                 state = {k: x for k, x in state.items() if k in names}
-            obj.__dict__.update(state)
+            setstate = getattr(obj, "__setstate__", None)  # pickle's hook: derived fields
+            if callable(setstate) and not dataclasses.is_dataclass(cls):
+                setstate(state)
+            else:
+                obj.__dict__.update(state)
             return obj
         raise StateError(f"fasthealth: unreadable entry at {path} of the Monitor's state")
 

@@ -7,7 +7,10 @@ one log line."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from test_checkpoint_guard import Counting, hf_args, tiny_gpt2  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
+from fasthealth import report  # noqa: E402
 from fasthealth.integrations.transformers import HealthCallback  # noqa: E402
 
 K, STEPS = 25, 40  # the resume point; the run's length
@@ -143,3 +147,37 @@ def test_lightning_resume_goes_on_where_it_stopped(tmp_path, caplog):
         cold = pl_run(tmp_path / "cold", ckpt_path=str(bare))
     assert len([r for r in caplog.records if "resumes cold" in r.getMessage()]) == 1
     assert (FAULT, "loss_spike") not in after(cold)
+
+
+@pytest.mark.slow  # two Trainer runs
+def test_hf_resume_from_an_older_checkpoint_abandons_the_steps_after_it(tmp_path, capsys):
+    """The Trainer ran to its end (checkpoints every 5 steps); resumed from checkpoint-25 with
+    HealthCallback's defaults, the Monitor continues the same run (output_dir/fasthealth/
+    run-000), and the steps 25.. of the first pass are an abandoned branch."""
+    out, k = tmp_path / "out", 25
+    first = hf_run(out)
+    assert first.run_id == "run-000" and first.steps_seen == STEPS
+    d = first.run_dir
+    before = (d / "steps.jsonl").read_bytes()
+    resumed = hf_run(out, resume=str(out / f"checkpoint-{k}"))
+    assert (resumed.run_id, resumed.run_dir) == ("run-000", d)
+    assert sorted(os.listdir(out / "fasthealth")) == ["run-000"]
+    after = (d / "steps.jsonl").read_bytes()
+    assert after.startswith(before)  # the first pass kept whole
+    assert [r["step"] for r in _records(d / "steps.jsonl")] == \
+        list(range(STEPS)) + list(range(k, STEPS))
+    (resume,) = json.loads((d / "meta.json").read_text())["resumes"]
+    assert (resume["step"], resume["reached"], resume["abandons"]) == (k - 1, STEPS - 1, True)
+    chosen, log = report.read_run(out / "fasthealth")
+    assert [r["step"] for r in log.steps] == list(range(STEPS))
+    spikes = [e for e in log.events if e["kind"] == "loss_spike"]
+    assert [e["step"] for e in spikes] == [FAULT]  # the first pass's one left out
+    assert len([i for i in log.incidents if i["start"] == FAULT]) == 1
+    assert any("abandoned branch" in line for line in log.footer)
+
+
+
+def _records(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n"), f"{path} does not end in a whole line"
+    return [json.loads(s) for s in data.splitlines()]

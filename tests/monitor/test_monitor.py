@@ -533,6 +533,38 @@ def test_a_loss_that_underflowed_to_zero_leaves_the_log_scale_on():
         [1.0, -1.0] * 20, 3.0)[0]
 
 
+@pytest.mark.parametrize("width", [128, 40, 20])
+def test_the_spike_window_scores_as_spike_scores_does_bit_for_bit(width):
+    """``SpikeWindow`` keeps its statistics sorted as values come and go; its scores are
+    ``spike_scores`` of the same values, exactly, through the ways a window fills: a descent,
+    a plateau with repeated values, zeros (gaps on the log scale), negative values (no log
+    scale), a clear, and values that leave the window."""
+    g = torch.Generator().manual_seed(7)
+    noise = torch.randn(900, generator=g).tolist()
+    stream = [2.3 * math.exp(-0.01 * t + 0.2 * e) for t, e in enumerate(noise[:300])]
+    stream += [1.0, 1.0, 1.0, 0.5, 1.0] * 20  # ties
+    stream += [0.0 if t % 7 == 0 else 1e-6 * math.exp(3 * e)
+               for t, e in enumerate(noise[300:500])]  # zeros among tiny losses
+    stream += [e for e in noise[500:700]]  # negative values
+    stream += [3.0 + 0.1 * e for e in noise[700:]]
+    window = robust.SpikeWindow(width)
+    checked = 0
+    for t, v in enumerate(stream):
+        if t == 650:
+            window.clear()
+        if len(window) >= 3:
+            for x in (v, abs(v) * 3 + 1e-9, -1.0, 0.0):
+                assert window.scores(x) == robust.spike_scores(list(window.values), x), (t, x)
+                checked += 1
+        window.append(v)
+        assert len(window) == min(width, t + 1 if t < 650 else t - 649)
+    assert checked > 3000
+    # made from values, as a restored state makes it
+    again = robust.SpikeWindow(width, window.values)
+    assert again.scores(3.5) == window.scores(3.5) == robust.spike_scores(
+        list(window.values), 3.5)
+
+
 def test_a_growing_norm_the_loss_does_not_confirm_stays_a_notice():
     """The norm climbs 8% a step while the loss falls from the plateau it left: a notice. The
     same climb with the loss rising above where it was when the climb began is an alarm; with

@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import importlib.util
 import inspect
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -199,3 +200,40 @@ def test_severity_and_explanations_come_from_the_registry():
     assert kinds.colour_of("x") == kinds.colour_of("x") != kinds.colour_of("y")
     with pytest.raises(ValueError, match="already registered"):
         kinds.register(dataclasses.replace(kinds.KINDS["stall"], colour="#000000"))
+
+
+def test_the_tensor_norm_rule_decides_as_its_general_path_does():
+    """``TensorNorm`` takes a usual step (every tensor present, armed, within its bounds)
+    through a short path; over a series with absent tensors, zeros, collapses that last and
+    that do not, explosions and a restart, its findings and state are those of the general
+    path alone, step for step and bit for bit."""
+    from fasthealth.monitor.record import StepHost, StepRecord
+    from fasthealth.monitor.rules.tensor_norm import TensorNorm
+
+    names = [f"layer{i}.weight" for i in range(6)]
+    g = torch.Generator().manual_seed(3)
+    ctx = Context(names=names)
+    fast, slow = TensorNorm(ctx=ctx), TensorNorm(ctx=ctx)
+    found = []
+    slow._steady = lambda norm: False  # type: ignore[method-assign]
+    for t in range(400):
+        norm = (torch.rand(6, generator=g, dtype=torch.float64) + 0.5).tolist()
+        if 100 <= t < 106:
+            norm[1] *= 1e-5  # a collapse that lasts
+        if t in (150, 151):
+            norm[2] *= 1e-5  # one that does not
+        if t in (200, 260):
+            norm[3] *= 1e3  # explosions
+        if 220 <= t < 230:
+            norm[4] = math.nan  # a tensor without gradient
+        if t == 240:
+            norm[5] = 0.0
+        if t == 300:
+            fast.rearm(), slow.rearm()
+        s = StepRecord(t, dict(grads_finite=1.0), norm, [0.0] * 6, StepHost(t))
+        a, b = fast.observe(s), slow.observe(s)
+        assert [(f.kind, f.message) for f in a] == [(f.kind, f.message) for f in b], t
+        found += [(t, f.kind) for f in a]
+        for k in TensorNorm.STATE:
+            assert torch.equal(getattr(fast, k).nan_to_num(-7), getattr(slow, k).nan_to_num(-7))
+    assert found == [(102, "vanishing_grad"), (200, "exploding_grad"), (260, "exploding_grad")]

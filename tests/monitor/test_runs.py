@@ -388,33 +388,3 @@ def test_one_rank_writes_under_a_process_group(tmp_path, all_ranks):
     if all_ranks:
         other = log_dir / "rank-1" / "run-000"
         assert [r["step"] for r in records(other / "steps.jsonl")] == list(range(12))
-
-
-@pytest.mark.slow  # two Trainer runs
-def test_hf_resume_from_an_older_checkpoint_abandons_the_steps_after_it(tmp_path, capsys):
-    """The Trainer ran to its end (checkpoints every 5 steps); resumed from checkpoint-25 with
-    HealthCallback's defaults, the Monitor continues the same run (output_dir/fasthealth/
-    run-000), and the steps 25.. of the first pass are an abandoned branch."""
-    pytest.importorskip("transformers")
-    from test_resume_trainers import FAULT, STEPS, hf_run
-
-    out, k = tmp_path / "out", 25
-    first = hf_run(out)
-    assert first.run_id == "run-000" and first.steps_seen == STEPS
-    d = first.run_dir
-    before = (d / "steps.jsonl").read_bytes()
-    resumed = hf_run(out, resume=str(out / f"checkpoint-{k}"))
-    assert (resumed.run_id, resumed.run_dir) == ("run-000", d)
-    assert sorted(os.listdir(out / "fasthealth")) == ["run-000"]
-    after = (d / "steps.jsonl").read_bytes()
-    assert after.startswith(before)  # the first pass kept whole
-    assert [r["step"] for r in records(d / "steps.jsonl")] == \
-        list(range(STEPS)) + list(range(k, STEPS))
-    (resume,) = json.loads((d / "meta.json").read_text())["resumes"]
-    assert (resume["step"], resume["reached"], resume["abandons"]) == (k - 1, STEPS - 1, True)
-    chosen, log = report.read_run(out / "fasthealth")
-    assert [r["step"] for r in log.steps] == list(range(STEPS))
-    spikes = [e for e in log.events if e["kind"] == "loss_spike"]
-    assert [e["step"] for e in spikes] == [FAULT]  # the first pass's one left out
-    assert len([i for i in log.incidents if i["start"] == FAULT]) == 1
-    assert any("abandoned branch" in line for line in log.footer)

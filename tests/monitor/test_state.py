@@ -48,7 +48,7 @@ def _unlisted_changes(obj, fresh, path: str) -> list[str]:
     out = []
     listed = set(type(obj).STATE)
     for k, v in vars(obj).items():
-        if k in ("config", "ctx", "c"):
+        if k in ("config", "ctx", "c") or k in getattr(type(obj), "DERIVED", ()):
             continue
         old = vars(fresh).get(k, "<missing>")
         if k in listed:

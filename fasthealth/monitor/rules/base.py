@@ -75,6 +75,9 @@ class Rule(Generic[C]):
     # list starts from its initial value after a resume (tests/monitor/test_state.py checks
     # that every field a rule changes while it runs is listed)
     STATE: ClassVar[tuple[str, ...]] = ()
+    # fields made from the state (a sorted copy of a window, a cached check), rebuilt when
+    # the state is set: not saved
+    DERIVED: ClassVar[tuple[str, ...]] = ()
     # config field -> the Context attribute (a Monitor option) it follows, where the config
     # has that field
     OPTIONS: ClassVar[dict[str, str]] = {"warmup": "warmup_steps"}

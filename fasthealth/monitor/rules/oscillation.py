@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..robust import WARMUP_STEPS, slope_t
+from ..robust import WARMUP_STEPS, RollingMedian, slope_t
 from .base import Context, Finding
 from .trend import LossTrend
 
@@ -41,11 +41,21 @@ class Oscillation(LossTrend[OscillationConfig]):
     kinds = ("oscillation",)
     Config = OscillationConfig
     STATE: ClassVar[tuple[str, ...]] = (*LossTrend.STATE, "swings")
+    DERIVED: ClassVar[tuple[str, ...]] = ("usual",)  # made from ``swings`` (which reads it)
     REARM = True
 
     def __init__(self, config: OscillationConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
-        self.swings: deque[float] = deque(maxlen=self.config.history)
+        self.usual = RollingMedian(self.config.history)
+
+    @property
+    def swings(self) -> deque[float]:
+        """The past windows' swings, oldest first (read-only: ``usual`` keeps their median)."""
+        return self.usual.values
+
+    @swings.setter
+    def swings(self, swings: deque[float]) -> None:  # a restored state
+        self.usual = RollingMedian(self.config.history, swings)
 
     def judge(self, ys: list[float], value: float) -> list[Finding]:
         c = self.config
@@ -56,8 +66,8 @@ class Oscillation(LossTrend[OscillationConfig]):
         var = sum(x * x for x in r)
         rho = sum(a * b for a, b in zip(r, r[1:])) / var if var > 0 else 0.0
         swing = statistics.fmean(abs(b - a) for a, b in zip(ys, ys[1:]))
-        ref = statistics.median(self.swings) if len(self.swings) >= n else None
-        self.swings.append(swing)
+        ref = self.usual.median() if len(self.usual) >= n else None
+        self.usual.append(swing)
         oscillating = (ref is not None and rho < c.autocorr
                        and swing > c.amplitude * ref and -slope * (n - 1) < swing)
         if not oscillating or ref is None:

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, spike_scores
+from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, SpikeWindow
 from ..skip_rule import GRAD_FACTOR, SERIES
 from .base import Context, Finding, Rule
 
@@ -84,14 +84,32 @@ class _Series:
     run of spikes."""
 
     STATE = ("values", "first", "run", "restarted", "before")  # the rest is the config's
+    DERIVED = ("window",)  # made from ``values`` (``values`` reads and sets it)
 
     def __init__(self, key: str, window: int, early_ratio: float, first: int):
         self.key, self.label, self.early_ratio, self.n_first = key, LABEL[key], early_ratio, first
-        self.values: deque[float] = deque(maxlen=window)
+        self.window = SpikeWindow(window)
         self.first: list[float] = []
         self.run = 0
         self.restarted = False  # the window started again at a warm restart (Spike.rearm)
         self.before = math.inf  # then: the largest value of the window before the restart
+
+    @property
+    def values(self) -> deque[float]:
+        """The window's values, oldest first (read-only: ``window`` keeps its statistics)."""
+        return self.window.values
+
+    @values.setter
+    def values(self, values: deque[float]) -> None:  # a restored state
+        self.window = SpikeWindow(self.window.width, values)
+
+    def __setstate__(self, state: dict) -> None:
+        """A series made from a state of the format before (its attributes, the window's
+        values among them): the window rebuilt from them."""
+        state = dict(state)
+        values = state.pop("values")
+        self.__dict__.update(state)
+        self.window = SpikeWindow(values.maxlen or len(values), values)
 
     def score(self, value: float, warmup: int) -> tuple[float, float] | None:
         """The linear and log spike scores of ``value``; None while the window is not armed (or
@@ -102,7 +120,7 @@ class _Series:
             self.first.append(value)
         if len(self.values) < max(warmup, 3):
             return None
-        return spike_scores(list(self.values), value)
+        return self.window.scores(value)
 
     def early(self, value: float) -> float | None:
         """value / the largest of its first values, when that exceeds ``early_ratio``. The
@@ -120,10 +138,10 @@ class _Series:
             return False
         if not spike:
             self.run = 0
-            self.values.append(value)
+            self.window.append(value)
             return False
         if self.run >= max_run:
-            self.values.append(value)
+            self.window.append(value)
             return False
         self.run += 1
         return True
@@ -155,7 +173,7 @@ class Spike(Rule[SpikeConfig]):
         c = self.config
         for key, ser in self.series.items():
             ser.before = max(ser.values) if ser.values else math.inf
-            ser.values.clear()
+            ser.window.clear()
             ser.run = 0
             ser.first = [ser.before] * c.first
             ser.early_ratio = c.restart_loss if key == "loss" else c.early_grad_norm
@@ -174,7 +192,7 @@ class Spike(Rule[SpikeConfig]):
                 if ratio is not None:
                     found.append(self._early(ser, v, ratio))
                 elif math.isfinite(v) and len(ser.values) < max(c.warmup, 3):
-                    ser.values.append(v)
+                    ser.window.append(v)
                 continue
             z = min(pair)
             top = max(ser.values)

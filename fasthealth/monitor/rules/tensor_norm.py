@@ -37,6 +37,7 @@ class TensorNorm(Rule[TensorNormConfig]):
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig
     STATE = ("level", "seen", "low", "reported_low", "reported_high")
+    DERIVED = ("_settled",)  # a cache of a check of the state (_steady)
     REARM = True
 
     def __init__(self, config: TensorNormConfig | None = None, ctx: Context | None = None):
@@ -48,12 +49,15 @@ class TensorNorm(Rule[TensorNormConfig]):
         self.low = torch.zeros(n, dtype=torch.int64)
         self.reported_low = torch.zeros(n, dtype=torch.bool)
         self.reported_high = torch.zeros(n, dtype=torch.bool)
+        self._settled: tuple[torch.Tensor, ...] = ()  # see _steady
 
     def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
         if not s.values["grads_finite"] or not s.per_norm:
             return []
         norm = torch.tensor(s.per_norm, dtype=torch.float64)
+        if self._steady(norm):
+            return []
         present = ~norm.isnan()
         log = norm.clamp(min=0).log()  # 0 -> -inf: a collapse
         armed = present & (self.seen >= c.warmup) & self.level.isfinite()
@@ -84,6 +88,28 @@ class TensorNorm(Rule[TensorNormConfig]):
                 "rate and weight decay, then clipping (max_grad_norm)"))
         self.reported_high = (self.reported_high | new_high) & ~normal
         return found
+
+    def _steady(self, norm: torch.Tensor) -> bool:
+        """The usual step, in a few operations: every tensor present, armed and within its
+        bounds, none collapsing or reported. Then it only moves the levels and counts, by the
+        same arithmetic as the general path in ``observe`` (which a step that is not usual
+        takes, from the start)."""
+        c = self.config
+        parts = (self.seen, self.low, self.reported_low, self.reported_high)
+        if len(self._settled) != len(parts) or any(
+                a is not b for a, b in zip(parts, self._settled)):
+            # checked once for these tensors: the general path and a restored state replace
+            # them; here ``seen`` only grows and the others stay as they are
+            if not bool((self.seen >= c.warmup).all()) or self.low.any() \
+                    or self.reported_low.any() or self.reported_high.any():
+                return False
+            self._settled = parts
+        log, level = norm.log(), self.level
+        if not bool(((log >= level + self.lo) & (log <= level + self.hi)).all()):
+            return False  # NaN compares False: a tensor absent, a level not yet made
+        self.level = (1 - c.alpha) * level + c.alpha * log
+        self.seen += 1
+        return True
 
     def _event(self, kind: str, mask: torch.Tensor, norm: torch.Tensor, seen: str,
                check: str) -> Finding:
