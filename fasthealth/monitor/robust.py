@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import statistics
 from bisect import bisect_left, insort
 from collections import deque
@@ -63,19 +64,20 @@ def _quantile_sorted(xs: list[float], q: float) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _sxx(n: int) -> float:
+def _centered(n: int) -> tuple[tuple[float, ...], float]:
+    """(i - the mean of 0..n-1 for each i, the sum of their squares), made once per n."""
     xm = (n - 1) / 2
-    return sum((i - xm) ** 2 for i in range(n))
+    xs = tuple(i - xm for i in range(n))
+    return xs, sum(x ** 2 for x in xs)
 
 
 def slope_t(ys: list[float]) -> tuple[float, float]:
     """Least-squares slope of ``ys`` against 0..n-1, and its t-statistic."""
     n = len(ys)
-    xm = (n - 1) / 2
+    xs, sxx = _centered(n)
     ym = statistics.fmean(ys)
-    sxx = _sxx(n)
-    slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sxx
-    resid = sum((y - ym - slope * (i - xm)) ** 2 for i, y in enumerate(ys))
+    slope = sum(map(operator.mul, xs, [y - ym for y in ys])) / sxx
+    resid = sum([(y - ym - slope * x) ** 2 for x, y in zip(xs, ys)])
     se = math.sqrt(resid / max(n - 2, 1) / sxx)
     return slope, (slope / se if se > 0 else (math.inf if slope > 0 else 0.0))
 

@@ -565,6 +565,28 @@ def test_the_spike_window_scores_as_spike_scores_does_bit_for_bit(width):
         list(window.values), 3.5)
 
 
+def test_slope_t_is_the_least_squares_slope_and_its_t_bit_for_bit():
+    """``slope_t`` (which takes its centred x from a cache) against the formula written out."""
+    import random
+    import statistics
+
+    def written_out(ys):
+        n = len(ys)
+        xm, ym = (n - 1) / 2, statistics.fmean(ys)
+        sxx = sum((i - xm) ** 2 for i in range(n))
+        slope = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sxx
+        resid = sum((y - ym - slope * (i - xm)) ** 2 for i, y in enumerate(ys))
+        se = math.sqrt(resid / max(n - 2, 1) / sxx)
+        return slope, (slope / se if se > 0 else (math.inf if slope > 0 else 0.0))
+
+    r = random.Random(0)
+    for k in range(3000):
+        n = r.choice([2, 3, 10, 32, 40, 128])
+        ys = [r.gauss(0, 1) * 10 ** r.uniform(-3, 3) + 0.01 * k * i for i in range(n)]
+        assert robust.slope_t(ys) == written_out(ys)
+    assert robust.slope_t([1.0, 2.0, 3.0]) == (1.0, math.inf)
+
+
 def test_a_growing_norm_the_loss_does_not_confirm_stays_a_notice():
     """The norm climbs 8% a step while the loss falls from the plateau it left: a notice. The
     same climb with the loss rising above where it was when the climb began is an alarm; with

@@ -9,6 +9,7 @@ Minibatch noise goes up and down too, but with the swings of its own past.
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -63,9 +64,9 @@ class Oscillation(LossTrend[OscillationConfig]):
         slope, _ = slope_t(ys)
         xm, ym = (n - 1) / 2, statistics.fmean(ys)
         r = [y - ym - slope * (i - xm) for i, y in enumerate(ys)]
-        var = sum(x * x for x in r)
-        rho = sum(a * b for a, b in zip(r, r[1:])) / var if var > 0 else 0.0
-        swing = statistics.fmean(abs(b - a) for a, b in zip(ys, ys[1:]))
+        var = sum(map(operator.mul, r, r))
+        rho = sum(map(operator.mul, r, r[1:])) / var if var > 0 else 0.0
+        swing = statistics.fmean(map(abs, map(operator.sub, ys[1:], ys)))
         ref = self.usual.median() if len(self.usual) >= n else None
         self.usual.append(swing)
         oscillating = (ref is not None and rho < c.autocorr

@@ -58,7 +58,7 @@ class LossTrend(Rule[C]):
         if self.seen <= self.config.warmup or len(self.history) < self.config.window:
             return []
         ys = list(self.history)
-        if any(y != y for y in ys):
+        if any(map(math.isnan, ys)):
             return []
         return self.judge(ys, value)
 

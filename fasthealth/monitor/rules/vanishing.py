@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, WARMUP_STEPS
+from ..robust import SPIKE_WINDOW, WARMUP_STEPS, RollingMedian
 from .base import Context, Finding, Rule
 
 
@@ -44,16 +44,26 @@ class Vanishing(Rule[VanishingConfig]):
     kinds = ("vanishing_grad",)
     Config = VanishingConfig
     STATE = ("norms", "first_losses", "low", "active")
+    DERIVED = ("recent",)  # made from ``norms`` (which reads it)
 
     OPTIONS = {"abs_threshold": "vanishing_threshold", "window": "spike_window",
                "warmup": "warmup_steps"}
 
     def __init__(self, config: VanishingConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
-        self.norms: deque[float] = deque(maxlen=self.config.window)
+        self.recent = RollingMedian(self.config.window)
         self.first_losses: list[float] = []
         self.low = 0
         self.active = False
+
+    @property
+    def norms(self) -> deque[float]:
+        """The recent level's norms, oldest first (read-only: ``recent`` keeps their median)."""
+        return self.recent.values
+
+    @norms.setter
+    def norms(self, norms: deque[float]) -> None:  # a restored state
+        self.recent = RollingMedian(self.config.window, norms)
 
     def observe(self, s: StepRecord) -> list[Finding]:
         if s.host.grads_present == 0:  # no .grad at all: ``no_grad``'s finding
@@ -76,11 +86,11 @@ class Vanishing(Rule[VanishingConfig]):
         if self.fits(loss):  # neither low nor a level: the streak starts again
             self.low = 0
             return []
-        ref = statistics.median(self.norms) if len(self.norms) >= c.warmup else None
+        ref = self.recent.median() if len(self.recent) >= c.warmup else None
         low = norm < c.abs_threshold or (ref is not None and norm * c.rel_drop < ref)
         self.low = self.low + 1 if low else 0
         if not low:
-            self.norms.append(norm)
+            self.recent.append(norm)
             self.active = False
             return []
         if self.low >= c.patience and not self.active:
