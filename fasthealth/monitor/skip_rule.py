@@ -1,11 +1,12 @@
 """``on_spike="skip"``: the outlier rule that skips a step before its update lands, decided on the
 device from numbers the step already computed (docs/spec.md section 6, spike skipping).
 
-The rule scores the loss and the global gradient norm of each step as the host spike rule
-does (``rules/spike.py``), with the same function in its tensor form
-(``robust.spike_scores_t``): against the median of the last 32 accepted values, in noise units,
-on the linear and the log scale, a value's score being the smaller of the two. A step is
-skipped when
+The rule scores the loss and the global gradient norm of each step with the spike score's
+tensor form (``robust.spike_scores_t``, equal to the host's ``spike_scores``): against the
+median of the last 32 accepted values, in noise units, on the linear and the log scale, a
+value's score being the smaller of the two. The scores go into the step record, and the host
+spike rule (``rules/spike.py``) judges by them: one score for the skip and the event. A step
+is skipped when
 
 - its loss scores above ``zscore`` (a bad batch harms the loss of the step that sees it), or
 - its loss and its gradient norm both score above ``joint * zscore`` (a bad batch moves both),

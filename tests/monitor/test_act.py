@@ -121,6 +121,37 @@ def test_jsonl_records_the_skipped_step(tmp_path):
     assert not any(r["spike_skip"] for s, r in rows.items() if s != 150)
 
 
+def test_the_host_rule_judges_by_the_score_the_device_skipped_by(tmp_path):
+    """Under on_spike="skip" the spike score is the device rule's: the loss_spike event of the
+    skipped step carries the score in steps.jsonl (``skip_z_loss``) and the host rule judges
+    by it; a value the device scored under the threshold is no loss_spike on the host either,
+    however its own window would score it."""
+    _, mon, _ = regression("adamw_fused", 160, bad_at=150, log_dir=tmp_path)
+    rows = {r["step"]: r for r in map(json.loads, open(mon.run_dir / "steps.jsonl"))}
+    (spike,) = [e for e in mon.events if e.kind == "loss_spike"]
+    assert spike.step == 150 and spike.details["skipped"]
+    assert spike.details["zscore"] == rows[150]["skip_z_loss"]
+
+    from fasthealth.monitor.record import StepHost, StepRecord
+    from fasthealth.monitor.rules.spike import Spike
+
+    def step(t, loss, z=math.nan, skip=math.nan):
+        values = dict(loss=loss, grads_finite=1.0, grad_norm=1.0, spike_skip=skip,
+                      skip_z_loss=z, skip_z_grad_norm=0.0 if skip == skip else math.nan)
+        return StepRecord(t, values, [1.0], [0.0], StepHost(t))
+
+    losses = [2.0 + 0.01 * math.sin(t) for t in range(60)]
+    host, device = Spike(), Spike()
+    for t, v in enumerate(losses):
+        assert host.observe(step(t, v)) == device.observe(step(t, v, 0.0, 0.0)) == []
+    # far above the window on the host's own score, under the threshold on the device's
+    assert [f.kind for f in host.observe(step(60, 2.5))] == ["loss_spike"]
+    assert device.observe(step(60, 2.5, 3.0, 0.0)) == []
+    (found,) = device.observe(step(61, 2.5, 7.5, 1.0))
+    assert (found.kind, found.details["zscore"], found.details["skipped"]) == (
+        "loss_spike", 7.5, True)
+
+
 def test_decision_needs_no_host_sync(monkeypatch):
     """With a fused optimizer nothing in mon.step reads a device value on the host: every
     conversion of a tensor to a Python value fails while steps run (flushes excepted)."""

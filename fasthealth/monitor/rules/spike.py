@@ -7,9 +7,15 @@ linear one). Before the windows are armed, a loss above ``early_loss`` or a grad
 ``early_grad_norm`` times their first values (a learning rate far too high from the start).
 ``max_run`` spikes in a row are a new level, taken in.
 
-Under ``on_spike="skip"`` a step the device rule skipped (``skip_rule.py``) is always an event
-that says so: the host rule usually sees the same spike (its finding then says ``skipped``);
-where it does not, the device's own scores make the finding.
+Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
+where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
+``skip_z_grad_norm``): an event and a skip never rest on two scores of one value. The host
+scores a value itself only where the device has no score (its window not yet armed again after
+a restart or a new level) and for the ``above_max`` path, which the device rule does not have. A
+step the device rule skipped is always an event that says so: the host rule usually finds the
+same spike (its finding then says ``skipped``); where it does not (the device rule also skips
+on the loss and the gradient norm together, and on the norm alone at ``grad_factor`` times the
+threshold), the device's scores make the finding.
 """
 
 from __future__ import annotations
@@ -111,16 +117,14 @@ class _Series:
         self.__dict__.update(state)
         self.window = SpikeWindow(values.maxlen or len(values), values)
 
-    def score(self, value: float, warmup: int) -> tuple[float, float] | None:
-        """The linear and log spike scores of ``value``; None while the window is not armed (or
-        no value)."""
+    def armed(self, value: float, warmup: int) -> bool:
+        """Whether the window judges ``value`` (finite, and the window holds ``warmup``
+        values); notes it among the first values."""
         if not math.isfinite(value):
-            return None
+            return False
         if len(self.first) < self.n_first:
             self.first.append(value)
-        if len(self.values) < max(warmup, 3):
-            return None
-        return self.window.scores(value)
+        return len(self.values) >= max(warmup, 3)
 
     def early(self, value: float) -> float | None:
         """value / the largest of its first values, when that exceeds ``early_ratio``. The
@@ -183,24 +187,34 @@ class Spike(Rule[SpikeConfig]):
         c = self.config
         values = {"loss": s.values["loss"],
                   "grad_norm": s.values["grad_norm"] if s.values["grads_finite"] else math.nan}
-        scores = {k: self.series[k].score(v, c.warmup) for k, v in values.items()}
+        # the device rule's scores (on_spike="skip"), where it has one: the score it skipped
+        # by is the score judged here; computed on the host only without one
+        device = not math.isnan(s.values.get("spike_skip", math.nan))
+        armed = {k: self.series[k].armed(v, c.warmup) for k, v in values.items()}
         found = []
         for key, ser in self.series.items():
-            v, pair = values[key], scores[key]
-            if pair is None:
+            v = values[key]
+            if not armed[key]:
                 ratio = ser.early(v) if math.isfinite(v) else None
                 if ratio is not None:
                     found.append(self._early(ser, v, ratio))
                 elif math.isfinite(v) and len(ser.values) < max(c.warmup, 3):
                     ser.window.append(v)
                 continue
-            z = min(pair)
+            z = s.values.get(f"skip_z_{key}", math.nan) if device else math.nan
+            lin, decided = math.nan, z == z and z > c.zscore  # by the device's score
+            if z != z:
+                lin, log = ser.window.scores(v)
+                z = min(lin, log)
             top = max(ser.values)
             if len(ser.values) < c.window // 2:  # too few values for their largest to be a tail
                 top = max(top, ser.before) if ser.restarted else math.inf
-            beyond = pair[0] > c.zscore and top > 0 and v > c.above_max * top
+            big = top > 0 and v > c.above_max * top
+            if big and lin != lin:
+                lin = ser.window.scores(v)[0]
+            beyond = big and lin > c.zscore
             if ser.settle(v, z > c.zscore or beyond, c.max_run):
-                found.append(self._spike(ser, v, max(z, pair[0]) if beyond else z))
+                found.append(self._spike(ser, v, max(z, lin) if beyond and not decided else z))
         return found
 
     def _device_skips(self, s: StepRecord, found: list[Finding]) -> list[Finding]:
