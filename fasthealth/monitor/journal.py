@@ -3,8 +3,8 @@
 The device side (``monitor.py``: record + gate) leaves one row per step in the device record;
 at a flush the rows come to the host in one copy, as ``StepRecord``s, and reach here in step
 order. Each is judged once by the analyser (``analyser.py``: rules, events, incidents), then
-the sinks (``sinks.py``) write its JSONL lines (the step's line names every kind seen at it,
-a repeat included), TensorBoard and the dump of the step where an incident's first alarm fell.
+each sink (``sinks.py``: the JSONL logs, TensorBoard) writes it, and the dump of the step where
+an incident's first alarm fell is saved.
 
 A step leaves the backlog only once its events are in the analyser's and its lines are queued:
 an interrupted flush (Ctrl-C in a save) loses and repeats nothing. Writing failures are
@@ -24,7 +24,7 @@ from .incidents import dump_due
 from .kinds import fatal_kinds
 from .record import StepRecord, map_tensors
 from .runs import Run
-from .sinks import JsonlSink, TensorBoardSink, step_json, write_dump
+from .sinks import JsonlSink, Sink, TensorBoardSink, write_dump
 
 RECENT_LR = 64  # steps whose learning rate a dump keeps: an earlier level to compare with
 
@@ -44,9 +44,11 @@ class Journal:
         self.backlog: list[tuple[StepRecord, Filing | None, bool]] = []
         # the run's sinks: its folder under log_dir is opened at the first step (open_run)
         # or by continue_run (runs.py)
-        self.jsonl = JsonlSink(log_dir, meta) if log_dir is not None else None
+        self.jsonl = JsonlSink(log_dir, meta, names, per_tensor_every) \
+            if log_dir is not None else None
         self.tensorboard = tensorboard
         self.tb: TensorBoardSink | None = None
+        self.sinks: list[Sink] = [self.jsonl] if self.jsonl is not None else []
         self._closed_run: Run | None = None
         self.errors: list[str] = self.jsonl.errors if self.jsonl is not None else []
         # for the dumps (fh.replay's verdict): the learning rates of the last steps, and what
@@ -84,6 +86,7 @@ class Journal:
     def _open_tb(self) -> None:
         if self.tensorboard and self.tb is None and self.log_dir is not None:
             self.tb = TensorBoardSink(self.log_dir)
+            self.sinks.append(self.tb)
 
     def flush(self, steps: list[StepRecord],
               snapshots: list[list[torch.Tensor]] | None) -> list[Event]:
@@ -104,19 +107,13 @@ class Journal:
                     and dump_due(self.dumps, filing.found, filing.alarmed)):
                 self._save_dump(s, filing.found, snapshots)
                 self.backlog[0] = (s, filing, True)
-            if self.jsonl is not None:
-                found = filing.found  # the step's line names every kind seen at it
-                per_tensor = s.step % self.per_tensor_every == 0 or bool(found)
-                self.jsonl.queue(step_json(s, self.names, found, per_tensor), filing.events)
-                self.jsonl.queue_incidents([inc.to_json(state)
-                                            for inc, state in filing.incidents])
-            if self.tb is not None:
-                self.tb.write(s)
+            for sink in self.sinks:
+                sink.write(s, filing)
             if s.host.batch is not None:
                 self.previous = s
             self.backlog.pop(0)
-        if self.jsonl is not None:
-            self.jsonl.drain()
+        for sink in self.sinks:
+            sink.flush()
         if self.on_nonfinite == "raise":
             fatal = [e for e in new if e.kind in fatal_kinds()]
             if fatal:
@@ -165,7 +162,7 @@ class Journal:
         finally:
             if self.jsonl is not None:
                 self._closed_run = self.jsonl.run
-            for sink in (self.jsonl, self.tb):
-                if sink is not None:
-                    sink.close()
+            for sink in self.sinks:
+                sink.close()
             self.jsonl = self.tb = None
+            self.sinks = []

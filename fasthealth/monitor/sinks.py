@@ -1,5 +1,11 @@
 """Where the monitor writes: the JSONL logs (``steps.jsonl``, ``events.jsonl``, ``meta.json``),
-TensorBoard, and the dumps of the steps behind events (for ``fh.replay``)."""
+TensorBoard, and the dumps of the steps behind events (for ``fh.replay``).
+
+A sink is anything with the three methods of ``Sink``: the journal (``journal.py``) hands it
+each step of a flush in step order with what the analyser made of it (``write``), says when the
+flush's steps are all handed over (``flush``), and closes it at the end of the run (``close``).
+A sink never raises for a failed write: training goes on (``JsonlSink`` keeps what it could not
+write and retries it)."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,6 +24,22 @@ from .events import Event, jsonable
 from .record import SCALARS, StepRecord, map_tensors
 from .runs import Run, open_existing, open_new
 from .schema import cast
+
+if TYPE_CHECKING:
+    from .analyser import Filing
+
+
+class Sink(Protocol):
+    """What the journal writes to (see the module docstring)."""
+
+    def write(self, s: StepRecord, filing: Filing) -> None:
+        """One step of the flush, in step order, and what the analyser made of it."""
+
+    def flush(self) -> None:
+        """The flush's steps are all written: push them out."""
+
+    def close(self) -> None:
+        """The run's end: write what is left, release the files."""
 
 
 def step_json(s: StepRecord, names: list[str], events: list[Event], per_tensor: bool) -> dict:
@@ -50,9 +72,12 @@ class JsonlSink:
 
     MAX_PENDING = 200_000  # lines kept while writing fails; the oldest go first past that
 
-    def __init__(self, root: Path, meta: dict) -> None:
+    def __init__(self, root: Path, meta: dict, names: list[str] | None = None,
+                 per_tensor_every: int = 0) -> None:
         self.root = root
         self.meta = meta
+        # steps.jsonl's per-tensor norms: every ``per_tensor_every`` steps and at every event
+        self.names, self.per_tensor_every = names or [], per_tensor_every
         self.run: Run | None = None
         self.pending: list[tuple[str, dict]] = []
         self.errors: list[str] = []
@@ -87,6 +112,18 @@ class JsonlSink:
     def _mkdirs(self) -> None:
         if self.run is not None:  # made again when the folder was removed under it
             (self.run.dir / "dumps").mkdir(parents=True, exist_ok=True)
+
+    def write(self, s: StepRecord, filing: Filing) -> None:
+        """Queues the step's line (naming every kind seen at it, a repeat included), its
+        recorded events and the incidents opened or closed at it; ``flush`` writes them."""
+        found = filing.found
+        per_tensor = bool(found) or bool(self.per_tensor_every) and \
+            s.step % self.per_tensor_every == 0
+        self.queue(step_json(s, self.names, found, per_tensor), filing.events)
+        self.queue_incidents([inc.to_json(state) for inc, state in filing.incidents])
+
+    def flush(self) -> None:
+        self.drain()
 
     def queue(self, step: dict, events: list[Event]) -> None:
         """Adds one step's line and its events' lines, to be written by ``drain``."""
@@ -248,12 +285,15 @@ class TensorBoardSink:
 
         self._writer = SummaryWriter(str(log_dir / "tensorboard"))
 
-    def write(self, s: StepRecord) -> None:
+    def write(self, s: StepRecord, filing: Filing | None = None) -> None:
         for k in ("loss", "grad_norm", "loss_scale"):
             if math.isfinite(s.values[k]):
                 self._writer.add_scalar(k, s.values[k], s.step)
         if s.host.lr is not None:
             self._writer.add_scalar("lr", s.host.lr, s.step)
+
+    def flush(self) -> None:
+        self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()

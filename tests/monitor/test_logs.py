@@ -268,3 +268,34 @@ def test_duplicate_names_are_refused():
     pa.grad, pb.grad = a.clone(), b.clone()
     with pytest.raises(ValueError, match="names must be unique"):
         fh.check_grads([("w", pa), ("w", pb)])
+
+
+def test_every_sink_gets_each_step_once_in_order_with_what_was_found(tmp_path):
+    """The journal writes through the sink protocol (write, flush, close): a sink of one's own
+    among the Monitor's gets every step once, in step order, with the filing whose events the
+    JSONL sink wrote; a flush after each flush's steps; one close."""
+    class Recording:
+        def __init__(self):
+            self.steps, self.found, self.flushes, self.closed = [], {}, 0, 0
+
+        def write(self, s, filing):
+            self.steps.append(s.step)
+            if filing.found:
+                self.found[s.step] = [e.kind for e in filing.found]
+
+        def flush(self):
+            self.flushes += 1
+
+        def close(self):
+            self.closed += 1
+
+    m, opt = model_and_opt()
+    mon = fh.Monitor(m, opt, log_dir=tmp_path, flush_every=10)
+    sink = Recording()
+    mon.journal.sinks.append(sink)
+    train(mon, m, opt, 35, nan_at=(12,))
+    mon.close()
+    assert sink.steps == list(range(35)) and (sink.flushes, sink.closed) == (4, 1)
+    assert sink.found == {12: ["nonfinite_loss", "nonfinite_grad"]}
+    lines = [json.loads(s) for s in (mon.run_dir / "steps.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["events"] for r in lines if "events" in r} == sink.found
