@@ -27,7 +27,10 @@ from .monitor import (
     Observation,
     PrecursorOptions,
     ReplayResult,
+    RollbackBudgetError,
+    RollbackConfig,
     replay,
+    skip_quarantined,
 )
 from .ops import available_backends
 from .ops.layout import FIELDS
@@ -56,6 +59,8 @@ __all__ = [
     "PrecursorOptions",
     "RangeStats",
     "ReplayResult",
+    "RollbackBudgetError",
+    "RollbackConfig",
     "TensorStats",
     "available_backends",
     "check_grads",
@@ -64,6 +69,7 @@ __all__ = [
     "check_tensor_health",
     "multi_tensor_stats",
     "replay",
+    "skip_quarantined",
     "tensor_stats",
     "watch",
 ]

@@ -13,7 +13,9 @@
 - ``schema.py``: the step record's fields; ``incidents.py``: events grouped by fault;
 - ``events.py``: ``Event``, ``Incident``, ``Observation``, ``NonFiniteError``;
 - ``sinks.py``: the JSONL logs, TensorBoard, the dumps;
-- ``replay.py``: ``replay``, which re-runs the step behind an event from its dump.
+- ``replay.py``: ``replay``, which re-runs the step behind an event from its dump;
+- ``rollback.py``: the known-good snapshots a damaged run is rolled back to, the budget, the
+  quarantined samples.
 """
 
 from .analyser import Analyser, Filing
@@ -23,7 +25,9 @@ from .incidents import IncidentConfig
 from .monitor import Monitor, analyser_for
 from .option_groups import ActOptions, DetectOptions, LogOptions, MeasureOptions, PrecursorOptions
 from .replay import ReplayResult, replay
+from .rollback import RollbackBudgetError, RollbackConfig, skip_quarantined
 
 __all__ = ["ActOptions", "Analyser", "CauseConfig", "DetectOptions", "Event", "Filing", "Incident",
            "IncidentConfig", "LogOptions", "MeasureOptions", "Monitor", "NonFiniteError",
-           "Observation", "PrecursorOptions", "ReplayResult", "analyser_for", "replay"]
+           "Observation", "PrecursorOptions", "ReplayResult", "RollbackBudgetError",
+           "RollbackConfig", "analyser_for", "replay", "skip_quarantined"]

@@ -1,7 +1,7 @@
 """The Monitor's long-run members (docs/spec.md section 11), a base class of ``Monitor``: its
-state to resume from (``state.py``), the run it writes in its log directory (``runs.py``), and
-whether a checkpoint may be written now (``guard.py``). Kept apart so that ``monitor.py`` stays
-the step and the flush."""
+state to resume from (``state.py``), the run it writes in its log directory (``runs.py``),
+whether a checkpoint may be written now (``guard.py``), and the rollbacks (``rollback.py``).
+Kept apart so that ``monitor.py`` stays the step and the flush."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from . import guard, state
+from .rollback import RollbackRecord
 
 
 class LongRun:
@@ -16,6 +17,7 @@ class LongRun:
     one ``Monitor.__init__`` makes)."""
 
     journal: Any
+    rollback: Any
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the rules and incidents need to go on as if the run had never stopped
@@ -47,6 +49,11 @@ class LongRun:
     def _continue_run(self, run_id: str | None, step: int | None) -> None:
         """``load_state_dict``'s: write on into run ``run_id`` after ``step`` (``runs.py``)."""
         self.journal.continue_run(run_id, step)
+
+    @property
+    def rollbacks(self) -> list[RollbackRecord]:
+        """Every rollback so far (``rollback=``: ``rollback.py``), in order; [] without it."""
+        return list(self.rollback.history) if self.rollback is not None else []
 
     def safe_to_save(self) -> bool:
         """Whether a checkpoint may be written now (docs/spec.md section 11; ``guard.py`` says

@@ -59,6 +59,7 @@ from .record import (
     or_nan,
 )
 from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
+from .rollback import Rollback
 from .rules import Context, Rule
 from .rules import build as build_rules
 from .runs import writer_root
@@ -180,12 +181,9 @@ class Monitor(LongRun):
         self.max_grad_norm, self.min_loss_scale = ac.max_grad_norm, de.min_loss_scale
         self.per_tensor_every, self.optimizer_check_every = (lg.per_tensor_every,
                                                              de.optimizer_check_every)
-        self.backend, self.process_group = me.backend, me.process_group
-        self.replica_group = me.replica_group
+        self.backend, self.process_group, self.replica_group = (me.backend, me.process_group,
+                                                                me.replica_group)
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError("fasthealth: model has no trainable parameters to monitor (none "
-                             "with requires_grad=True)")
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
         self.device = self.params[0][1].device
@@ -211,9 +209,10 @@ class Monitor(LongRun):
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip",
                               skip_rule=self.skip_rule, precursors=self.precursors)
         self.schedule = ScheduleSource(optimizer, de.scheduler)
+        self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler)
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
         self.steps_seen = self._next_step = 0
-        self._stepped = self._resumed = self._closed = False  # load_state_dict; close()
+        self._stepped = self._resumed = self._closed = self._closing = False  # state, close()
         self._rng = _rng_state()
         self._opt_stats: MultiTensorStats | None = None
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
@@ -327,11 +326,15 @@ class Monitor(LongRun):
         """What the flush needs of this step on the host: references to the batch (no copy,
         kept until the flush), the RNG state its forward started from, the learning rate, the
         rate the scheduler set and the schedule's verdict (``schedule.py``), the scans'
-        findings. The batch and the RNG state only with a log_dir: they are for the dumps."""
+        findings. The batch and the RNG state only with a log_dir: they are for the dumps; the
+        sample ids also with ``rollback``: its quarantine."""
         if self.journal.jsonl is None:
+            ids = None if self.rollback is None else map_tensors(torch.Tensor.detach,
+                                                                  sample_ids)
             return StepHost(t, self.record.fill, rates[0], rates[1], restart, unexplained,
-                            opt_stats=self._opt_stats, grads_present=grads_present,
-                            weight_table=weight_table, batch_key=batch_key)
+                            sample_ids=ids, opt_stats=self._opt_stats,
+                            grads_present=grads_present, weight_table=weight_table,
+                            batch_key=batch_key)
         host = StepHost(
             t, self.record.fill, rates[0], rates[1], restart, unexplained,
             map_tensors(torch.Tensor.detach, batch), map_tensors(torch.Tensor.detach, sample_ids),
@@ -347,7 +350,11 @@ class Monitor(LongRun):
         events; raises NonFiniteError with ``on_nonfinite="raise"``. Writing failures are
         recorded in ``write_errors``, never raised."""
         refuse_misuse(self, "flush")
-        return self.journal.flush(self.record.take(), self._snapshots)
+        steps = self.record.take()
+        found = self.journal.flush(steps, self._snapshots)
+        if self.rollback is not None and not self._closing:
+            self.rollback.after_flush(self, steps, found)
+        return found
 
     @property
     def events(self) -> list[Event]:
@@ -376,6 +383,7 @@ class Monitor(LongRun):
         interpreter exit (an unhandled exception included) and at the end of a ``with``; once
         (again: nothing), then ``step``, ``check`` and ``flush`` raise RuntimeError."""
         atexit.unregister(self._close_at_exit)
+        self._closing = True
         try:
             if not self._closed:
                 self.flush()

@@ -157,6 +157,11 @@ class ActOptions:
     scaler: Any = None
     """A ``torch.amp.GradScaler``: ``mon.step`` unscales, steps and updates through it, and
     the loss-scale rule watches its scale. None: no loss scaling."""
+    rollback: Any = None
+    """Roll back in process (``rollback.py``): a ``fh.RollbackConfig`` (True: its defaults)
+    keeps known-good snapshots of the training state in host memory and restores the newest
+    from before an incident that says the state is damaged, then goes on. None: off, since
+    the snapshots cost host memory the user should agree to."""
 
 
 @dataclass(frozen=True)

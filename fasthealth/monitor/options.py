@@ -16,6 +16,7 @@ import torch
 from ..ops.backends import BACKENDS
 from . import gate
 from .incidents import DUMPS, IncidentConfig
+from .rollback import RollbackConfig
 from .rules import Rule
 
 ON_NONFINITE = ("skip", "raise", "warn")
@@ -72,6 +73,9 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> torch.optim.Optimi
     ``model`` is a module and ``optimizer`` an optimizer of (some of) its parameters."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fasthealth: model must be a torch.nn.Module, got {shown(model)}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("fasthealth: model has no trainable parameters to monitor (none "
+                         "with requires_grad=True)")
     if optimizer is None:
         return None
     inner = gate.unwrap(optimizer)
@@ -235,7 +239,27 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
     if not isinstance(o["precursors"], bool):
         raise TypeError(f"fasthealth: precursors must be True, False or a "
                         f"fh.PrecursorOptions, got {shown(o['precursors'])}")
+    _check_rollback(o["rollback"], inner, o["process_group"])
     return inner
+
+
+def _check_rollback(rollback: Any, optimizer: Any, process_group: Any) -> None:
+    if rollback is None or rollback is False:
+        return
+    if rollback is not True and not isinstance(rollback, RollbackConfig):
+        raise TypeError(f"fasthealth: rollback must be a fh.RollbackConfig, True or None, got "
+                        f"{shown(rollback)}")
+    if optimizer is None:
+        raise ValueError("fasthealth: rollback needs the optimizer (Monitor(model, optimizer, "
+                         "rollback=...)): its state is rolled back with the model's")
+    if process_group is not None:
+        raise ValueError("fasthealth: rollback is not supported with a process_group yet: "
+                         "every rank would have to roll back together")
+    if rollback is not True:
+        for name in ("every", "keep", "max_bytes", "max_in_row", "max_total"):
+            _integer(f"rollback.{name}", getattr(rollback, name), 1)
+        if rollback.max_skips is not None:
+            _integer("rollback.max_skips", rollback.max_skips, 0)
 
 
 def loss_value(loss: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

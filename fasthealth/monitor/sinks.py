@@ -131,6 +131,11 @@ class JsonlSink:
         self.pending += [("events.jsonl", e.to_json()) for e in events]
         self._bound()
 
+    def queue_record(self, name: str, record: dict) -> None:
+        """Adds one record to the run's JSONL file ``name`` (``rollbacks.jsonl``)."""
+        self.pending.append((name, jsonable(record)))
+        self._bound()
+
     def queue_incidents(self, records: list[dict]) -> None:
         """Adds incident records (opened, closed) to ``incidents.jsonl``."""
         self.pending += [("incidents.jsonl", jsonable(r)) for r in records]

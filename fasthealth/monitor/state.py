@@ -67,6 +67,7 @@ class Monitor(Protocol):
     analyser: Any
     detectors: list[Any]
     skip_rule: Any
+    rollback: Any
     _restarts: Any
     _next_step: int
     steps_seen: int
@@ -298,7 +299,7 @@ def _config(obj: Any) -> str:
 def _host_state(mon: Monitor) -> dict[str, Any]:
     """The objects whose fields are state, by name."""
     return {"tracker": mon.analyser.tracker, "restarts": mon._restarts,
-            "skip_rule": mon.skip_rule}
+            "skip_rule": mon.skip_rule, "rollback": mon.rollback}
 
 
 EVENTS_KEPT = 256  # the latest events a state keeps (besides the open incident's)

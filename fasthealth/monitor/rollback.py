@@ -1,0 +1,293 @@
+"""Rolling back in process (docs/spec.md section 6, "Rolling back"): a fault that a skip did not
+contain, undone without stopping the run.
+
+With ``rollback=fh.RollbackConfig(...)`` (or ``rollback=True``) the Monitor keeps a few
+*known-good snapshots* of the training state in host memory: the model's parameters and
+buffers, the optimizer's state (its learning rates with it), the GradScaler's and the
+scheduler's, each a copy taken at a flush, only when ``safe_to_save()`` would say yes there (no
+open incident says the state is damaged, no NaN/Inf in the parameters or the optimizer's
+state), at most every ``every`` steps, ``keep`` of them.
+
+At a flush that finds an open alarm incident saying the state may be damaged (``guard.py``,
+case 1: a corrupted weight, a loss the run did not come back from, a broken run), the newest
+snapshot from before the incident's first step is copied back into the model, the optimizer,
+the scaler and the scheduler, in place, and training goes on with the next batch the loop
+gives: the steps since the snapshot are lost (at most ``every`` plus a flush), and their
+batches are not trained on again, as a person who restarts from an earlier checkpoint and skips
+the bad stretch of data would do (PaLM, Chowdhery et al. 2022). The sample ids of the
+incident's steps (``sample_ids=`` of ``mon.step``) are put in ``quarantine``, which the
+Monitor's state keeps across a resume; ``fh.skip_quarantined`` drops them from a sampler.
+
+Once per incident: an incident that stays open after its rollback is not rolled back again.
+The *budget* stops a run that keeps going wrong: more than ``max_in_row`` rollbacks without a
+good snapshot between them, or ``max_total`` in all, raise ``RollbackBudgetError`` at the flush
+(the incidents in its message), as do more than ``max_skips`` skipped steps in all (NaN or
+spike skips), instead of skipping a real bug forever.
+
+Each rollback is written to the run's ``rollbacks.jsonl`` (with a ``log_dir``) and kept in
+``Monitor.rollbacks``; a warning says what was done. Rolling back needs the optimizer, and is
+not yet supported under a ``process_group`` (every rank would have to take the same decision).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .events import Event, Incident
+from .guard import incident_reason, nonfinite_state
+from .record import StepRecord, map_tensors
+
+INNOCENT_DATA = frozenset({"learning_rate", "numeric_range"})
+"""Incident causes that name something other than the data: their samples are not quarantined
+(under any other cause they are: a few samples set aside for nothing cost little, a bad one
+trained on again after a resume costs the rollback)."""
+
+
+@dataclass(frozen=True)
+class RollbackConfig:
+    every: int = 100
+    """Steps between snapshots at least (one is taken at the first flush this many steps after
+    the last, when the run is safe to save there): the most steps a rollback loses, beside
+    the flush's. 100: at flush_every 50, every other flush."""
+    keep: int = 2
+    """Snapshots kept: the newest from before an incident is restored; a second one covers an
+    incident that began before the newest (its first step fell between a snapshot and the
+    flush that took it)."""
+    max_bytes: int = 8 * 2**30
+    """Host memory the ``keep`` snapshots may take in all. A snapshot larger than
+    ``max_bytes / keep`` is not taken (a warning says so, once): rolling back is then off."""
+    max_in_row: int = 3
+    """Rollbacks in a row (without a good snapshot taken between them) before the run is
+    stopped: the same fault coming back after each is not a batch."""
+    max_total: int = 20
+    """Rollbacks in all before the run is stopped."""
+    max_skips: int | None = None
+    """Skipped steps (non-finite, or spikes under ``on_spike="skip"``) in all before the run is
+    stopped; None: no limit."""
+
+
+class RollbackBudgetError(RuntimeError):
+    """Raised at a flush when the rollback budget is spent (``RollbackConfig``): the run keeps
+    going wrong, and skipping more would hide it. ``incidents``: the run's alarm incidents."""
+
+    def __init__(self, message: str, incidents: list[Incident]) -> None:
+        super().__init__(message)
+        self.incidents = incidents
+
+
+@dataclass
+class RollbackRecord:
+    """One rollback: at the flush after ``step``, the state of the end of ``to_step`` was
+    restored for ``incident`` (its id); ``quarantined``: the sample ids put in quarantine."""
+
+    step: int
+    to_step: int
+    incident: int
+    reason: str
+    quarantined: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"record": "rollback", "step": self.step, "to_step": self.to_step,
+                "incident": self.incident, "reason": self.reason,
+                "quarantined": list(self.quarantined)}
+
+
+@dataclass
+class Snapshot:
+    """The training state at the end of ``step``, in host memory."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    nbytes: int
+
+
+def _to_host(x: Any) -> Any:
+    """``x`` with every tensor copied to host memory (a copy even when it is there already:
+    the live tensors change in place)."""
+    return map_tensors(lambda t: t.detach().to("cpu", copy=True), x)
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, dict):
+        return sum(_nbytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0
+
+
+def _ids(sample_ids: Any) -> list[int]:
+    """Sample ids as Python ints (a tensor, a list of ints); [] for anything else."""
+    if isinstance(sample_ids, torch.Tensor):
+        return [int(i) for i in sample_ids.detach().cpu().flatten().tolist()]
+    if isinstance(sample_ids, (list, tuple)) and all(isinstance(i, int) for i in sample_ids):
+        return list(sample_ids)
+    return []
+
+
+class Rollback:
+    """The snapshots, the budget and the quarantine of one Monitor (the module docstring).
+    ``STATE``: what a resume keeps (the snapshots are copies of the model: never saved)."""
+
+    STATE = ("history", "quarantine", "in_row", "skips", "done")
+
+    def __init__(self, config: RollbackConfig, model: torch.nn.Module, optimizer: Any,
+                 scaler: Any = None, scheduler: Any = None) -> None:
+        self.config = config
+        self.model, self.optimizer, self.scaler, self.scheduler = (model, optimizer, scaler,
+                                                                   scheduler)
+        self.snapshots: list[Snapshot] = []
+        self.history: list[RollbackRecord] = []
+        self.quarantine: list[int] = []  # sorted, each once
+        self.in_row = 0  # rollbacks since the last good snapshot
+        self.skips = 0
+        self.done: list[int] = []  # incidents rolled back (once each)
+        self.off_reason: str | None = None
+        self._ids: dict[int, list[int]] = {}  # step -> its sample ids, steps since a snapshot
+
+    @classmethod
+    def build(cls, option: Any, model: torch.nn.Module, optimizer: Any, scaler: Any = None,
+              scheduler: Any = None) -> Rollback | None:
+        """The Monitor's ``rollback=`` (checked by ``options.py``): None or False is off, True
+        the defaults."""
+        if option is None or option is False:
+            return None
+        return cls(RollbackConfig() if option is True else option, model, optimizer, scaler,
+                   scheduler)
+
+    # ---- at each flush -----------------------------------------------------------------------
+
+    def after_flush(self, mon: Any, steps: list[StepRecord], found: list[Event]) -> None:
+        """Takes a snapshot, rolls back, or stops the run (the module docstring)."""
+        if not steps:
+            return
+        for s in steps:
+            ids = _ids(s.host.sample_ids)
+            if ids:
+                self._ids[s.step] = ids
+            self.skips += s.values["skipped"] > 0
+        last = steps[-1].step
+        c = self.config
+        if c.max_skips is not None and self.skips > c.max_skips:
+            raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
+                             f"{c.max_skips}")
+        damaged = incident_reason(mon)
+        if damaged is not None:
+            incident, why = damaged
+            if incident.id not in self.done:
+                self._roll_back(mon, incident, why, last, found)
+            return
+        newest = self.snapshots[-1].step if self.snapshots else None
+        if self.off_reason is None and (newest is None or last - newest >= c.every):
+            if not bool(nonfinite_state(mon).sum().cpu() == 0):  # a sync, every `every` steps
+                return
+            self._take(last)
+
+    def _take(self, step: int) -> None:
+        c = self.config
+        snap = Snapshot(step, _to_host(self.model.state_dict()),
+                        _to_host(self.optimizer.state_dict()),
+                        _to_host(self.scaler.state_dict()) if self.scaler is not None else None,
+                        copy.deepcopy(self.scheduler.state_dict())
+                        if self.scheduler is not None else None, 0)
+        snap.nbytes = _nbytes(snap.model) + _nbytes(snap.optimizer)
+        if snap.nbytes * c.keep > c.max_bytes:
+            self.off_reason = (f"a snapshot takes {snap.nbytes / 2**20:.0f} MiB, and {c.keep} of "
+                               f"them more than max_bytes={c.max_bytes}")
+            warnings.warn(f"fasthealth: rollback is off: {self.off_reason}; raise "
+                          "RollbackConfig.max_bytes or lower keep", RuntimeWarning, stacklevel=4)
+            return
+        self.snapshots = [*self.snapshots, snap][-c.keep:]
+        self.in_row = 0
+        oldest = self.snapshots[0].step
+        self._ids = {k: v for k, v in self._ids.items() if k > oldest}
+
+    def _roll_back(self, mon: Any, incident: Incident, why: str, last: int,
+                   found: list[Event]) -> None:
+        c = self.config
+        self.done.append(incident.id)
+        target = next((s for s in reversed(self.snapshots) if s.step < incident.start), None)
+        if target is None:
+            warnings.warn(
+                f"fasthealth: incident #{incident.id} (from step {incident.start}) says the "
+                f"training state may be damaged ({why}), and no snapshot from before it is "
+                "kept" + (f" ({self.off_reason})" if self.off_reason else
+                          f" (the first is taken once the run has been safe for {c.every} "
+                          "steps)") + ": not rolled back", RuntimeWarning, stacklevel=4)
+            return
+        if self.in_row + 1 > c.max_in_row:
+            raise self._stop(mon, f"{self.in_row + 1} rollbacks in a row, more than "
+                             f"max_in_row={c.max_in_row}: the fault comes back after each")
+        if len(self.history) + 1 > c.max_total:
+            raise self._stop(mon, f"{len(self.history) + 1} rollbacks, more than max_total="
+                             f"{c.max_total}")
+        self._restore(target)
+        ids: list[int] = []
+        if incident.cause not in INNOCENT_DATA:
+            steps = {e.step for e in mon.events if e.incident == incident.id}
+            steps |= {e.step for e in found if e.incident == incident.id}
+            ids = sorted({i for t in steps for i in self._ids.get(t, [])})
+        self.quarantine = sorted(set(self.quarantine) | set(ids))
+        record = RollbackRecord(last, target.step, incident.id, why, ids)
+        self.history.append(record)
+        self.in_row += 1
+        # the snapshots after the target hold the fault's start: never restored again
+        self.snapshots = [s for s in self.snapshots if s.step <= target.step]
+        jsonl = mon.journal.jsonl
+        if jsonl is not None:
+            jsonl.queue_record("rollbacks.jsonl", record.to_json())
+            jsonl.drain()
+        warnings.warn(
+            f"fasthealth: rolled back at step {last}: incident #{incident.id} (from step "
+            f"{incident.start}: {why}); the model, the optimizer"
+            + (", the scaler" if target.scaler is not None else "")
+            + (", the scheduler" if target.scheduler is not None else "")
+            + f" are as they were at the end of step {target.step}, and training goes on with "
+            f"the next batch ({last - target.step} steps' updates undone"
+            + (f"; {len(ids)} samples quarantined" if ids else "") + ")",
+            RuntimeWarning, stacklevel=4)
+
+    def _restore(self, snap: Snapshot) -> None:
+        """Copies ``snap`` back in place (the optimizer's learning rates with its state); the
+        snapshot itself is copied first: a loaded state may share the tensors it is given."""
+        self.model.load_state_dict(snap.model)
+        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        if self.scaler is not None and snap.scaler is not None:
+            self.scaler.load_state_dict(copy.deepcopy(snap.scaler))
+        if self.scheduler is not None and snap.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
+
+    def _stop(self, mon: Any, why: str) -> RollbackBudgetError:
+        alarms = [i for i in mon.incidents if i.severity == "alarm"]
+        listed = "; ".join(f"#{i.id} steps {i.start}-{i.end} {i.trigger} (cause {i.cause})"
+                           for i in alarms[-5:])
+        return RollbackBudgetError(
+            f"fasthealth: the run is stopped: {why}. Its alarm incidents: {listed or 'none'}. "
+            "Look at them (fasthealth report LOG_DIR) before going on: a fault that keeps "
+            "coming back is a bug or bad data, which skipping hides", alarms)
+
+
+def skip_quarantined(indices: Iterable[int], mon: Any) -> Iterator[int]:
+    """The sample indices of ``indices`` (a sampler, a range) that ``mon`` has not
+    quarantined: wrap a loop's sampler so that a resumed run skips the samples a rollback put
+    aside (``sample_ids`` must be these indices)."""
+    rollback = getattr(mon, "rollback", None)
+    for i in indices:
+        if rollback is None or not _quarantined(rollback.quarantine, int(i)):
+            yield i
+
+
+def _quarantined(sorted_ids: list[int], i: int) -> bool:
+    k = bisect_left(sorted_ids, i)
+    return k < len(sorted_ids) and sorted_ids[k] == i
