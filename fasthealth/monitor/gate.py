@@ -190,6 +190,13 @@ class Gate:
         self._pending = (self.record.fill, t)
         return arm_skip(opt, bad, self.scaler)
 
+    def skip_pending(self) -> None:
+        """Makes the trainer's step that ``check`` armed (not taken yet) a skip: its gradients
+        were computed on weights a rollback has just replaced."""
+        if self.optimizer is not None and self._pending is not None:
+            arm_skip(self.optimizer, torch.ones((), dtype=torch.bool, device=self.device),
+                     self.scaler)
+
     def _after_trainer_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         """After a trainer's own step (``Monitor.check``): the skip disarmed, the update
         measured into that step's row."""

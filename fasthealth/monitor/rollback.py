@@ -233,6 +233,7 @@ class Rollback:
             raise self._stop(mon, f"{len(self.history) + 1} rollbacks, more than max_total="
                              f"{c.max_total}")
         self._restore(target)
+        mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
         ids: list[int] = []
         if incident.cause not in INNOCENT_DATA:
             steps = {e.step for e in mon.events if e.incident == incident.id}

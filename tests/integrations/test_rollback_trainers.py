@@ -1,0 +1,57 @@
+"""Rolling back in process through the trainers (``rollback=``, docs/spec.md section 6): a
+weight corrupted to NaN between two steps of a Hugging Face Trainer run breaks every later step;
+``HealthCallback(rollback=...)`` restores the weights, the optimizer and the scheduler of the
+last snapshot before it, and the run ends where its healthy twin does, in the same process."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from test_checkpoint_guard import Counting, Poison, hf_args, tiny_gpt2  # noqa: E402
+from transformers import Trainer  # noqa: E402
+
+import fasthealth as fh  # noqa: E402
+from fasthealth.integrations.transformers import HealthCallback  # noqa: E402
+
+STEPS, AT = 300, 150
+
+
+def hf_run(out, poison: bool, rollback=None, seed: int = 0):
+    health = HealthCallback(rollback=rollback, flush_every=10)
+    trainer = Trainer(tiny_gpt2(), hf_args(out, max_steps=STEPS, seed=seed,
+                                           save_total_limit=None),
+                      train_dataset=Counting(), callbacks=[health] + (
+                          [Poison(AT)] if poison else []))
+    with pytest.warns(RuntimeWarning, match="rolled back") if poison and rollback else \
+            contextlib.nullcontext():
+        trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return health.monitor, trainer, losses
+
+
+@pytest.mark.slow
+def test_hf_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp_path):
+    left, _, _ = hf_run(tmp_path / "broken", poison=True)
+    (inc,) = left.incidents  # left alone: broken to the end (HF logs its NaN losses as 0)
+    assert (inc.start, inc.end, inc.recovered) == (AT, STEPS - 1, False), inc
+    twin, _, healthy = hf_run(tmp_path / "healthy", poison=False, rollback=True)
+    assert not twin.rollbacks and not [i for i in twin.incidents if i.severity == "alarm"]
+    level = _end(healthy)
+    gap = max(abs(_end(hf_run(tmp_path / f"seed{k}", poison=False, seed=k)[2]) - level)
+              for k in (1, 2))
+    mon, trainer, losses = hf_run(tmp_path / "rolled", poison=True,
+                                  rollback=fh.RollbackConfig(every=20))
+    (rb,) = mon.rollbacks
+    assert rb.to_step < AT <= rb.step < AT + 10, rb
+    assert abs(_end(losses) - level) <= gap, (_end(losses), level, gap)
+    inc = next(i for i in mon.incidents if i.id == rb.incident)
+    assert inc.severity == "alarm" and not inc.open and inc.recovered, inc
+    assert trainer.state.global_step == STEPS
+
+
+def _end(losses: list[float]) -> float:
+    """The mean of the last four logged losses (every 5 steps)."""
+    return sum(losses[-4:]) / 4
