@@ -111,10 +111,32 @@ class Snapshot:
     nbytes: int
 
 
-def _to_host(x: Any) -> Any:
-    """``x`` with every tensor copied to host memory (a copy even when it is there already:
-    the live tensors change in place)."""
-    return map_tensors(lambda t: t.detach().to("cpu", copy=True), x)
+def _to_host(x: Any, into: Any = None) -> Any:
+    """``x`` with every tensor copied to host memory (always a copy: the live tensors change in
+    place), into the tensors of ``into`` (an older snapshot of the same structure) where their
+    shape and dtype match, else into new ones: a buffer used again is not faulted in again.
+    From a GPU the copies go to pinned memory without waiting (``_settle`` waits for them)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if not (isinstance(into, torch.Tensor) and into.shape == t.shape
+                and into.dtype == t.dtype):
+            into = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                               pin_memory=t.is_cuda and torch.cuda.is_available())
+        return into.copy_(t, non_blocking=t.is_cuda)
+    if isinstance(x, dict):
+        olds: dict = into if isinstance(into, dict) else {}
+        return {k: _to_host(v, olds.get(k)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        items = list(into) if isinstance(into, (list, tuple)) and len(into) == len(x) \
+            else [None] * len(x)
+        return type(x)(_to_host(v, o) for v, o in zip(x, items))
+    return map_tensors(_to_host, x)
+
+
+def _settle() -> None:
+    """Waits for a snapshot's copies from a GPU (made without waiting) to land."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _nbytes(x: Any) -> int:
@@ -196,8 +218,10 @@ class Rollback:
 
     def _take(self, step: int) -> None:
         c = self.config
-        snap = Snapshot(step, _to_host(self.model.state_dict()),
-                        _to_host(self.optimizer.state_dict()),
+        # the oldest snapshot's buffers are used again when it is the one to go
+        old = self.snapshots[0] if len(self.snapshots) >= c.keep else None
+        snap = Snapshot(step, _to_host(self.model.state_dict(), old and old.model),
+                        _to_host(self.optimizer.state_dict(), old and old.optimizer),
                         _to_host(self.scaler.state_dict()) if self.scaler is not None else None,
                         copy.deepcopy(self.scheduler.state_dict())
                         if self.scheduler is not None else None, 0)
@@ -262,6 +286,7 @@ class Rollback:
     def _restore(self, snap: Snapshot) -> None:
         """Copies ``snap`` back in place (the optimizer's learning rates with its state); the
         snapshot itself is copied first: a loaded state may share the tensors it is given."""
+        _settle()
         self.model.load_state_dict(snap.model)
         self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
         if self.scaler is not None and snap.scaler is not None:

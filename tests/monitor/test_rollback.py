@@ -149,3 +149,30 @@ def test_rollback_needs_the_optimizer_and_names_bad_settings():
         fh.Monitor(model, opt, rollback="yes")
     with pytest.raises(ValueError, match="rollback.every"):
         fh.Monitor(model, opt, rollback=fh.RollbackConfig(every=0))
+
+
+def test_a_snapshot_holds_its_step_though_buffers_are_used_again():
+    """Snapshots reuse the buffers of the one that goes; each still restores exactly the model
+    and optimizer state of its own step, and a restored optimizer shares no tensor with it."""
+    from fasthealth.monitor.rollback import Rollback
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rb = Rollback(fh.RollbackConfig(keep=2), model, opt)
+    states = {}
+    for step in range(5):
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        rb._take(step)
+        states[step] = ({k: v.clone() for k, v in model.state_dict().items()},
+                        [s["exp_avg"].clone() for s in opt.state.values()])
+    assert [s.step for s in rb.snapshots] == [3, 4]
+    rb._restore(rb.snapshots[0])
+    assert all(torch.equal(v, states[3][0][k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(opt.state.values(), states[3][1]))
+    model(torch.randn(16, 4)).pow(2).mean().backward()
+    opt.step()  # changes the live state, not the snapshot's
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(
+        rb.snapshots[0].optimizer["state"].values(), states[3][1]))
