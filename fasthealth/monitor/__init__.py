@@ -26,8 +26,9 @@ from .monitor import Monitor, analyser_for
 from .option_groups import ActOptions, DetectOptions, LogOptions, MeasureOptions, PrecursorOptions
 from .replay import ReplayResult, replay
 from .rollback import RollbackBudgetError, RollbackConfig, skip_quarantined
+from .sinks import steps_from_log
 
 __all__ = ["ActOptions", "Analyser", "CauseConfig", "DetectOptions", "Event", "Filing", "Incident",
            "IncidentConfig", "LogOptions", "MeasureOptions", "Monitor", "NonFiniteError",
            "Observation", "PrecursorOptions", "ReplayResult", "RollbackBudgetError",
-           "RollbackConfig", "analyser_for", "replay", "skip_quarantined"]
+           "RollbackConfig", "analyser_for", "replay", "skip_quarantined", "steps_from_log"]

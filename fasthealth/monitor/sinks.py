@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .events import Event, jsonable
-from .record import SCALARS, StepRecord, map_tensors
+from .record import SCALARS, StepHost, StepRecord, map_tensors
 from .runs import Run, open_existing, open_new
+from .schedule import ScheduleView
 from .schema import cast
 
 if TYPE_CHECKING:
@@ -256,6 +257,45 @@ def read_jsonl(path: Path) -> tuple[list[tuple[int, dict]], list[tuple[int, str]
             why = f"a partial last line, as a process killed mid-write leaves: {why}"
         problems.append((n, why))
     return records, problems
+
+
+def steps_from_log(path: str | os.PathLike, names: list[str] | None = None
+                   ) -> list[StepRecord]:
+    """The steps of a run's ``steps.jsonl`` (or of the run folder holding it) as step records,
+    for an ``Analyser`` (``monitor.analyser_for``) to judge again, with other settings or rules.
+
+    What the log holds is what the records hold: every schema value, the learning rate, and
+    each tensor's gradient norm at the steps that logged them (``per_tensor_every`` and every
+    step with an event; NaN at the others, as for a tensor without a gradient); the tensors'
+    NaN + Inf counts, the batch and the scans' tables are not logged (NaN, None). The
+    schedule's restarts are judged again from the learning rates (a rise back to the peak).
+    So the rules of the loss and the global norms judge as they did live; those of the
+    per-tensor norms see only the logged steps; ``repeated_batch`` and ``weight_corruption``
+    see nothing. ``names``: the tensors' order (default: as the first per-tensor line lists
+    them). Where a step was logged twice (a run resumed from an older checkpoint goes on from
+    there: its first pass's later steps are an abandoned branch), its last line is taken."""
+    path = Path(path)
+    records, _ = read_jsonl(path / "steps.jsonl" if path.is_dir() else path)
+    last: dict[int, dict] = {rec["step"]: rec for _, rec in records if "step" in rec}
+    if names is None:
+        names = next((list(r["per_tensor_norms"]) for r in last.values()
+                      if "per_tensor_norms" in r), [])
+    view, out = ScheduleView(), []
+    for step in sorted(last):
+        rec = last[step]
+        values = {k: _as_float(rec.get(k)) for k in SCALARS}
+        norms = rec.get("per_tensor_norms") or {}
+        lr = rec.get("lr")
+        restart, unexplained = view.observe(lr, None)
+        out.append(StepRecord(step, values, [_as_float(norms.get(n)) for n in names],
+                              [math.nan] * len(names),
+                              StepHost(step, lr=lr, restart=restart, unexplained=unexplained)))
+    return out
+
+
+def _as_float(v: Any) -> float:
+    """A logged value back as the record's float (null: not measured, NaN; a flag 1.0 or 0.0)."""
+    return math.nan if v is None else float(v)
 
 
 def json_kind(v: Any) -> str:

@@ -299,3 +299,40 @@ def test_every_sink_gets_each_step_once_in_order_with_what_was_found(tmp_path):
     assert sink.found == {12: ["nonfinite_loss", "nonfinite_grad"]}
     lines = [json.loads(s) for s in (mon.run_dir / "steps.jsonl").read_text().splitlines()]
     assert {r["step"]: r["events"] for r in lines if "events" in r} == sink.found
+
+
+def test_a_runs_log_is_judged_again_as_it_was_live(tmp_path):
+    """``steps_from_log`` reads a run's steps.jsonl back as step records; an analyser made for
+    the same model (``analyser_for``) finds from them the events the live Monitor found from
+    the loss and the global norms (a gradient-norm spike, a NaN step), and with another
+    threshold finds what that threshold finds."""
+    from fasthealth.monitor import analyser_for, steps_from_log
+
+    m, opt = model_and_opt()
+    mon = fh.Monitor(m, opt, log_dir=tmp_path, flush_every=25)
+    g = torch.Generator().manual_seed(0)
+    for t in range(300):
+        x = torch.randn(32, 8, generator=g)
+        if t == 220:
+            x[0, 0] = NAN
+        opt.zero_grad()
+        loss = ((m(x) - x.sum(1, keepdim=True)) ** 2).mean() * (30.0 if t == 150 else 1.0)
+        loss.backward()
+        mon.step(loss)
+    mon.close()
+    live = [(e.step, e.kind) for e in mon.events]
+    assert {(150, "grad_norm_spike"), (220, "nonfinite_loss")} <= set(live), live
+
+    steps = steps_from_log(mon.run_dir)
+    assert [s.step for s in steps] == list(range(300))
+    assert steps[0].per_norm == [pytest.approx(v) for v in
+                                 json.loads((mon.run_dir / "steps.jsonl").open().readline())[
+                                     "per_tensor_norms"].values()]
+    again = analyser_for(m, opt)
+    for s in steps:
+        again.analyse(s)
+    kinds = {"loss_spike", "nonfinite_loss", "divergence", "grad_norm_spike"}
+    assert [(e.step, e.kind) for e in again.events if e.kind in kinds] == [
+        f for f in live if f[1] in kinds]
+    loose = analyser_for(m, opt, spike_zscore=1000.0)
+    assert not [s for s in steps for e in loose.analyse(s).found if e.kind == "grad_norm_spike"]
