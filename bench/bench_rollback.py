@@ -6,9 +6,10 @@ parameters, nothing fetched), AdamW with its state made by one step. Timed, ``--
 times each, the median: one training step (batch ``--batch`` x ``--seq`` tokens, forward,
 backward, ``optimizer.step``); a snapshot as the Monitor takes it (``Rollback._take``: the
 model's and the optimizer's state dicts copied to host memory); a restore
-(``Rollback._restore``: both loaded back in place). Reported: the snapshot's bytes, its time,
-and its share of the training time between two snapshots (``every`` steps), which is what the
-snapshots cost a run.
+(``Rollback._restore``: both loaded back in place); the pass over the weights and the
+optimizer's state for NaN/Inf that comes before each snapshot. Reported: the snapshot's bytes,
+the times, and the pass and the snapshot's share of the training time between two snapshots
+(``every`` steps), which is what the snapshots cost a run.
 
     python bench/bench_rollback.py                 # ~2 minutes on 2 CPU cores
     python bench/bench_rollback.py --record        # into bench/results/rollback.json
@@ -66,6 +67,11 @@ def main() -> None:
     train_step()  # the optimizer's state exists from here
     step_s = timed(train_step, args.repeats)
     rb = Rollback(fh.RollbackConfig(), model, opt)
+    state = [t for st in opt.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor) and t.dim() > 0]
+    # the pass over the weights and the optimizer's state for NaN/Inf before each snapshot
+    check_s = timed(lambda: fh.multi_tensor_stats([p.detach() for p in model.parameters()]
+                                                  + state).raw.sum().item(), args.repeats)
     snap_s = timed(lambda: rb._take(0), args.repeats)
     snap = rb.snapshots[-1]
     restore_s = timed(lambda: rb._restore(snap), args.repeats)
@@ -80,12 +86,14 @@ def main() -> None:
         "parameters": params,
         "snapshot_bytes": snap.nbytes,
         "step_s": step_s,
+        "check_s": check_s,
         "snapshot_s": snap_s,
         "restore_s": restore_s,
-        "share_of_training": {str(k): snap_s / (k * step_s) for k in args.every},
+        "share_of_training": {str(k): (check_s + snap_s) / (k * step_s) for k in args.every},
     }
     print(f"{params / 1e6:.0f}M parameters; a snapshot holds {snap.nbytes / 2**20:.0f} MiB")
-    print(f"training step {step_s:.3f} s, snapshot {snap_s:.3f} s, restore {restore_s:.3f} s")
+    print(f"training step {step_s:.3f} s, NaN/Inf pass {check_s:.3f} s, snapshot {snap_s:.3f} s, "
+          f"restore {restore_s:.3f} s")
     for k, v in out["share_of_training"].items():
         print(f"a snapshot every {k} steps: {100 * v:.2f}% of the training time")
     if args.record:
