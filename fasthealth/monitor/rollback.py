@@ -260,9 +260,12 @@ class Rollback:
         mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
         ids: list[int] = []
         if incident.cause not in INNOCENT_DATA:
-            steps = {e.step for e in mon.events if e.incident == incident.id}
-            steps |= {e.step for e in found if e.incident == incident.id}
-            ids = sorted({i for t in steps for i in self._ids.get(t, [])})
+            # the incident's steps: from its first to its last event (a run of bad batches
+            # does not show an event at each of its steps)
+            seen = [e.step for e in [*mon.events, *found] if e.incident == incident.id]
+            end = max(seen, default=incident.start)
+            ids = sorted({i for t, batch in self._ids.items() if incident.start <= t <= end
+                          for i in batch})
         self.quarantine = sorted(set(self.quarantine) | set(ids))
         record = RollbackRecord(last, target.step, incident.id, why, ids)
         self.history.append(record)
