@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib  # noqa: F401
     except ImportError:
         print("\n".join([*log.header, summary(log.meta, log.steps, log.events, log.incidents,
-                                              run_dir), *log.footer]))
+                                              run_dir, log.rollbacks), *log.footer]))
         print("fasthealth report: the plots and report.html need matplotlib: "
               "pip install 'fasthealth[report]' (or: pip install matplotlib)", file=sys.stderr)
         return 1
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         path, text = write_report(run_dir, log, out=out)
     except OSError as exc:  # a read-only log_dir: the summary all the same, and where to go
         print("\n".join([*log.header, summary(log.meta, log.steps, log.events, log.incidents,
-                                              run_dir), *log.footer]))
+                                              run_dir, log.rollbacks), *log.footer]))
         print(f"fasthealth report: cannot write the report to {out}: {exc.strerror or exc}"
               f"{f': {exc.filename}' if exc.filename else ''}; give a folder you can write "
               "to with --out DIR", file=sys.stderr)

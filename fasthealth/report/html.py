@@ -130,7 +130,7 @@ def write_report(log_dir: str | Path, log: Log, out: str | Path | None = None
     ``log_dir``) under the names ``report_paths`` gives; returns the page's path and the text
     summary."""
     text = "\n".join([*log.header, summary(log.meta, log.steps, log.events, log.incidents,
-                                           log_dir), *log.footer])
+                                           log_dir, log.rollbacks), *log.footer])
     out = Path(out) if out is not None else Path(log_dir)
     out.mkdir(parents=True, exist_ok=True)
     page_path, png_path = report_paths(out)

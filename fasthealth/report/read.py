@@ -330,6 +330,7 @@ class Log:
     problems: Problems
     header: list[str] = field(default_factory=list)  # lines before the summary, after it:
     footer: list[str] = field(default_factory=list)  # the run, the others (report/runs.py)
+    rollbacks: list[dict] = field(default_factory=list)  # rollbacks.jsonl's (rollback=)
 
 
 def log_directory(log_dir: str | Path) -> Path:
@@ -389,7 +390,30 @@ def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Lo
                 if inc.get("dump") and not inc.get("replay"):
                     inc["replay"] = _replay_beside(inc["dump"], d, problems)
                 one_cause(inc)
-    return Log(meta, steps, events, incidents, problems)
+    rollbacks = []
+    rb_path = d / "rollbacks.jsonl"
+    if rb_path.exists():
+        try:
+            raw_rb = _records(rb_path, problems, skip)
+        except LogError as exc:
+            problems.skipped.append((rb_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
+                                     "no rollbacks shown"))
+        else:
+            rollbacks = [r for r in (_clean_rollback(w, rec, problems) for w, rec in raw_rb)
+                         if r is not None]
+    return Log(meta, steps, events, incidents, problems, rollbacks=rollbacks)
+
+
+def _clean_rollback(where: tuple[str, int], rec: dict, problems: Problems) -> dict | None:
+    """A rollbacks.jsonl record whose steps and incident are integers, else None (noted)."""
+    if rec.get("record") == "rollback" and all(
+            isinstance(rec.get(k), int) and not isinstance(rec.get(k), bool)
+            for k in ("step", "to_step", "incident")):
+        ids = rec.get("quarantined")
+        return {**rec, "quarantined": ids if isinstance(ids, list) else [],
+                "reason": str(rec.get("reason", ""))}
+    problems.skipped.append((*where, "not a rollback record (record, step, to_step, incident)"))
+    return None
 
 
 def one_cause(inc: dict) -> None:

@@ -151,10 +151,11 @@ def incident_table(incidents: list[dict] | None, log_dir: str | Path | None = No
 
 
 def summary(meta: dict, steps: list[dict], events: list[dict],
-            incidents: list[dict] | None = None, log_dir: str | Path | None = None) -> str:
+            incidents: list[dict] | None = None, log_dir: str | Path | None = None,
+            rollbacks: list[dict] | None = None) -> str:
     """The text summary of a log as ``read_log`` returns it: the run, its incidents (None: not
-    recorded), its events, alarms then notices. ``log_dir``: where the dumps' paths are shown
-    from."""
+    recorded), its rollbacks, its events, alarms then notices. ``log_dir``: where the dumps'
+    paths are shown from."""
     if not steps:
         return "fasthealth report: no steps logged"
     losses = [as_float(r.get("loss")) for r in steps]
@@ -174,6 +175,13 @@ def summary(meta: dict, steps: list[dict], events: list[dict],
         lines.append(f"  global grad norm: median {sorted(norms)[len(norms) // 2]:.4g}, "
                      f"max {max(norms):.4g}")
     lines += incident_table(incidents, log_dir)
+    if rollbacks:
+        lines.append(f"  rollbacks: {len(rollbacks)}")
+        for r in rollbacks:
+            ids = len(r["quarantined"])
+            lines.append(f"    at step {r['step']} back to the end of step {r['to_step']} "
+                         f"(incident #{r['incident']}: {r['reason']})"
+                         + (f"; {_plural(ids, 'sample')} quarantined" if ids else ""))
     if not events:
         lines.append("  events: none")
         return "\n".join(lines)

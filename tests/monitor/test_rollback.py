@@ -14,6 +14,7 @@ import torch
 from nanogpt import ACCUM, GPT, LR, WARM, batch, text
 
 import fasthealth as fh
+from fasthealth import report
 
 STEPS, FAULT_AT = 600, 280
 
@@ -113,6 +114,9 @@ def test_a_damaging_fault_is_rolled_back_and_the_run_ends_as_its_healthy_twin(
     (line,) = [json.loads(s) for s in (mon.run_dir / "rollbacks.jsonl").read_text().splitlines()]
     assert (line["step"], line["to_step"], line["quarantined"]) == (rb.step, rb.to_step,
                                                                     rb.quarantined)
+    text = report.write(tmp_path)[1]  # and the report says it
+    assert f"rollbacks: 1\n    at step {rb.step} back to the end of step {rb.to_step} " \
+        f"(incident #{inc.id}: " in text, text
 
 
 @pytest.mark.slow
