@@ -58,7 +58,6 @@ from .record import (
     optimizer_nonfinite,
     or_nan,
 )
-from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
 from .rollback import Rollback
 from .rules import Context, Rule
 from .rules import build as build_rules
@@ -152,16 +151,17 @@ class Monitor(LongRun):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        log_dir: str | os.PathLike | None = None,
-        flush_every: int = 50,
-        on_nonfinite: str = "skip",
-        on_spike: str = "warn",
-        spike_zscore: float = SPIKE_ZSCORE,
-        spike_window: int = SPIKE_WINDOW,
-        warmup_steps: int = WARMUP_STEPS,
-        max_grad_norm: float | None = None,
-        activations: Any = None,
-        process_group: Any = None,
+        # docs/spec.md section 6's keywords; their defaults are their groups' (written once)
+        log_dir: str | os.PathLike | None = LogOptions.log_dir,
+        flush_every: int = LogOptions.flush_every,
+        on_nonfinite: str = ActOptions.on_nonfinite,
+        on_spike: str = ActOptions.on_spike,
+        spike_zscore: float = DetectOptions.spike_zscore,
+        spike_window: int = DetectOptions.spike_window,
+        warmup_steps: int = DetectOptions.warmup_steps,
+        max_grad_norm: float | None = ActOptions.max_grad_norm,
+        activations: Any = MeasureOptions.activations,
+        process_group: Any = MeasureOptions.process_group,
         measure: MeasureOptions | None = None,
         detect: DetectOptions | None = None,
         precursors: bool | PrecursorOptions = True,
