@@ -194,13 +194,15 @@ class Rollback:
         """Takes a snapshot, rolls back, or stops the run (the module docstring)."""
         if not steps:
             return
+        c = self.config
         for s in steps:
             ids = _ids(s.host.sample_ids)
             if ids:
                 self._ids[s.step] = ids
             self.skips += s.values["skipped"] > 0
+        while len(self._ids) > (c.keep + 2) * c.every + len(steps):  # no snapshot for long:
+            del self._ids[next(iter(self._ids))]  # an incident older than these has none
         last = steps[-1].step
-        c = self.config
         if c.max_skips is not None and self.skips > c.max_skips:
             raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
                              f"{c.max_skips}")
