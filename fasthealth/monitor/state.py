@@ -26,7 +26,12 @@ after the stop as the run uninterrupted.
 State by name: each stateful class lists its state fields in ``STATE`` (a rule's windows and
 counters, the tracker's incidents, the skip rule's rings; ``Rule.STATE`` says what belongs
 there), and only those are saved and restored, into the objects the resumed Monitor made from
-its own options. A record (``Event``, ``Incident``) is saved by its dataclass fields. An
+its own options. What a class makes from its state to be fast (a window's values kept sorted,
+a cached check) it lists in ``DERIVED``: never saved, rebuilt when the state is set (a
+property's setter; ``__setstate__`` for a part a migrated state makes whole). With
+``rollback=`` the rollbacks' history, the quarantine and the budget's counts are state; the
+snapshots are not (copies of the model). A record (``Event``, ``Incident``) is saved by its
+dataclass fields. An
 object becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same
 object twice becomes a reference to its ``id``: an incident's events are the Monitor's
 events), a deque, tuple, set or dict a tagged list. Decoding makes records only of classes
