@@ -366,42 +366,35 @@ def read_log(log_dir: str | Path, skip: dict[str, set[int]] | None = None) -> Lo
             raise LogError(f"fasthealth report: {steps_path} is empty: no step was logged")
         raise LogError(f"fasthealth report: no line of {steps_path} is a step record\n"
                        + problems.text(d))
-    events_path, events = d / "events.jsonl", []
-    if events_path.exists():
-        try:
-            raw_ev = _records(events_path, problems, skip)
-        except LogError as exc:  # the steps are reported all the same
-            problems.skipped.append((events_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
-                                     "no events shown"))
-        else:
-            events = [_clean_event(w, rec, problems) for w, rec in raw_ev]
+    raw_ev = _optional(d / "events.jsonl", problems, skip, "events")
+    events = [_clean_event(w, rec, problems) for w, rec in raw_ev or []]
     incidents = None
-    inc_path = d / "incidents.jsonl"
-    if inc_path.exists():
-        try:
-            raw_inc = _records(inc_path, problems, skip)
-        except LogError as exc:
-            problems.skipped.append((inc_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
-                                     "no incidents shown"))
-        else:
-            incidents = _incidents([r for r in (_clean_incident(w, rec, problems)
-                                                for w, rec in raw_inc) if r is not None], events)
-            for inc in incidents:
-                if inc.get("dump") and not inc.get("replay"):
-                    inc["replay"] = _replay_beside(inc["dump"], d, problems)
-                one_cause(inc)
-    rollbacks = []
-    rb_path = d / "rollbacks.jsonl"
-    if rb_path.exists():
-        try:
-            raw_rb = _records(rb_path, problems, skip)
-        except LogError as exc:
-            problems.skipped.append((rb_path.name, 0, f"{str(exc).split(': ', 2)[-1]}: "
-                                     "no rollbacks shown"))
-        else:
-            rollbacks = [r for r in (_clean_rollback(w, rec, problems) for w, rec in raw_rb)
-                         if r is not None]
+    raw_inc = _optional(d / "incidents.jsonl", problems, skip, "incidents")
+    if raw_inc is not None:
+        incidents = _incidents([r for r in (_clean_incident(w, rec, problems)
+                                            for w, rec in raw_inc) if r is not None], events)
+        for inc in incidents:
+            if inc.get("dump") and not inc.get("replay"):
+                inc["replay"] = _replay_beside(inc["dump"], d, problems)
+            one_cause(inc)
+    raw_rb = _optional(d / "rollbacks.jsonl", problems, skip, "rollbacks")
+    rollbacks = [r for r in (_clean_rollback(w, rec, problems) for w, rec in raw_rb or [])
+                 if r is not None]
     return Log(meta, steps, events, incidents, problems, rollbacks=rollbacks)
+
+
+def _optional(path: Path, problems: Problems, skip: dict[str, set[int]] | None,
+              what: str) -> list[tuple[tuple[str, int], dict]] | None:
+    """The records of a file the report can do without: None when it is not there, or when it
+    cannot be read (noted: no ``what`` shown; the steps are reported all the same)."""
+    if not path.exists():
+        return None
+    try:
+        return _records(path, problems, skip)
+    except LogError as exc:
+        problems.skipped.append((path.name, 0, f"{str(exc).split(': ', 2)[-1]}: no {what} "
+                                 "shown"))
+        return None
 
 
 def _clean_rollback(where: tuple[str, int], rec: dict, problems: Problems) -> dict | None:
