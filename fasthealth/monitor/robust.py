@@ -22,6 +22,7 @@ import statistics
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -182,12 +183,30 @@ def _median_sorted(xs: list[float]) -> float:
     return xs[i] if n % 2 else (xs[i - 1] + xs[i]) / 2
 
 
+class WindowValues:
+    """A state field that is the values of a sorted window (``SpikeWindow``, ``RollingMedian``)
+    held in the attribute ``attr``: reading it gives the window's deque (read it only: the
+    window keeps its statistics); setting it (a restored state) rebuilds the window from the
+    values, at its width."""
+
+    def __init__(self, attr: str) -> None:
+        self.attr = attr
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else getattr(obj, self.attr).values
+
+    def __set__(self, obj: Any, values: Iterable[float]) -> None:
+        old = getattr(obj, self.attr)
+        setattr(obj, self.attr, type(old)(old.width, values))
+
+
 class RollingMedian:
     """The last ``width`` finite values (``values``, oldest first) and their median, kept
     sorted as values come and go: ``median()`` is ``statistics.median(values)`` without a
     sort. Change ``values`` only through ``append``."""
 
     def __init__(self, width: int, values: Iterable[float] = ()) -> None:
+        self.width = width
         self.values: deque[float] = deque(maxlen=width)
         self._sorted: list[float] = []
         for v in values:

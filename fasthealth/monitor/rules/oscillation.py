@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 import operator
 import statistics
-from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..robust import WARMUP_STEPS, RollingMedian, slope_t
+from ..robust import WARMUP_STEPS, RollingMedian, WindowValues, slope_t
 from .base import Context, Finding
 from .trend import LossTrend
 
@@ -49,14 +48,7 @@ class Oscillation(LossTrend[OscillationConfig]):
         super().__init__(config, ctx)
         self.usual = RollingMedian(self.config.history)
 
-    @property
-    def swings(self) -> deque[float]:
-        """The past windows' swings, oldest first (read-only: ``usual`` keeps their median)."""
-        return self.usual.values
-
-    @swings.setter
-    def swings(self, swings: deque[float]) -> None:  # a restored state
-        self.usual = RollingMedian(self.config.history, swings)
+    swings = WindowValues("usual")  # the past windows' swings, oldest first
 
     def judge(self, ys: list[float], value: float) -> list[Finding]:
         c = self.config

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from dataclasses import dataclass
 
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, SpikeWindow
+from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, SpikeWindow, WindowValues
 from ..skip_rule import GRAD_FACTOR, SERIES
 from .base import Context, Finding, Rule
 
@@ -100,14 +99,7 @@ class _Series:
         self.restarted = False  # the window started again at a warm restart (Spike.rearm)
         self.before = math.inf  # then: the largest value of the window before the restart
 
-    @property
-    def values(self) -> deque[float]:
-        """The window's values, oldest first (read-only: ``window`` keeps its statistics)."""
-        return self.window.values
-
-    @values.setter
-    def values(self, values: deque[float]) -> None:  # a restored state
-        self.window = SpikeWindow(self.window.width, values)
+    values = WindowValues("window")  # the window's values, oldest first
 
     def __setstate__(self, state: dict) -> None:
         """A series made from a state of the format before (its attributes, the window's

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from dataclasses import dataclass
 
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, WARMUP_STEPS, RollingMedian
+from ..robust import SPIKE_WINDOW, WARMUP_STEPS, RollingMedian, WindowValues
 from .base import Context, Finding, Rule
 
 
@@ -56,14 +55,7 @@ class Vanishing(Rule[VanishingConfig]):
         self.low = 0
         self.active = False
 
-    @property
-    def norms(self) -> deque[float]:
-        """The recent level's norms, oldest first (read-only: ``recent`` keeps their median)."""
-        return self.recent.values
-
-    @norms.setter
-    def norms(self, norms: deque[float]) -> None:  # a restored state
-        self.recent = RollingMedian(self.config.window, norms)
+    norms = WindowValues("recent")  # the recent level's norms, oldest first
 
     def observe(self, s: StepRecord) -> list[Finding]:
         if s.host.grads_present == 0:  # no .grad at all: ``no_grad``'s finding
