@@ -3,10 +3,13 @@
 nanoGPT's train.py at a size that trains on a CPU (written here from its config, nothing is
 fetched): a GPT of 2 layers, 64 wide, context 64, batch 8, gradient accumulation 2, AdamW
 (betas 0.9/0.95, weight decay 0.1), warm-up and cosine decay, clipping at 1.0, on the
-characters of a standard-library module's source. Four copies of the same run take turns,
+characters of a standard-library module's source. Five copies of the same run take turns,
 one step each per round, so that the machine's noise hits all of them alike:
 
-- ``plain``: ``clip_grad_norm_`` and ``optimizer.step()``, as train.py does;
+- ``plain`` and ``plain_twin``: ``clip_grad_norm_`` and ``optimizer.step()``, as train.py
+  does, twice: the costs are taken against the two together, and how far the twins stand
+  apart is the benchmark's noise floor (identical copies differ by a few tenths of a percent,
+  each by where its memory landed);
 - ``check_grads``: the same with ``fh.check_grads(model)`` before the clip (its result
   stays on the device, as in a hot loop);
 - ``monitor``: ``fh.Monitor(model, opt, max_grad_norm=1.0)`` at its defaults, whose
@@ -15,7 +18,7 @@ one step each per round, so that the machine's noise hits all of them alike:
 
 Each step is timed whole (forward, backward, the step, ``zero_grad``), after ``--warmup``
 steps of each. Reported per copy: the median and the mean step time (the mean includes the
-Monitor's flushes) and their cost against ``plain``; and for the Monitor, the time inside
+Monitor's flushes) and their cost against the plain twins; and for the Monitor, the time inside
 ``mon.step`` alone, at the steps that flush and at those that do not, against the clip and
 optimizer step it replaces. Where the Monitor's time goes: each rule's host time per flush
 (its ``observe`` timed in the default Monitor's copy), and the LM-head hook's time per forward
@@ -48,7 +51,7 @@ import fasthealth as fh
 
 CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
 D, HEADS, LAYERS, CTX, MICRO, ACCUM, LR, WARM = 64, 4, 2, 64, 8, 2, 1e-3, 50
-ARMS = ("plain", "check_grads", "monitor", "monitor_no_precursors")
+ARMS = ("plain", "plain_twin", "check_grads", "monitor", "monitor_no_precursors")
 
 
 class Block(torch.nn.Module):
@@ -163,8 +166,9 @@ class Run:
 
 def summarize(runs: dict[str, Run], warmup: int) -> dict:
     out: dict = {}
-    base = runs["plain"]
-    b_steps = base.step_s[warmup:]
+    twins = [runs["plain"].step_s[warmup:], runs["plain_twin"].step_s[warmup:]]
+    pooled = twins[0] + twins[1]
+    b_steps = [(a + b) / 2 for a, b in zip(*twins)]  # each round's plain step
     for arm, r in runs.items():
         steps = r.step_s[warmup:]
         inner = r.inner_s[warmup:]
@@ -172,8 +176,8 @@ def summarize(runs: dict[str, Run], warmup: int) -> dict:
         paired = [a / b - 1 for a, b in zip(steps, b_steps)]
         row = {"median_step_ms": 1e3 * statistics.median(steps),
                "mean_step_ms": 1e3 * statistics.fmean(steps),
-               "median_cost": statistics.median(steps) / statistics.median(b_steps) - 1,
-               "mean_cost": statistics.fmean(steps) / statistics.fmean(b_steps) - 1,
+               "median_cost": statistics.median(steps) / statistics.median(pooled) - 1,
+               "mean_cost": statistics.fmean(steps) / statistics.fmean(pooled) - 1,
                "paired_median_cost": statistics.median(paired),
                "median_inner_ms": 1e3 * statistics.median(inner),
                "mean_inner_ms": 1e3 * statistics.fmean(inner)}
@@ -245,7 +249,7 @@ def main(argv=None) -> int:
     mon = runs["monitor"]
     flushes = max(1, mon.n // mon.mon.flush_every)
     res = {"what": "nanoGPT-shaped loop (2 layers, 64 wide, context 64, batch 8 x 2 "
-                   "accumulated, AdamW, clip 1.0), four copies taking turns a step each",
+                   "accumulated, AdamW, clip 1.0), five copies taking turns a step each",
            "rounds": args.rounds, "warmup": args.warmup, "threads": args.threads,
            "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                       f"{torch.get_num_threads()} thread(s), torch {torch.__version__}",

@@ -22,6 +22,7 @@ import atexit
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,8 +190,10 @@ class Monitor(LongRun):
         self.device = self.params[0][1].device
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
+        this = weakref.ref(self)  # the model's hook must not keep the Monitor alive
         self.precursors = (PrecursorProbe(model, self.params, self.device, logits=pr.logits,
-                                          attention=pr.attention, stats=self._grad_pass)
+                                          attention=pr.attention, stats=self._grad_pass,
+                                          next_step=lambda: getattr(this(), "_next_step", 0))
                            if pr.enabled else None)
         self.rule_context = Context(
             names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,

@@ -23,6 +23,11 @@ more, and judged on the host at the flush; each message says what was seen and w
   ``qkv``, ``c_attn``, ``in_proj`` or ``query_key_value``, or ``nn.MultiheadAttention``'s own);
   attention logits growing without bound collapse attention's entropy (Dehghani et al., 2023)
   and precede spikes in models without qk-layernorm.
+
+All but the Adam-eps rule (whose norms the step has) are read every ``every`` steps (10): they
+drift over tens of steps, a hook's small operations cost several times more inside the
+forward than alone (docs/performance.md), and the steps between readings pay nothing. The
+rules count their levels and patience in steps.
 """
 
 from __future__ import annotations
@@ -109,8 +114,12 @@ class PrecursorProbe:
     def __init__(self, model: nn.Module, params: Sequence[tuple[str, torch.Tensor]],
                  device: torch.device, *, every: int = 10, max_bytes: int = 2**30,
                  logits: Any = None, attention: str | None = None,
-                 stats: Callable[[list[torch.Tensor], list[str]], Any] | None = None) -> None:
+                 stats: Callable[[list[torch.Tensor], list[str]], Any] | None = None,
+                 next_step: Callable[[], int] | None = None) -> None:
         self.device, self.every = device, every
+        # the step the next forward belongs to (the Monitor's counter): the hooks read the
+        # steps the update ratio is measured on
+        self.next_step = next_step if next_step is not None else (lambda: 0)
         # the fused pass (the Monitor's, its backend chosen once), else multi_tensor_stats
         self.stats = stats if stats is not None else (
             lambda tensors, names: multi_tensor_stats(tensors, names=names))
@@ -167,20 +176,25 @@ class PrecursorProbe:
 
     # ---- hooks ------------------------------------------------------------------------------
 
+    def due(self) -> bool:
+        """Whether the hooks read this forward: one of a step every ``every`` steps (every
+        step for 0), in training (not an evaluation pass)."""
+        return torch.is_grad_enabled() and (not self.every or self.next_step() % self.every == 0)
+
     def _on_logits(self, module: nn.Module, args: Any, out: Any) -> None:
         x = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
-        if self._logits is not None or not torch.is_grad_enabled() \
-                or not isinstance(x, torch.Tensor) or x.dim() < 2:
+        if self._logits is not None or not isinstance(x, torch.Tensor) or x.dim() < 2 \
+                or not self.due():
             # read once per step: the first forward of a step with gradient accumulation (its
-            # other micro-batches' logits are drawn alike, and each read costs a pass over
-            # ROWS rows); an evaluation pass; not logits
+            # other micro-batches' logits are drawn alike); not logits; not this step
             return
-        rows = x.detach().reshape(-1, x.shape[-1])[:ROWS].float()
-        self._logits = rows.abs().amax().double(), rows.logsumexp(-1).mean().double()
+        rows = x.detach().reshape(-1, x.shape[-1])[:ROWS]
+        low, high = torch.aminmax(rows)  # one pass, no copy of the rows
+        self._logits = torch.maximum(high, low.neg()), rows.float().logsumexp(-1).mean()
 
     def _attention_hook(self, heads: int):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not self.due():
                 return
             if isinstance(module, nn.MultiheadAttention):  # its input projection, redone
                 x = args[0] if args else None
@@ -211,11 +225,11 @@ class PrecursorProbe:
     def scalars(self) -> dict[str, torch.Tensor]:
         """This step's fields (the hooks' values since the last step), then reset."""
         nan = not_measured(self.device)
-        logits = self._logits or (nan, nan)
+        top, log_z = self._logits or (nan, nan)
         attention = self._attention if self._attention is not None else nan
         self._logits = self._attention = None
-        return {**self.ratio_scalars(), "logit_max": logits[0].to(self.device),
-                "log_z": logits[1].to(self.device),
+        return {**self.ratio_scalars(), "logit_max": top.to(self.device),
+                "log_z": log_z.to(self.device),
                 "attention_logit_max": attention.to(self.device)}
 
     def remove(self) -> None:

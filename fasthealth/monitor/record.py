@@ -131,13 +131,12 @@ class DeviceRecord:
         k = self.fill
         if k == 0:
             return []
-        rows = self._buf[:k].cpu()
+        rows = self._buf[:k].tolist()  # one copy to the host, one conversion
         kept = self._host
         out = []
-        for j in range(k):
-            values = dict(zip(SCALARS, rows[j, self.scalars].tolist()))
-            out.append(StepRecord(kept[j].step, values, rows[j, self.norm].tolist(),
-                                  rows[j, self.bad].tolist(), kept[j]))
+        for row, host in zip(rows, kept):
+            out.append(StepRecord(host.step, dict(zip(SCALARS, row[self.scalars])),
+                                  row[self.norm], row[self.bad], host))
         self._host = []
         return out
 

@@ -312,6 +312,25 @@ def test_logit_and_attention_growth_are_notices():
     assert all(sev == "notice" and step > 100 for step, _, sev in found)
 
 
+def test_logits_are_read_every_tenth_step_and_a_log_z_drift_fires(tmp_path):
+    """The LM head's logits and the attention logits are read on the steps the update ratio is
+    (every 10); 15 added to every logit from step 100 moves log Z by 15 nats and leaves the loss
+    as it was (softmax does not see a shift): the log Z precursor fires at its first reading."""
+    def shift(t, m, opt):
+        if t == 99:
+            with torch.no_grad():
+                m.lm_head.bias.add_(15.0)
+    mon = lm_run(160, shift, log_dir=tmp_path)
+    steps = fh.monitor.steps_from_log(mon.run_dir)
+    for field in ("log_z", "logit_max", "attention_logit_max", "update_ratio_max"):
+        read = [s.step for s in steps if math.isfinite(s.values[field])]
+        assert read == list(range(0, 160, 10)), field
+    found = [e for e in mon.events if e.kind == "precursor_logit_growth"]
+    assert [e.step for e in found] == [100]
+    d = found[0].details
+    assert "log Z" in found[0].message and 14 < d["value"] - d["early_level"] < 16
+
+
 def test_update_ratio_precursor_fires_on_an_lr_jump():
     def jump(t, m, opt):
         if t == 120:

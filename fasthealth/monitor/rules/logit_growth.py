@@ -4,9 +4,10 @@ loss spikes in LMs trained without z-loss) and ``precursor_attention_logits`` (t
 attention logit grown ``ratio`` times and above ``attention_floor``: attention collapsing onto
 single keys, Dehghani et al., 2023). Measured by ``precursors.PrecursorProbe``.
 
-Each series is judged against its own level: the median of its values ``first`` to ``first +
-span`` (after the early transient); ``patience`` grown values in a row fire, once, re-armed
-when the series comes back below ``ratio`` times that level.
+Each series is judged against its own level: the median of its values of steps ``first`` to
+``first + span`` (after the early transient); growth lasting ``patience`` steps (of readings,
+which the probe takes every ``every`` steps) fires, once, re-armed when the series comes back
+below ``ratio`` times that level; a log Z above its level by ``drift`` nats fires at once.
 """
 
 from __future__ import annotations
@@ -32,39 +33,43 @@ class LogitConfig:
     attention_floor: float = 100.0
     """The largest attention logit must also pass it: exp(100) saturates any softmax."""
     first: int = 20
-    """Values skipped before the early level is taken (the first steps' transient)."""
+    """Steps skipped before the early level is taken (the first steps' transient)."""
     span: int = 30
-    """Values the early level is the median of."""
+    """Steps whose values the early level is the median of."""
     patience: int = 3
-    """Grown values in a row before it fires: one sharp batch is not a trend."""
+    """Steps the growth must last, counted in readings (at least one): one sharp batch between
+    two readings is not a trend."""
 
 
 class _Growth:
     """One series' growth against its early level."""
 
-    STATE = ("seen", "ref", "high", "fired")  # ratio, floor and c are the config's
+    STATE = ("seen", "ref", "high", "fired")  # the others: the config's
 
-    def __init__(self, ratio: float, floor: float, c: LogitConfig) -> None:
+    def __init__(self, ratio: float, floor: float, c: LogitConfig, every: int = 1) -> None:
         self.ratio, self.floor, self.c = ratio, floor, c
+        # read every ``every`` steps: the steps of the level and the patience in readings
+        self.first = -(-c.first // every)
+        self.span = max(1, -(-c.span // every))
+        self.patience = max(1, -(-c.patience // every))
         self.seen: list[float] = []
         self.ref: float | None = None
         self.high = 0
         self.fired = False
 
     def update(self, v: float) -> bool:
-        c = self.c
         if not math.isfinite(v):
             return False
         if self.ref is None:
             self.seen.append(v)
-            if len(self.seen) >= c.first + c.span:
-                self.ref = statistics.median(self.seen[c.first:])
+            if len(self.seen) >= self.first + self.span:
+                self.ref = statistics.median(self.seen[self.first:])
             return False
         grown = v > self.ratio * self.ref and v > self.floor
         self.high = self.high + 1 if grown else 0
         if not grown and v < self.ratio * self.ref:
             self.fired = False
-        if self.high >= c.patience and not self.fired:
+        if self.high >= self.patience and not self.fired:
             self.fired = True
             return True
         return False
@@ -86,9 +91,10 @@ class LogitGrowth(Rule[LogitConfig]):
     def __init__(self, config: LogitConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         c = self.config
-        self.logit = _Growth(c.ratio, c.logit_floor, c)
-        self.log_z = _Growth(1.0, 0.0, c)  # judged by drift below, the level taken the same way
-        self.attention = _Growth(c.ratio, c.attention_floor, c)
+        every = (ctx.probe.every if ctx is not None and ctx.probe is not None else 0) or 1
+        self.logit = _Growth(c.ratio, c.logit_floor, c, every)
+        self.log_z = _Growth(1.0, 0.0, c, every)  # judged by drift below
+        self.attention = _Growth(c.ratio, c.attention_floor, c, every)
         self.z_fired = False
 
     def observe(self, s: StepRecord) -> list[Finding]:
