@@ -69,7 +69,7 @@ class HealthCallbackMixin:
       cold, with one log line.
 
     ``log_dir`` defaults to ``<default_root_dir>/fasthealth`` (False: no logs); the other
-    keywords are ``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``).
+    keywords are ``fh.Monitor``'s (``dumps="alarm"``, ``on_spike="skip"``, ...).
     ``.monitor`` is the Monitor once fitting has begun.
     """
 

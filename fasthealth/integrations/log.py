@@ -17,8 +17,8 @@ logger = logging.getLogger("fasthealth")
 def log_dir_option(options: dict[str, Any], log_dir: Any, root: str | os.PathLike
                    ) -> dict[str, Any]:
     """The Monitor's keywords ``options`` with the callback's ``log_dir``: as given (False:
-    none), or, for None, ``<root>/fasthealth`` unless ``options`` name one
-    (``log=fh.LogOptions(log_dir=...)``)."""
+    none), or, for None, ``<root>/fasthealth`` unless ``options`` name one (in the
+    deprecated ``log=fh.LogOptions(log_dir=...)``)."""
     if log_dir is None:
         return with_default(options, "log_dir", os.path.join(root, "fasthealth"))
     return {**options, "log_dir": log_dir or None}

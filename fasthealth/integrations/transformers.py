@@ -51,7 +51,7 @@ are tested with.
 
 ``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs), each training in a run of
 its own there (``run-NNN/``, ``.monitor.run_dir``: steps.jsonl and the rest); the other keywords are
-``fh.Monitor``'s, its option groups among them (``log=fh.LogOptions(...)``). ``.monitor`` is the
+``fh.Monitor``'s (``dumps="alarm"``, ``on_spike="skip"``, ...). ``.monitor`` is the
 Monitor once training has begun.
 """
 

@@ -120,23 +120,26 @@ def _active(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
 class Monitor(LongRun):
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
-    Its options come in five groups (``option_groups.py``, every field documented there):
+    Each option is a keyword (``Monitor(model, opt, flush_every=20, dumps="alarm")``): those of
+    docs/spec.md's signature are spelled out in this one, the others come through
+    ``**options``. They are documented by concern in five groups (``option_groups.py``,
+    ``help(fh.ActOptions)``), which ``mon.options`` holds as resolved:
 
-    - ``measure=fh.MeasureOptions(backend, process_group, replica_group, activations)``: what
-      is measured, where;
-    - ``detect=fh.DetectOptions(spike_zscore, spike_window, warmup_steps, vanishing_threshold,
-      min_loss_scale, optimizer_check_every, rules, detectors)``: what counts as an event;
-    - ``precursors=fh.PrecursorOptions(enabled, logits, attention)``, or True / False: the
-      notices that come before a spike;
-    - ``act=fh.ActOptions(on_nonfinite, on_spike, max_grad_norm, scaler)``: what is done to
-      the step;
-    - ``log=fh.LogOptions(log_dir, flush_every, per_tensor_every, tensorboard, dumps,
-      snapshot_max_bytes)``: what reaches the host and the disk, when.
+    - ``fh.MeasureOptions(backend, process_group, replica_group, activations)``: what is
+      measured, where;
+    - ``fh.DetectOptions(spike_zscore, spike_window, warmup_steps, vanishing_threshold,
+      min_loss_scale, optimizer_check_every, scheduler, rules, detectors, incidents)``: what
+      counts as an event;
+    - ``fh.PrecursorOptions(enabled, logits, attention)``: the notices that come before a spike
+      (``precursors=True/False`` turns them on or off);
+    - ``fh.ActOptions(on_nonfinite, on_spike, max_grad_norm, scaler, rollback)``: what is done
+      to the step;
+    - ``fh.LogOptions(log_dir, flush_every, per_tensor_every, tensorboard, dumps,
+      snapshot_max_bytes, all_ranks)``: what reaches the host and the disk, when.
 
-    Each option is also a flat keyword (``Monitor(model, opt, flush_every=20)``); those of
-    docs/spec.md's signature are spelled out in this one too. An option given both flat and in
-    its group is a ValueError, an unknown keyword a TypeError; ``mon.options`` holds the groups
-    as resolved.
+    A group passed as ``measure=``, ``detect=``, ``act=``, ``log=`` or ``precursors=`` still
+    works in this release and warns (DeprecationWarning) with the keywords to write instead. An
+    option given both ways is a ValueError, an unknown keyword a TypeError.
 
     Every argument is checked here, before anything is made or written (types, ranges and
     combinations: ``tensorboard=True`` needs ``log_dir`` and an importable tensorboard,
@@ -163,9 +166,10 @@ class Monitor(LongRun):
         max_grad_norm: float | None = ActOptions.max_grad_norm,
         activations: Any = MeasureOptions.activations,
         process_group: Any = MeasureOptions.process_group,
+        precursors: bool | PrecursorOptions = True,
+        # deprecated: the option groups (their options are keywords)
         measure: MeasureOptions | None = None,
         detect: DetectOptions | None = None,
-        precursors: bool | PrecursorOptions = True,
         act: ActOptions | None = None,
         log: LogOptions | None = None,
         **options: Any,

@@ -1,20 +1,21 @@
-"""The Monitor's options grouped by concern: one frozen dataclass a concern, each field with its
-own docstring (what it does, its default and why).
+"""The Monitor's options, grouped by concern: one frozen dataclass a concern, each field with its
+own docstring (what it does, its default and why). Each option is given one way, as a keyword
+of ``Monitor``:
 
-    fh.Monitor(model, optimizer, log=fh.LogOptions(log_dir="runs/a", dumps="alarm"),
-               act=fh.ActOptions(max_grad_norm=1.0), detect=fh.DetectOptions(spike_zscore=8.0))
+    fh.Monitor(model, optimizer, log_dir="runs/a", dumps="alarm", max_grad_norm=1.0,
+               spike_zscore=8.0)
 
-Five groups, each the answer to one question a user asks of the Monitor:
+The groups are where the options are documented and how a Monitor shows them, resolved
+(``mon.options.log.flush_every``); five, each the answer to one question a user asks:
 
-- ``MeasureOptions`` (``measure=``): what is measured, where: the kernels, the ranks the totals
-  span, the modules whose activations are measured as well;
-- ``DetectOptions`` (``detect=``): what counts as an event: the spike score, the thresholds of
-  the other rules, per-rule overrides, or a rule set of one's own;
-- ``PrecursorOptions`` (``precursors=``): the notices that come before a spike, and the modules
-  they read;
-- ``ActOptions`` (``act=``): what the Monitor does to the step: skip, raise, clip, scale;
-- ``LogOptions`` (``log=``): what reaches the host and the disk, when: the flush, the logs, the
-  dumps and the parameter snapshots behind them.
+- ``MeasureOptions``: what is measured, where: the kernels, the ranks the totals span, the
+  modules whose activations are measured as well;
+- ``DetectOptions``: what counts as an event: the spike score, the thresholds of the other
+  rules, per-rule overrides, or a rule set of one's own;
+- ``PrecursorOptions``: the notices that come before a spike, and the modules they read;
+- ``ActOptions``: what the Monitor does to the step: skip, raise, clip, scale, roll back;
+- ``LogOptions``: what reaches the host and the disk, when: the flush, the logs, the dumps and
+  the parameter snapshots behind them.
 
 So someone who wants to know how often the Monitor writes reads one group and none of the spike
 score. An option that serves two concerns sits with the one that defines it: the spike score's
@@ -23,11 +24,10 @@ score. An option that serves two concerns sits with the one that defines it: the
 one), and ``flush_every`` is in ``LogOptions`` though the rules also run at each flush (it is
 when the numbers leave the device, for the logs and the rules alike).
 
-Every option is still a flat keyword of ``Monitor``, as before (``Monitor(model, opt,
-flush_every=20)``), and ``gather`` maps it into its group (``FLAT``); ``precursors=`` takes
-True or False, as before, or a ``PrecursorOptions``. An option counts as given when its value is
-not its default. Giving one both flat and in its group is a ValueError, and an unknown keyword a
-TypeError; both name it. ``options.py`` checks the values, whichever way they came.
+A group passed to the Monitor (``log=fh.LogOptions(...)``, ``precursors=fh.PrecursorOptions(...)``)
+still works in this release and warns (``DeprecationWarning``) with the keywords to write
+instead; a keyword given both ways is a ValueError, an unknown keyword a TypeError, each naming
+it. ``gather`` maps the keywords into the groups (``FLAT``); ``options.py`` checks the values.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,11 +251,24 @@ def _unknown(name: str) -> TypeError:
                      "PrecursorOptions, ActOptions and LogOptions, flat or in their group")
 
 
-def gather(flat: dict[str, Any], **groups: Any) -> Options:
-    """The options from ``flat`` (a Monitor's flat keywords) and ``groups`` (its group
-    keywords, each a group or None): a flat option given takes its place in its group.
+def _as_keywords(name: str, group: Any) -> str:
+    """What to write instead of passing ``group`` as ``name=``: its options given, as
+    keywords."""
+    given = [f"{_keyword(f)}={shown(getattr(group, f.name))}"
+             for f in dataclasses.fields(group)
+             if _given(getattr(group, f.name), DEFAULTS[_keyword(f)])]
+    return (f"fasthealth: {name}=fh.{type(group).__name__}(...) is deprecated and will be "
+            "removed: give its options as Monitor keywords"
+            + (f" ({', '.join(given)})" if given else " (it sets none)")
+            + "; mon.options still shows them by group")
+
+
+def gather(flat: dict[str, Any], stacklevel: int = 3, **groups: Any) -> Options:
+    """The options from ``flat`` (a Monitor's keywords) and ``groups`` (the deprecated group
+    keywords, each a group or None, which warn): a keyword given takes its place in its group.
     An unknown keyword, or a group keyword given anything but its group, is a TypeError; an
-    option given both flat and in its group a ValueError; each names it."""
+    option given both as a keyword and in its group a ValueError; each names it.
+    ``stacklevel``: the warning's, pointing at the caller's caller (the user's Monitor call)."""
     flat = dict(flat)
     if isinstance(flat.get("precursors"), PrecursorOptions):  # the one keyword of both kinds
         groups["precursors"] = flat.pop("precursors")
@@ -265,6 +279,8 @@ def gather(flat: dict[str, Any], **groups: Any) -> Options:
         if group is not None and not isinstance(group, GROUPS[name]):
             raise TypeError(f"fasthealth: {name} must be a fh.{GROUPS[name].__name__} or None, "
                             f"got {shown(group)}")
+        if group is not None:
+            warnings.warn(_as_keywords(name, group), DeprecationWarning, stacklevel=stacklevel)
     fields: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     for kw, (g, f) in FLAT.items():
         group, default = groups.get(g), DEFAULTS[kw]

@@ -24,10 +24,11 @@ more, and judged on the host at the flush; each message says what was seen and w
   attention logits growing without bound collapse attention's entropy (Dehghani et al., 2023)
   and precede spikes in models without qk-layernorm.
 
-All but the Adam-eps rule (whose norms the step has) are read every ``every`` steps (10): they
-drift over tens of steps, a hook's small operations cost several times more inside the
-forward than alone (docs/performance.md), and the steps between readings pay nothing. The
-rules count their levels and patience in steps.
+The update ratio and the LM head's logits are read every ``every`` steps (10): they drift over
+tens of steps, a hook's small operations cost several times more inside the forward than alone
+(docs/performance.md), and the steps between readings pay nothing, so the default precursors
+stay cheap. The attention logits, opted into, are read every step: collapsing attention can
+come within ten steps of the damage. The rules count their levels and patience in steps.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ class PrecursorProbe:
                  stats: Callable[[list[torch.Tensor], list[str]], Any] | None = None,
                  next_step: Callable[[], int] | None = None) -> None:
         self.device, self.every = device, every
-        # the step the next forward belongs to (the Monitor's counter): the hooks read the
-        # steps the update ratio is measured on
+        # the step the next forward belongs to (the Monitor's counter): the LM head's hook
+        # reads the steps the update ratio is measured on
         self.next_step = next_step if next_step is not None else (lambda: 0)
         # the fused pass (the Monitor's, its backend chosen once), else multi_tensor_stats
         self.stats = stats if stats is not None else (
@@ -177,8 +178,8 @@ class PrecursorProbe:
     # ---- hooks ------------------------------------------------------------------------------
 
     def due(self) -> bool:
-        """Whether the hooks read this forward: one of a step every ``every`` steps (every
-        step for 0), in training (not an evaluation pass)."""
+        """Whether the LM head's hook reads this forward: one of a step every ``every`` steps
+        (every step for 0), in training (not an evaluation pass)."""
         return torch.is_grad_enabled() and (not self.every or self.next_step() % self.every == 0)
 
     def _on_logits(self, module: nn.Module, args: Any, out: Any) -> None:
@@ -194,7 +195,7 @@ class PrecursorProbe:
 
     def _attention_hook(self, heads: int):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if not self.due():
+            if not torch.is_grad_enabled():
                 return
             if isinstance(module, nn.MultiheadAttention):  # its input projection, redone
                 x = args[0] if args else None

@@ -202,13 +202,13 @@ def test_transformers_on_spike_skip(tmp_path, optim):
     assert not [e for e in mon.events if e.step > 60 and e.severity == "alarm"]
 
 
-def test_transformers_takes_the_option_groups(tmp_path):
-    """The groups pass through the callback, beside flat keywords; the user's clipping (the
-    Monitor's, before the Trainer's own) and log_dir, given in their groups, are taken, the
-    latter over the default <output_dir>/fasthealth."""
+def test_transformers_takes_the_monitor_keywords(tmp_path):
+    """The Monitor's keywords pass through the callback; the user's clipping (the Monitor's,
+    before the Trainer's own) and log_dir are taken, the latter over the default
+    <output_dir>/fasthealth."""
     mon, _ = hf_train(tmp_path, tiny_gpt2(), steps=12,
-                      monitor={"log": fh.LogOptions(log_dir=tmp_path / "mine", flush_every=5),
-                               "act": fh.ActOptions(max_grad_norm=0.5)})
+                      monitor={"log_dir": tmp_path / "mine", "flush_every": 5,
+                               "max_grad_norm": 0.5})
     assert mon.flush_every == 5 and mon.max_grad_norm == 0.5
     assert mon.options.detect.warmup_steps == 10  # hf_train's flat keyword
     assert mon.run_dir.parent == tmp_path / "mine"
@@ -252,12 +252,12 @@ def test_lightning_on_spike_skip(tmp_path, fused):
         assert torch.equal(a, b)
 
 
-def test_lightning_takes_the_option_groups(tmp_path):
-    """The groups pass through the callback; the user's clipping, in its group, is the
-    Monitor's (before Lightning's), and gradient_clip_val stays Lightning's."""
+def test_lightning_takes_the_monitor_keywords(tmp_path):
+    """The Monitor's keywords pass through the callback; the user's clipping is the Monitor's
+    (before Lightning's), and gradient_clip_val stays Lightning's."""
     from fasthealth.integrations.lightning import HealthCallback
 
-    cb = HealthCallback(log=fh.LogOptions(flush_every=5), act=fh.ActOptions(max_grad_norm=0.5))
+    cb = HealthCallback(flush_every=5, max_grad_norm=0.5)
     trainer = lightning.pytorch.Trainer(
         max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,

@@ -1,13 +1,15 @@
-"""The Monitor's options in groups (fasthealth/monitor/option_groups.py): a group and the flat
-keywords make the same Monitor, every old keyword still works, an option given twice or an
-unknown keyword is refused by name, the values are checked the same way, and every field has
-its own docstring."""
+"""The Monitor's options (fasthealth/monitor/option_groups.py): each a keyword, documented by
+concern in five groups that ``mon.options`` shows; a group passed to the Monitor (deprecated)
+warns with the keywords to write and makes the same Monitor; an option given twice or an
+unknown keyword is refused by name, the values are checked the same way either way, and every
+field has its own docstring."""
 
 import ast
 import dataclasses
 import inspect
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,8 @@ OLD_KEYWORDS = [
 # docs/spec.md section 6's signature: shown by IDEs, so kept in Monitor's own
 SPEC_KEYWORDS = ["log_dir", "flush_every", "on_nonfinite", "on_spike", "spike_zscore",
                  "spike_window", "warmup_steps", "max_grad_norm", "activations", "process_group"]
+# the tests of what a (deprecated) group passed to the Monitor still does
+groups_passed = pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed")
 
 
 def make_model(seed=0):
@@ -79,8 +83,36 @@ def test_every_field_has_its_own_docstring():
                       and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
                       and isinstance(b.value.value, str) and len(b.value.value) > 40}
         assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
-    for g, cls in GROUPS.items():
-        assert f"{g}=fh.{cls.__name__}(" in fh.Monitor.__doc__
+    for cls in GROUPS.values():
+        assert f"fh.{cls.__name__}(" in fh.Monitor.__doc__
+
+
+def test_keywords_do_not_warn_and_each_group_passed_warns_with_its_keywords(tmp_path):
+    """Every option as a keyword: no warning. Each group passed: a DeprecationWarning that
+    names the keywords to write, pointing at the caller's line, and the same options."""
+    scaler = torch.amp.GradScaler("cpu")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat = fh.Monitor(model, opt, **_flat(scaler, tmp_path / "f"))
+    flat.close()
+    grouped = _grouped(scaler, tmp_path / "g")
+    for name, group in grouped.items():
+        with pytest.warns(DeprecationWarning) as caught:
+            mon = fh.Monitor(model, opt, **{name: group})
+        mon.close()
+        [w] = caught.list
+        text = str(w.message)
+        assert text.startswith(f"fasthealth: {name}=fh.{type(group).__name__}(...) is "
+                               "deprecated and will be removed: give its options as Monitor "
+                               "keywords ("), text
+        given = text.split("keywords (", 1)[1]
+        for f in dataclasses.fields(group):
+            kw = f.metadata.get("keyword", f.name)
+            assert (f"{kw}=" in given) == (getattr(group, f.name) != DEFAULTS[kw]), (kw, text)
+        assert w.filename == __file__
+        assert getattr(mon.options, name) == group
 
 
 def _grouped(scaler, log_dir):
@@ -114,6 +146,7 @@ def _mixed(scaler, log_dir):
                 log=dataclasses.replace(g["log"], flush_every=50))
 
 
+@groups_passed
 @pytest.mark.parametrize("make", [_flat, _mixed])
 def test_groups_and_flat_keywords_make_the_same_monitor(tmp_path, make):
     scaler = torch.amp.GradScaler("cpu")
@@ -148,6 +181,7 @@ def test_groups_and_flat_keywords_make_the_same_monitor(tmp_path, make):
         list(range(6))
 
 
+@groups_passed
 def test_the_defaults_are_the_same_without_any_option():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -164,6 +198,7 @@ def test_the_defaults_are_the_same_without_any_option():
         mon.close()
 
 
+@groups_passed
 def test_a_flat_option_at_its_default_leaves_the_group_alone():
     """An option counts as given when it is not its default: flush_every=50 (the default)
     beside log=LogOptions(flush_every=5) is no conflict, and the group's 5 holds."""
@@ -174,6 +209,7 @@ def test_a_flat_option_at_its_default_leaves_the_group_alone():
     mon.close()
 
 
+@groups_passed
 @pytest.mark.parametrize("kwargs, name", [
     (dict(flush_every=20, log=fh.LogOptions(flush_every=10)), "flush_every"),
     (dict(flush_every=20, log=fh.LogOptions(flush_every=20)), "flush_every"),  # even alike
@@ -218,6 +254,7 @@ def test_a_group_keyword_takes_its_group(kwargs, message):
     assert str(info.value).startswith(message), str(info.value)
 
 
+@groups_passed
 @pytest.mark.parametrize("kwargs, exc, message", [
     (dict(log=fh.LogOptions(flush_every=0)), ValueError,
      "fasthealth: flush_every must be >= 1, got 0"),
@@ -245,6 +282,7 @@ def test_a_bad_value_in_a_group_is_checked_as_a_flat_one(tmp_path, kwargs, exc, 
     assert not (tmp_path / "run").exists()
 
 
+@groups_passed
 def test_a_trainer_setting_yields_to_the_users_flat_or_grouped():
     """What the trainer callbacks hand the Monitor (their clipping, their log_dir): set when
     the user gave nothing, left alone when the user gave it, flat or in its group."""
@@ -264,11 +302,10 @@ def test_a_trainer_setting_yields_to_the_users_flat_or_grouped():
         fh.Monitor(make_model(), **log_dir_option({"log": log}, "theirs", "out"))
 
 
-def test_watch_takes_the_groups(tmp_path):
+def test_watch_takes_the_keywords(tmp_path):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = fh.watch(model, opt, log=fh.LogOptions(log_dir=tmp_path, flush_every=2),
-                   act=fh.ActOptions(max_grad_norm=0.5))
+    mon = fh.watch(model, opt, log_dir=tmp_path, flush_every=2, max_grad_norm=0.5)
     assert mon.flush_every == 2 and mon.max_grad_norm == 0.5
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
@@ -280,6 +317,7 @@ def test_watch_takes_the_groups(tmp_path):
     assert len((mon.run_dir / "steps.jsonl").read_text().splitlines()) == 4
 
 
+@groups_passed
 def test_the_incident_settings_reach_the_analyser_and_group_events_by_them():
     """``incidents=fh.IncidentConfig(...)`` (or ``detect=fh.DetectOptions(incidents=...)``)
     sets how events are grouped: two skipped NaN losses 6 steps apart are two incidents by

@@ -5,9 +5,10 @@ attention logit grown ``ratio`` times and above ``attention_floor``: attention c
 single keys, Dehghani et al., 2023). Measured by ``precursors.PrecursorProbe``.
 
 Each series is judged against its own level: the median of its values of steps ``first`` to
-``first + span`` (after the early transient); growth lasting ``patience`` steps (of readings,
-which the probe takes every ``every`` steps) fires, once, re-armed when the series comes back
-below ``ratio`` times that level; a log Z above its level by ``drift`` nats fires at once.
+``first + span`` (after the early transient); growth lasting ``patience`` steps (counted in
+readings: the probe reads the LM head's logits every ``every`` steps, the attention logits
+every step) fires, once, re-armed when the series comes back below ``ratio`` times that level;
+a log Z above its level by ``drift`` nats fires at once.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class LogitGrowth(Rule[LogitConfig]):
         every = (ctx.probe.every if ctx is not None and ctx.probe is not None else 0) or 1
         self.logit = _Growth(c.ratio, c.logit_floor, c, every)
         self.log_z = _Growth(1.0, 0.0, c, every)  # judged by drift below
-        self.attention = _Growth(c.ratio, c.attention_floor, c, every)
+        self.attention = _Growth(c.ratio, c.attention_floor, c)  # read every step
         self.z_fired = False
 
     def observe(self, s: StepRecord) -> list[Finding]:
