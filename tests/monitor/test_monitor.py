@@ -3,6 +3,8 @@ no event, bad steps are skipped (without a sync for fused optimizers), capture a
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -473,6 +475,38 @@ def test_explicit_step_numbers_and_context_manager():
             obs = mon.check(loss * (NAN if step == 101 else 1), step=step)
             assert obs.step == step
     assert kinds_at(mon) == [(101, "nonfinite_loss")]
+
+
+def test_a_step_runs_code_in_at_most_ten_fasthealth_modules(tmp_path):
+    """A usual step (not a flush) of a Monitor at its defaults with a log_dir, on a two-layer
+    MLP with AdamW, runs code in at most ten fasthealth modules, the fused op's included: the
+    step's path stays short enough to read top to bottom (docs/design.md draws it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    root = str(Path(fh.__file__).parent)
+    mon = fh.Monitor(model, opt, log_dir=tmp_path)
+    seen: set[str] = set()
+
+    def profile(frame, event, arg):
+        if frame.f_code.co_filename.startswith(root):
+            seen.add(frame.f_code.co_filename)
+
+    for t in range(12):  # past the first step's scans; step 11 neither flushes nor scans
+        x = torch.randn(4, 8)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if t == 11:
+            sys.setprofile(profile)
+        try:
+            mon.step(loss, batch=x)
+        finally:
+            sys.setprofile(None)
+        opt.zero_grad()
+    mon.close()
+    names = sorted(f[len(root) + 1:] for f in seen)
+    assert "monitor/monitor.py" in names and "ops/__init__.py" in names
+    assert len(names) <= 10, names
 
 
 def test_monitor_argument_errors():
