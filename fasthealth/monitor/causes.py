@@ -11,8 +11,8 @@ An incident names one of ``kinds.CAUSES`` from the evidence it has, by the first
 4. a collapsing loss scale or an overflow streak, or non-finite gradients with a finite loss
    under a GradScaler: ``numeric_range``; a repeated batch: ``batch``;
 5. a loss spike, a non-finite loss or gradient (or an alarmed gradient spike) whose loss comes
-   back within ``back_within`` steps: ``batch`` (replay it); one that persists: ``weights``
-   (the model state was damaged); until that is known, a loss ``astronomical`` times its level
+   back within ``BACK_WITHIN`` steps: ``batch`` (replay it); one that persists: ``weights``
+   (the model state was damaged); until that is known, a loss ``ASTRONOMICAL`` times its level
    at the first alarm's step is ``weights`` already;
 6. otherwise the default cause of its first alarm's kind (``Kind.cause``).
 
@@ -47,6 +47,20 @@ CHECK_FIRST = {
 }
 
 
+ASTRONOMICAL: float = 1e6
+"""A first alarm's loss this many times its level names the weights before the run has shown
+whether it comes back (so that the trainer's log line, written at that step, leads to them): a
+1e30 weight makes a loss 7e28x its level in tests/monitor/test_causes.py, while its garbage
+batch (inputs 300x, mislabelled) makes 210x; a batch would need inputs thousands of times off to
+come near a million."""
+
+BACK_WITHIN: int = 3
+"""Steps after the first alarm within which the loss must come back for the cause to be the
+batch: a bad batch harms its own step (a garbage batch, the Adam update it makes, is back within
+one or two steps in the tests); a loss that stays up after the batch has passed is the model's
+state."""
+
+
 @dataclass(frozen=True)
 class CauseConfig:
     optimizer_first: frozenset[str] = frozenset({"optimizer_state_nonfinite"})
@@ -79,24 +93,9 @@ class CauseConfig:
                                         "grad_norm_spike"})
     """First alarms judged by whether the run comes back (rule 5): each is what one bad batch
     makes at its own step, and what damaged weights make at every step."""
-    back_within: int = 3
-    """Steps after the first alarm within which the loss must come back for the cause to be
-    the batch: a bad batch harms its own step (a garbage batch, the Adam update it makes, is
-    back within one or two steps in the tests); a loss that stays up after the batch has
-    passed is the model's state."""
-    astronomical: float = 1e6
-    """A first alarm's loss this many times its level names the weights before the run has
-    shown whether it comes back (so that the trainer's log line, written at that step, leads
-    to them): a 1e30 weight makes a loss 7e28x its level in tests/monitor/test_causes.py, while its
-    garbage batch (inputs 300x, mislabelled) makes 210x; a batch would need inputs thousands
-    of times off to come near a million."""
     back_share: float = 0.2
     """Back: a finite loss at most this share above its level before the incident (the
     tracker's ``recover``)."""
-
-    def __post_init__(self) -> None:
-        if self.back_within < 1:
-            raise ValueError("fasthealth: back_within must be at least 1 step")
 
 
 def back(loss: float, level: float | None, share: float) -> bool:
@@ -138,14 +137,14 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
             return ("numeric_range", "non-finite gradients with a finite loss under a GradScaler",
                     DIRECT)
     if trigger in c.spikes and after is not None:
-        if any(back(x, level, c.back_share) for x in after[:c.back_within]):
-            return ("batch", f"the loss came back within {c.back_within} steps of {trigger}",
+        if any(back(x, level, c.back_share) for x in after[:BACK_WITHIN]):
+            return ("batch", f"the loss came back within {BACK_WITHIN} steps of {trigger}",
                     RECOVERY)
-        if len(after) >= c.back_within and level is not None:
-            return "weights", (f"the loss stayed up (or non-finite) {c.back_within} steps "
+        if len(after) >= BACK_WITHIN and level is not None:
+            return "weights", (f"the loss stayed up (or non-finite) {BACK_WITHIN} steps "
                                f"after {trigger}: the model state was damaged"), RECOVERY
         loss = first.details.get("step_loss") if first is not None else None
-        if isinstance(loss, float) and level and loss >= c.astronomical * level:
+        if isinstance(loss, float) and level and loss >= ASTRONOMICAL * level:
             return "weights", (f"the loss at {trigger} was {loss / level:.3g}x its level: "
                                "damaged weights, not data (judged again once the run has "
                                "shown whether it comes back)"), RECOVERY

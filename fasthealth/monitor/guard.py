@@ -9,7 +9,7 @@ one for it. ``verdict`` says no in two cases:
 
    - its cause (``causes.py``) is ``weights`` or ``optimizer_state``: a corrupted weight, broken
      optimizer moments, or a loss spike or non-finite step the loss did not come back from
-     within ``back_within`` steps (the cause rules' own judgement that the state, not the
+     within ``BACK_WITHIN`` steps (the cause rules' own judgement that the state, not the
      batch, is at fault);
    - it holds ``weight_corruption`` or ``optimizer_state_nonfinite`` whatever its cause (the
      damage was seen directly, even where the incident was opened by something else first);

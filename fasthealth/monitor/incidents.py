@@ -4,19 +4,19 @@ A fault rarely makes one event: a garbage batch spikes the loss and the gradient
 and the damaged model then spikes again while it recovers; an LR jump shows as the jump, spikes and
 a rising loss. The tracker sees each flushed step in order. An event joins the open incident when
 there is one (the aftermath of a fault explains what follows it); otherwise it opens a new one. An
-alarm incident stays open while the run has not come back from it: the median of the last ``recent``
+alarm incident stays open while the run has not come back from it: the median of the last ``RECENT``
 (10) finite losses above the median of the 32 before the incident opened by more than that median's
-noise allows (``noise_units`` (3) times the noise of a median of ``recent`` losses, judged from the
-32 losses' step-to-step spread; at least ``noise_floor`` (2%) of the level, at most ``recover``
+noise allows (``noise_units`` (3) times the noise of a median of ``RECENT`` losses, judged from the
+32 losses' step-to-step spread; at least ``NOISE_FLOOR`` (2%) of the level, at most ``recover``
 (20%) of it), or a GradScaler's scale still 8x or more below the highest of those 32 steps (a
 persistent fault, a data change or a collapsed scale, spikes again 100 steps later: that is still
 its aftermath). An incident the run ended in without coming back is closed ``recovered=False``, its
 ``end`` the run's last step. Above all it stays open while the run is broken: the last step's loss
 or gradients non-finite (a NaN in the gradients under a GradScaler; its overflow steps are the
-scaler at work), or its loss ``broken`` (1e6) times its level before the incident (a loss of 3e38 is
+scaler at work), or its loss ``BROKEN`` (1e6) times its level before the incident (a loss of 3e38 is
 no model at all, whatever the median of the finite losses says): it closes only on recovery,
 whatever its quiet periods. An incident that opens before the loss has a level (fewer than
-``recent`` losses: a fault from the first steps, an LR far too high) stays open until the loss has
+``RECENT`` losses: a fault from the first steps, an LR far too high) stays open until the loss has
 fallen ``recover`` below its first value, the model at its initialization: a run that never learns
 is one fault, however often it spikes. Otherwise an incident closes after ``quiet`` steps without an
 event; sooner when it cannot explain what comes later: after ``notice_quiet`` steps while it holds
@@ -73,6 +73,29 @@ from .kinds import GRADIENT, KINDS, cause_of
 SQUARE_OVERFLOWS = math.sqrt(torch.finfo(torch.float32).max)  # 1.8e19: its square is inf
 
 
+NOISE_FLOOR: float = 0.02
+"""The least margin, as a share of the level, whatever the noise (a full-batch loss has almost
+none): a loss within 2% of its level is back."""
+
+RECENT: int = 10
+"""Finite losses in the recent median."""
+
+BEFORE: int = 32
+"""Finite losses (and loss scales) whose median (highest) is the level before an incident."""
+
+SCALE_DROP: float = 8.0
+"""A loss scale this many times below its level before: not recovered (the loss-scale rule's
+three back-offs)."""
+
+BROKEN: float = 1e6
+"""A last loss this many times its level before the incident (or the run's first loss) is a
+broken run and holds an alarm incident open, like a non-finite one: no real loss moves a
+million-fold while training (a cross-entropy that fell to 1e-3 and climbs back to its uniform
+value, about 10, moves 1e4-fold), while a NaN-filled stretch leaves the median of the finite
+losses at its old level, where a loss of 3e38 would close the incident
+(tests/monitor/test_causes.py plants one)."""
+
+
 @dataclass(frozen=True)
 class IncidentConfig:
     quiet: int = 50
@@ -90,38 +113,20 @@ class IncidentConfig:
     level, it must fall this share below its first value)."""
     noise_units: float | None = 3.0
     """Below ``recover``: the recent median more than this many of its own noise units above the
-    level before is not recovered either (the noise of a median of ``recent`` losses, from the
+    level before is not recovered either (the noise of a median of ``RECENT`` losses, from the
     step-to-step spread of the losses before the incident). A learning-rate burst that leaves
     a nanoGPT-shaped run's loss 18% up, where a median of 10 losses moves by 2%, has damaged
     the model though it is within 20%. None: ``recover`` alone."""
-    noise_floor: float = 0.02
-    """The least margin, as a share of the level, whatever the noise (a full-batch loss has
-    almost none): a loss within 2% of its level is back."""
-    recent: int = 10
-    """Finite losses in the recent median."""
-    before: int = 32
-    """Finite losses (and loss scales) whose median (highest) is the level before an
-    incident."""
     settle: int | None = 10
     """Steps after an incident's last new finding after which, the run not harmed, an alarm of
     a new kind is a new fault with its own incident; None: never (everything joins the open
     incident)."""
-    scale_drop: float = 8.0
-    """A loss scale this many times below its level before: not recovered (the loss-scale
-    rule's three back-offs)."""
     returns: bool = True
     """A loss spike back to (not above) the level before the incident is the run coming back
     (after a stretch of zero losses, say), not a new fault."""
     overflow_explains: bool = True
     """Broken optimizer state is explained by a gradient whose square overflows float32 (Adam's
     second moment), as well as by a non-finite value."""
-    broken: float = 1e6
-    """A last loss this many times its level before the incident (or the run's first loss)
-    is a broken run and holds an alarm incident open, like a non-finite one: no real loss
-    moves a million-fold while training (a cross-entropy that fell to 1e-3 and climbs back to
-    its uniform value, about 10, moves 1e4-fold), while a NaN-filled stretch leaves the median
-    of the finite losses at its old level, where a loss of 3e38 would close the incident
-    (tests/monitor/test_causes.py plants one)."""
     causes: CauseConfig = CauseConfig()
     """The evidence rules that name an incident's likely cause (``causes.py``)."""
 
@@ -181,8 +186,8 @@ class IncidentTracker:
         c = self.config = replace(config or IncidentConfig(), **fields)  # type: ignore[arg-type]
         self.quiet, self.notice_quiet, self.skipped_quiet = c.quiet, c.notice_quiet, \
             c.skipped_quiet
-        self.recover, self.recent, self.settle = c.recover, c.recent, c.settle
-        before = c.before
+        self.recover, self.recent, self.settle = c.recover, RECENT, c.settle
+        before = BEFORE
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
         self.closed_early: list[Incident] = []  # closed by a cause it cannot explain
@@ -250,14 +255,14 @@ class IncidentTracker:
 
     def broken(self) -> bool:
         """Whether the run is broken at the last step: its loss or gradients non-finite, or
-        its loss ``broken`` times its level before the open incident (the module docstring)."""
+        its loss ``BROKEN`` times its level before the open incident (the module docstring)."""
         loss, finite = self.last
         if not finite:
             return True
         level = self.baseline[0]
         if level is None:
             level = self.first_loss
-        return math.isfinite(level) and level > 0 and loss > self.config.broken * level
+        return math.isfinite(level) and level > 0 and loss > BROKEN * level
 
     def take_closed(self) -> list[Incident]:
         """The incidents ``add`` closed early since the last call."""
@@ -277,13 +282,13 @@ class IncidentTracker:
         elif loss > 0 and now > loss + margin:
             return True
         return math.isfinite(scale) and math.isfinite(self.scale) \
-            and self.scale * self.config.scale_drop <= scale
+            and self.scale * SCALE_DROP <= scale
 
     def _margin(self, level: float | None) -> float:
         """How far above ``level`` the recent median may stand and the run be back: the noise
-        of a median of ``recent`` losses (a robust spread of the step-to-step changes of the
+        of a median of ``RECENT`` losses (a robust spread of the step-to-step changes of the
         losses before, over sqrt(2) for one loss, times 1.2533 / sqrt(recent) for the median)
-        times ``noise_units``, within [``noise_floor``, ``recover``] of the level."""
+        times ``noise_units``, within [``NOISE_FLOOR``, ``recover``] of the level."""
         if level is None:
             return math.nan
         cap = self.recover * abs(level)
@@ -295,7 +300,7 @@ class IncidentTracker:
         mid = statistics.median(diffs)
         one = 1.4826 * statistics.median(abs(d - mid) for d in diffs) / math.sqrt(2)
         noise = one * 1.2533 / math.sqrt(self.recent)
-        return min(cap, max(self.config.noise_floor * abs(level), units * noise))
+        return min(cap, max(NOISE_FLOOR * abs(level), units * noise))
 
     def _expired(self, step: int) -> bool:
         cur = self.current

@@ -4,11 +4,11 @@ loss spikes in LMs trained without z-loss) and ``precursor_attention_logits`` (t
 attention logit grown ``ratio`` times and above ``attention_floor``: attention collapsing onto
 single keys, Dehghani et al., 2023). Measured by ``precursors.PrecursorProbe``.
 
-Each series is judged against its own level: the median of its values of steps ``first`` to
-``first + span`` (after the early transient); growth lasting ``patience`` steps (counted in
-readings: the probe reads the LM head's logits every ``every`` steps, the attention logits
-every step) fires, once, re-armed when the series comes back below ``ratio`` times that level;
-a log Z above its level by ``drift`` nats fires at once.
+Each series is judged against its own level: the median of its values of steps
+``EARLY_FROM`` to ``EARLY_FROM + EARLY_SPAN`` (after the early transient); growth lasting
+``patience`` steps (counted in readings: the probe reads the LM head's logits every ``every``
+steps, the attention logits every step) fires, once, re-armed when the series comes back below
+``ratio`` times that level; a log Z above its level by ``drift`` nats fires at once.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from dataclasses import dataclass
 
 from ..record import StepRecord
 from .base import Context, Finding, Rule, skipped
+
+EARLY_FROM: int = 20
+"""Steps skipped before the early level is taken (the first steps' transient)."""
+
+EARLY_SPAN: int = 30
+"""Steps whose values the early level is the median of."""
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,6 @@ class LogitConfig:
     """Nats log Z may drift above its early level: a z-loss keeps it near 0."""
     attention_floor: float = 100.0
     """The largest attention logit must also pass it: exp(100) saturates any softmax."""
-    first: int = 20
-    """Steps skipped before the early level is taken (the first steps' transient)."""
-    span: int = 30
-    """Steps whose values the early level is the median of."""
     patience: int = 3
     """Steps the growth must last, counted in readings (at least one): one sharp batch between
     two readings is not a trend."""
@@ -50,8 +52,8 @@ class _Growth:
     def __init__(self, ratio: float, floor: float, c: LogitConfig, every: int = 1) -> None:
         self.ratio, self.floor, self.c = ratio, floor, c
         # read every ``every`` steps: the steps of the level and the patience in readings
-        self.first = -(-c.first // every)
-        self.span = max(1, -(-c.span // every))
+        self.first = -(-EARLY_FROM // every)
+        self.span = max(1, -(-EARLY_SPAN // every))
         self.patience = max(1, -(-c.patience // every))
         self.seen: list[float] = []
         self.ref: float | None = None

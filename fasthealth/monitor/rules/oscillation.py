@@ -2,7 +2,7 @@
 
 Over the last ``window`` log-losses, the deviations from their trend line alternate (lag-1
 autocorrelation below ``autocorr``), the mean swing is ``amplitude`` times the run's usual one
-(the median of the swings of its past ``history`` windows), and the loss does not trend down.
+(the median of the swings of its past ``HISTORY`` windows), and the loss does not trend down.
 Minibatch noise goes up and down too, but with the swings of its own past.
 """
 
@@ -18,6 +18,9 @@ from ..robust import WARMUP_STEPS, RollingMedian, WindowValues, slope_t
 from .base import Context, Finding
 from .trend import LossTrend
 
+HISTORY: int = 512
+"""Past windows whose swings make the usual one."""
+
 
 @dataclass(frozen=True)
 class OscillationConfig:
@@ -30,8 +33,6 @@ class OscillationConfig:
     """Times the run's usual swing: tests/monitor/test_monitor.py plants swings 5x the noise
     (found); the corpus's healthy runs raise none (the detector evaluation,
     bench/results/detectors.json)."""
-    history: int = 512
-    """Past windows whose swings make the usual one."""
     warmup: int = WARMUP_STEPS
     """Losses seen before the rule judges (``warmup_steps``)."""
 
@@ -46,7 +47,7 @@ class Oscillation(LossTrend[OscillationConfig]):
 
     def __init__(self, config: OscillationConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
-        self.usual = RollingMedian(self.config.history)
+        self.usual = RollingMedian(HISTORY)
 
     swings = WindowValues("usual")  # the past windows' swings, oldest first
 

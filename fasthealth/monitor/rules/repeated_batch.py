@@ -7,7 +7,7 @@ The same batch is told by its sample ids when the step was given them (hashed on
 (``scans.fingerprint``): equal for the same tensors, in the same order. Full-batch training, or
 a dataset of one batch, shows the same batch from the first step and never alarms; a shuffled
 loader never gives the same samples in the same order twice. The repeats must follow a stretch
-of ``moving`` steps whose batches changed at every step, so a full batch with a few odd ones
+of ``MOVING`` steps whose batches changed at every step, so a full batch with a few odd ones
 planted in it is not a stuck loader either.
 """
 
@@ -20,6 +20,12 @@ from typing import Any, ClassVar
 from ..record import StepRecord
 from .base import Context, Finding, Rule
 
+MOVING: int = 8
+"""Steps in a row, each with a batch other than the step before's, that must come before the
+repeats: a run moving through its data. Full-batch training shows the same batch from the start,
+and with a few odd batches planted in it (a bad batch, the detector corpus's faults of one to a
+few steps) it moves for fewer steps than that."""
+
 
 @dataclass(frozen=True)
 class RepeatedBatchConfig:
@@ -27,16 +33,11 @@ class RepeatedBatchConfig:
     """Steps in a row with the same batch: a stuck loader gives it at every step, a shuffled
     one never twice; 3 and not 2, so that one step fed twice on purpose (a retry after a
     skipped step, a resumed run replaying its last batch) is not an alarm."""
-    moving: int = 8
-    """Steps in a row, each with a batch other than the step before's, that must come before
-    the repeats: a run moving through its data. Full-batch training shows the same batch
-    from the start, and with a few odd batches planted in it (a bad batch, the detector
-    corpus's faults of one to a few steps) it moves for fewer steps than that."""
 
     def __post_init__(self) -> None:
-        if self.repeats < 2 or self.moving < 0:
-            raise ValueError("fasthealth: rules={'repeated_batch': ...}: repeats must be >= 2 "
-                             f"and moving >= 0, got repeats={self.repeats}, moving={self.moving}")
+        if self.repeats < 2:
+            raise ValueError("fasthealth: rules={'repeated_batch': ...}: repeats must be >= 2, "
+                             f"got repeats={self.repeats}")
 
 
 class RepeatedBatch(Rule[RepeatedBatchConfig]):
@@ -72,7 +73,7 @@ class RepeatedBatch(Rule[RepeatedBatchConfig]):
             return []
         self.changes = 0
         self.run += 1
-        if self.run < self.config.repeats or self.moved < self.config.moving or self.fired:
+        if self.run < self.config.repeats or self.moved < MOVING or self.fired:
             return []
         self.fired = True
         return [Finding(

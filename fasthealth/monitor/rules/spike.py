@@ -39,6 +39,20 @@ LABEL = {"loss": "loss", "grad_norm": "global grad norm"}
 KIND = {"loss": "loss_spike", "grad_norm": "grad_norm_spike"}
 
 
+EARLY_VALUES: int = 5
+"""First values the early ratios are taken against (their largest): all a run has before its
+window is armed."""
+
+RESTART_LOSS: float = 10.0
+"""At a warm restart of the schedule (``rearm``), until the new window is armed: a loss this
+many times the largest of the window before the restart (which spans the cycle's higher losses,
+not only its low end at a rate near 0: against the last few values, the climb after a restart
+from a floor of 0.01 reached 10x and alarmed, evaluation/trainers
+hf_mlp_digits_sgd_warm_restarts). A loss x100 at the restart's own step is still seen
+(hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm keeps
+``early_grad_norm``."""
+
+
 @dataclass(frozen=True)
 class SpikeConfig:
     zscore: float = SPIKE_ZSCORE
@@ -61,9 +75,6 @@ class SpikeConfig:
     early_grad_norm: float = 100.0
     """The same for the gradient norm, set far higher: the first steps' gradient norms move
     much more than their losses."""
-    first: int = 5
-    """First values the early ratios are taken against (their largest): all a run has before
-    its window is armed."""
     above_max: float = 5.0
     """A value this many times the largest in its window, and past ``zscore`` on the linear
     scale, is a spike whatever the log scale says. At a noisy loss floor (a classifier of
@@ -74,14 +85,6 @@ class SpikeConfig:
     least half full (its largest is then a tail), or after a restart against the larger of
     the new window's and the old one's largest: the loss climbing after a restart outgrew a
     20-value window 5x and alarmed."""
-    restart_loss: float = 10.0
-    """At a warm restart of the schedule (``rearm``), until the new window is armed: a loss
-    this many times the largest of the window before the restart (which spans the cycle's
-    higher losses, not only its low end at a rate near 0: against the last few values, the
-    climb after a restart from a floor of 0.01 reached 10x and alarmed, evaluation/trainers
-    hf_mlp_digits_sgd_warm_restarts). A loss x100 at the restart's own step is still seen
-    (hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm
-    keeps ``early_grad_norm``."""
 
 
 class _Series:
@@ -156,8 +159,8 @@ class Spike(Rule[SpikeConfig]):
     def __init__(self, config: SpikeConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         c = self.config
-        self.series = {"loss": _Series("loss", c.window, c.early_loss, c.first),
-                       "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm, c.first)}
+        self.series = {"loss": _Series("loss", c.window, c.early_loss, EARLY_VALUES),
+                       "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm, EARLY_VALUES)}
 
     def observe(self, s: StepRecord) -> list[Finding]:
         return self._device_skips(s, self._host(s))
@@ -171,8 +174,8 @@ class Spike(Rule[SpikeConfig]):
             ser.before = max(ser.values) if ser.values else math.inf
             ser.window.clear()
             ser.run = 0
-            ser.first = [ser.before] * c.first
-            ser.early_ratio = c.restart_loss if key == "loss" else c.early_grad_norm
+            ser.first = [ser.before] * EARLY_VALUES
+            ser.early_ratio = RESTART_LOSS if key == "loss" else c.early_grad_norm
             ser.restarted = True
 
     def _host(self, s: StepRecord) -> list[Finding]:

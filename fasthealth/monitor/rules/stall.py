@@ -1,9 +1,9 @@
 """``stall``: a run that does not learn from the start, judged once, after ``steps`` finite
-losses, against the median of the first ``first`` (medians of ``recent`` values, so that one
+losses, against the median of the first ``FIRST`` (medians of ``RECENT`` values, so that one
 lucky batch does not count as learning).
 
 Some tensors' gradients have stayed below ``vanish_ratio`` of the largest tensor's for every
-one of the last ``recent`` steps while the loss has fallen by less than ``half``: the signal
+one of the last ``RECENT`` steps while the loss has fallen by less than ``LEARNED``: the signal
 does not get through to them (saturated sigmoids, depth without residuals or normalisation, a
 bad initialisation), and what learning there is happens in the layers it reaches. A flat loss
 alone is not enough: healthy SGD runs can sit on their initial plateau for well over a hundred
@@ -21,29 +21,26 @@ from dataclasses import dataclass
 from ..record import StepRecord
 from .base import Finding, Rule, listed
 
+FIRST: int = 10
+"""Losses in the starting median."""
+
+RECENT: int = 10
+"""Losses in the best recent median, and steps the gradients must stay vanished."""
+
+LEARNED: float = 0.5
+"""The loss having fallen by this share is learning, whatever the gradients."""
+
+
 
 @dataclass(frozen=True)
 class StallConfig:
     steps: int = 100
     """Finite losses before the one judgement: past the plateaus healthy runs of the corpus
     start on."""
-    first: int = 10
-    """Losses in the starting median."""
-    recent: int = 10
-    """Losses in the best recent median, and steps the gradients must stay vanished."""
     vanish_ratio: float = 1e-5
     """Share of the largest tensor's gradient norm: in healthy networks the smallest trained
     tensor's stays within a few orders of it; in a 12-layer sigmoid stack the first layers' are
     10 orders below."""
-    half: float = 0.5
-    """The loss having fallen by this share is learning, whatever the gradients."""
-    matrices_only: bool = True
-    """Only tensors of two or more dimensions count as vanished: some vectors get no gradient
-    by construction in healthy models (an attention key's bias: softmax ignores what it adds
-    to every score; a bias just before a normalisation, whose mean it removes). A BERT has
-    both: its key biases' gradients sit below 1e-5 of the largest from the first step, and a
-    BERT on its initial plateau (100 steps under AdamW, evaluation/trainers) raised a false stall
-    without this."""
 
 
 class Stall(Rule[StallConfig]):
@@ -54,9 +51,8 @@ class Stall(Rule[StallConfig]):
 
     def __init__(self, config: StallConfig | None = None, ctx=None):
         super().__init__(config, ctx)
-        c = self.config
-        self.losses: deque[float] = deque(maxlen=c.recent)
-        self.vanished: deque[frozenset[int]] = deque(maxlen=c.recent)  # per step: indices
+        self.losses: deque[float] = deque(maxlen=RECENT)
+        self.vanished: deque[frozenset[int]] = deque(maxlen=RECENT)  # per step: indices
         self.start: float | None = None
         self.firsts: list[float] = []
         self.best = math.inf
@@ -74,7 +70,7 @@ class Stall(Rule[StallConfig]):
             self.vanished.append(self._vanishing(s.per_norm))
         if self.start is None:
             self.firsts.append(loss)
-            if len(self.firsts) == c.first:
+            if len(self.firsts) == FIRST:
                 self.start = statistics.median(self.firsts)
             return []
         self.best = min(self.best, statistics.median(self.losses))
@@ -83,7 +79,7 @@ class Stall(Rule[StallConfig]):
         self.done = True
         fell = (self.start - self.best) / abs(self.start) if self.start else math.inf
         always = frozenset.intersection(*self.vanished) if self.vanished else frozenset()
-        if always and fell < c.half:
+        if always and fell < LEARNED:
             return [self._finding(fell, sorted(always))]
         return []
 
@@ -94,7 +90,13 @@ class Stall(Rule[StallConfig]):
                          and self._counts(i))
 
     def _counts(self, i: int) -> bool:
-        if not self.config.matrices_only or i >= len(self.ctx.params):
+        """Whether tensor ``i`` counts as vanished: only tensors of two or more dimensions do.
+        Some vectors get no gradient by construction in healthy models (an attention key's
+        bias: softmax ignores what it adds to every score; a bias just before a normalisation,
+        whose mean it removes). A BERT has both: its key biases' gradients sit below 1e-5 of
+        the largest from the first step, and a BERT on its initial plateau (100 steps under
+        AdamW, evaluation/trainers) raised a false stall when they counted."""
+        if i >= len(self.ctx.params):
             return True  # no tensors known (a rule fed recorded steps): every one counts
         return getattr(self.ctx.params[i][1], "ndim", 2) >= 2
 

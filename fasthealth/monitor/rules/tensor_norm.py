@@ -1,6 +1,6 @@
 """Per tensor: a gradient norm that collapses below ``collapse`` of its own recent level for
 ``patience`` steps (``vanishing_grad``: dead ReLUs, saturated sigmoids), or jumps above
-``explode`` times it (``exploding_grad``). The level is an exponential average (``alpha``) of
+``explode`` times it (``exploding_grad``). The level is an exponential average (``ALPHA``) of
 the log norm, armed after ``warmup`` steps; collapsed and exploded steps stay out of it. When
 every tensor collapses at once the global rule (``vanishing.py``) speaks."""
 
@@ -15,6 +15,9 @@ from ..record import StepRecord
 from ..robust import WARMUP_STEPS
 from .base import Context, Finding, Rule, listed
 
+ALPHA: float = 0.05
+"""Weight of a new log norm in the level: a memory of ~20 steps."""
+
 
 @dataclass(frozen=True)
 class TensorNormConfig:
@@ -28,8 +31,6 @@ class TensorNormConfig:
     """Steps in a row for a collapse."""
     warmup: int = WARMUP_STEPS
     """Steps of a tensor before its level is trusted (``warmup_steps``)."""
-    alpha: float = 0.05
-    """Weight of a new log norm in the level: a memory of ~20 steps."""
 
 
 class TensorNorm(Rule[TensorNormConfig]):
@@ -67,7 +68,7 @@ class TensorNorm(Rule[TensorNormConfig]):
         first = normal & self.level.isnan()
         self.level = torch.where(first, log, self.level)
         self.level = torch.where(normal & ~first,
-                                 (1 - c.alpha) * self.level + c.alpha * log, self.level)
+                                 (1 - ALPHA) * self.level + ALPHA * log, self.level)
         self.seen += normal.long()
         self.low = torch.where(low, self.low + 1, torch.where(present, 0, self.low))
         found = []
@@ -107,7 +108,7 @@ class TensorNorm(Rule[TensorNormConfig]):
         log, level = norm.log(), self.level
         if not bool(((log >= level + self.lo) & (log <= level + self.hi)).all()):
             return False  # NaN compares False: a tensor absent, a level not yet made
-        self.level = (1 - c.alpha) * level + c.alpha * log
+        self.level = (1 - ALPHA) * level + ALPHA * log
         self.seen += 1
         return True
 

@@ -1,7 +1,7 @@
 """``vanishing_grad``, globally: the global gradient norm vanishingly small for ``patience``
 steps, below ``abs_threshold`` or ``rel_drop`` times below its recent median (a constant or
 masked-out loss, a learning-rate schedule at 0, a collapsed loss scale), on steps whose loss
-has not itself fallen to a fitted batch's (``fitted``)."""
+has not itself fallen to a fitted batch's (``FITTED``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from ..record import StepRecord
 from ..robust import SPIKE_WINDOW, WARMUP_STEPS, RollingMedian, WindowValues
 from .base import Context, Finding, Rule
+
+FITTED: float = 1e-3
+"""A step whose loss is below this share of the run's first level is a batch the model fits: its
+gradient vanishes with its loss (cross-entropy's gradient is p - y), which is convergence, not a
+fault. A memorised digits batch at a loss of 2e-7 (first level 2.3) had a gradient norm of 8e-6
+against a median of 1.5 and alarmed (evaluation/trainers, pl_digits_rmsprop_one_cycle). A loss
+of exactly 0 is never exempt: a masked-out or multiplied-away loss is 0 at every step."""
 
 
 @dataclass(frozen=True)
@@ -29,13 +36,6 @@ class VanishingConfig:
     warmup: int = WARMUP_STEPS
     """Norms before the relative test (``warmup_steps``); also the first losses the run's
     first level (their median) is taken over."""
-    fitted: float = 1e-3
-    """A step whose loss is below this share of the run's first level is a batch the model
-    fits: its gradient vanishes with its loss (cross-entropy's gradient is p - y), which is
-    convergence, not a fault. A memorised digits batch at a loss of 2e-7 (first level 2.3)
-    had a gradient norm of 8e-6 against a median of 1.5 and alarmed (evaluation/trainers,
-    pl_digits_rmsprop_one_cycle). A loss of exactly 0 is never exempt: a masked-out or
-    multiplied-away loss is 0 at every step."""
 
 
 class Vanishing(Rule[VanishingConfig]):
@@ -66,10 +66,10 @@ class Vanishing(Rule[VanishingConfig]):
         return self.update(s.values["grad_norm"], loss) if s.values["grads_finite"] else []
 
     def fits(self, loss: float) -> bool:
-        """Whether ``loss`` is a batch the model fits (``fitted``)."""
+        """Whether ``loss`` is a batch the model fits (``FITTED``)."""
         if not self.first_losses or not math.isfinite(loss) or loss <= 0:
             return False
-        return loss < self.config.fitted * statistics.median(self.first_losses)
+        return loss < FITTED * statistics.median(self.first_losses)
 
     def update(self, norm: float, loss: float = math.nan) -> list[Finding]:
         c = self.config

@@ -7,7 +7,7 @@ The Monitor scans the weights on its first step and then every ``every`` steps (
 once per flush, on its last step): one fused pass over the detached parameters, its per-tensor
 table kept on the device until the flush (``scans.weight_scan``). Each scan is compared with
 the one before: NaN/Inf in a tensor that had none, or a tensor's largest finite |w| more than
-``factor`` times above its level at the scan before. That level is floored at ``floor`` times
+``factor`` times above its level at the scan before. That level is floored at ``FLOOR`` times
 the model's own largest |w| then, so that a tensor initialised at zero (a LoRA B, a bias) that
 grows healthily is never a jump. Reported once per tensor: a scan that finds the same NaN, or
 the jumped value again, compares with what it found.
@@ -24,6 +24,12 @@ from ..record import StepRecord
 from ..scans import scan_table
 from .base import Context, Finding, Rule, listed
 
+FLOOR: float = 1e-2
+"""The level a tensor is compared at is at least this share of the model's largest |w| at the
+scan before: a zero-initialised tensor (LoRA B, biases, zero-init output layers) must reach 10x
+the model's largest weight within one scan to count, which healthy growth from zero does not
+(tests/monitor/test_silent_fault_alarms.py grows a LoRA-style B from 0 at a high rate)."""
+
 
 @dataclass(frozen=True)
 class WeightCorruptionConfig:
@@ -37,18 +43,11 @@ class WeightCorruptionConfig:
     tensor's largest |w| moves by a few times at most over a flush (weight decay, warm-up, a
     tensor growing from small); an exponent bit that flips multiplies by 2**(2**k), so a flip of
     one of the high exponent bits, the ones that matter (x 2**16 and up), is far beyond it."""
-    floor: float = 1e-2
-    """The level a tensor is compared at is at least this share of the model's largest |w| at
-    the scan before: a zero-initialised tensor (LoRA B, biases, zero-init output layers) must
-    reach 10x the model's largest weight within one scan to count, which healthy growth from
-    zero does not (tests/monitor/test_silent_fault_alarms.py grows a LoRA-style B from 0 at a
-    high rate)."""
 
     def __post_init__(self) -> None:
-        if self.every < 0 or self.factor <= 1 or self.floor < 0:
-            raise ValueError("fasthealth: rules={'weight_corruption': ...}: every must be >= 0, "
-                             f"factor > 1 and floor >= 0, got every={self.every}, factor="
-                             f"{self.factor}, floor={self.floor}")
+        if self.every < 0 or self.factor <= 1:
+            raise ValueError("fasthealth: rules={'weight_corruption': ...}: every must be >= 0 "
+                             f"and factor > 1, got every={self.every}, factor={self.factor}")
 
 
 class WeightCorruption(Rule[WeightCorruptionConfig]):
@@ -78,7 +77,7 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
             old = prev[2]
             scale = max((a for a in old if math.isfinite(a)), default=0.0)
             for i, (a0, a1) in enumerate(zip(old, amax)):
-                level = max(a0 if math.isfinite(a0) else 0.0, self.config.floor * scale)
+                level = max(a0 if math.isfinite(a0) else 0.0, FLOOR * scale)
                 if level > 0 and math.isfinite(a1) and a1 > self.config.factor * level:
                     jumps[names[i]] = (a0, a1)
         if not nonfinite and not jumps:
