@@ -213,7 +213,8 @@ class Monitor(LongRun):
                                                            de.warmup_steps))
                           if ac.on_spike == "skip" else None)
         self.gate = gate.Gate(optimizer, self.scaler, self.record, self.device,
-                              guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip",
+                              guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip"
+                              or ac.rollback not in (None, False),  # its quarantine skips
                               skip_rule=self.skip_rule, precursors=self.precursors)
         self.schedule = ScheduleSource(optimizer, de.scheduler)
         self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler)
@@ -284,7 +285,10 @@ class Monitor(LongRun):
         if restart and self.skip_rule is not None:  # as the host rules do (analyser.py)
             self.skip_rule.rearm()
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
-        skipped = self._act(t, grads, table, nonfinite_gate | spike, take_step)
+        # a batch holding a sample a rollback quarantined: skipped as well (rollback.py)
+        held = None if self.rollback is None else self.rollback.holds(sample_ids, self.device)
+        skip = spike if held is None else spike | held  # what skips beside non-finite values
+        skipped = self._act(t, grads, table, nonfinite_gate | skip, take_step)
         scalars = {
             "loss": loss_d, "grad_norm": total[COL["norm"]],
             "grad_finite_norm": total[COL["finite_norm"]], "grad_amax": total[COL["amax"]],
@@ -295,6 +299,9 @@ class Monitor(LongRun):
             "replica_mismatch": or_nan(stats.replica_mismatch, self.device),
             "replica_mismatch_mask": or_nan(stats.replica_mismatch_mask, self.device),
             "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
+            "quarantine_skip": or_nan(None if self.rollback is None else held
+                                      if held is not None else torch.zeros_like(bad),
+                                      self.device),
             "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
         }
         scanned, weight_table, batch_key = self.scans.measure(self.steps_seen, batch,
@@ -306,7 +313,7 @@ class Monitor(LongRun):
         self.steps_seen += 1
         if self.record.full:
             self.flush()
-        return Observation(step=t, skip=bad | spike, loss=loss_d, stats=stats)
+        return Observation(step=t, skip=bad | skip, loss=loss_d, stats=stats)
 
     def _act(self, t: int, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
              take_step: bool) -> torch.Tensor:

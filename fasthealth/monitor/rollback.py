@@ -16,7 +16,11 @@ gives: the steps since the snapshot are lost (at most ``every`` plus a flush), a
 batches are not trained on again, as a person who restarts from an earlier checkpoint and skips
 the bad stretch of data would do (PaLM, Chowdhery et al. 2022). The sample ids of the
 incident's steps (``sample_ids=`` of ``mon.step``) are put in ``quarantine``, which the
-Monitor's state keeps across a resume; ``fh.skip_quarantined`` drops them from a sampler.
+Monitor's state keeps across a resume. ``fh.skip_quarantined`` drops them from a plain loop's
+sampler; wherever the loop's own sampler still serves one (the Hugging Face Trainer's and
+Lightning's data loading, whose callbacks pass each batch's sample ids), the step whose batch
+holds it is skipped on the device, like a non-finite one, and recorded as ``quarantine_skip``
+(not counted in ``max_skips``).
 
 Once per incident: an incident that stays open after its rollback is not rolled back again.
 The *budget* stops a run that keeps going wrong: more than ``max_in_row`` rollbacks without a
@@ -163,6 +167,9 @@ class Rollback:
     ``STATE``: what a resume keeps (the snapshots are copies of the model: never saved)."""
 
     STATE = ("history", "quarantine", "in_row", "skips", "done")
+    # what happened to the run, whatever the settings it resumes with (a larger budget, a
+    # longer interval): its quarantine and its history are kept
+    STATE_UNDER_ANY_CONFIG = True
 
     def __init__(self, config: RollbackConfig, model: torch.nn.Module, optimizer: Any,
                  scaler: Any = None, scheduler: Any = None) -> None:
@@ -177,6 +184,30 @@ class Rollback:
         self.done: list[int] = []  # incidents rolled back (once each)
         self.off_reason: str | None = None
         self._ids: dict[int, list[int]] = {}  # step -> its sample ids, steps since a snapshot
+        self._held: tuple[int, torch.Tensor] | None = None  # the quarantine on the device
+
+    def holds(self, sample_ids: Any, device: torch.device) -> torch.Tensor | None:
+        """Whether a batch of ``sample_ids`` holds a quarantined sample, as a 0-dim bool on
+        ``device`` for the step's gate (no host sync where the ids are on the device); None
+        while nothing is quarantined or without ids (a tensor or a list of ints)."""
+        if not self.quarantine or sample_ids is None:
+            return None
+        if isinstance(sample_ids, torch.Tensor):
+            ids = sample_ids.detach().flatten()
+        elif isinstance(sample_ids, (list, tuple)) and sample_ids \
+                and all(isinstance(i, int) for i in sample_ids):
+            ids = torch.tensor(sample_ids)
+        else:
+            return None
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            return None
+        if self._held is None or self._held[0] != len(self.quarantine) \
+                or self._held[1].device != ids.device:
+            # the quarantine only grows: its length says whether the copy is current
+            self._held = (len(self.quarantine), torch.tensor(self.quarantine, dtype=torch.int64,
+                                                             device=ids.device))
+        return torch.isin(ids.to(torch.int64), self._held[1]).any().to(device,
+                                                                        non_blocking=True)
 
     @classmethod
     def build(cls, option: Any, model: torch.nn.Module, optimizer: Any, scaler: Any = None,
@@ -199,7 +230,8 @@ class Rollback:
             ids = _ids(s.host.sample_ids)
             if ids:
                 self._ids[s.step] = ids
-            self.skips += s.values["skipped"] > 0
+            # a quarantined sample's skip is the quarantine at work, not a fault's
+            self.skips += s.values["skipped"] > 0 and not s.values["quarantine_skip"] > 0
         while len(self._ids) > (c.keep + 2) * c.every + len(steps):  # no snapshot for long:
             del self._ids[next(iter(self._ids))]  # an incident older than these has none
         last = steps[-1].step

@@ -36,8 +36,8 @@ FIELDS: tuple[Field, ...] = (
     Field("inf_count", COUNT, "Inf gradient elements"),
     Field("grads_finite", FLAG, "no NaN/Inf in any gradient"),
     Field("loss_finite", FLAG, "no NaN/Inf in the loss"),
-    Field("skipped", FLAG, "the optimizer step was skipped (non-finite, or a spike under "
-          "on_spike='skip')"),
+    Field("skipped", FLAG, "the optimizer step was skipped (non-finite, a spike under "
+          "on_spike='skip', or a batch holding a quarantined sample)"),
     Field("loss_scale", FLOAT, "a GradScaler's scale", "with a scaler"),
     Field("optimizer_nonfinite", COUNT, "NaN + Inf values in the optimizer's state",
           "at optimizer scans (every optimizer_check_every steps)"),
@@ -46,6 +46,8 @@ FIELDS: tuple[Field, ...] = (
     Field("replica_mismatch_mask", COUNT, "those ranks, as a bit mask", "with a process_group"),
     Field("spike_skip", MAYBE_FLAG, "the device spike rule skipped this step",
           "with on_spike='skip'"),
+    Field("quarantine_skip", MAYBE_FLAG, "the step's batch held a sample a rollback "
+          "quarantined, and the step was skipped", "with rollback="),
     Field("skip_z_loss", FLOAT, "the device spike rule's score of the loss",
           "with on_spike='skip', once its window is armed"),
     Field("skip_z_grad_norm", FLOAT, "the device spike rule's score of the gradient norm",

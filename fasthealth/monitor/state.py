@@ -463,8 +463,9 @@ def _plan(mon: Monitor, sd: dict[str, Any], rules: dict[str, Any], objects: dict
         saved = sd["objects"].get(name)
         if obj is None or saved is None:
             continue
-        fields = None if not _same_config(saved["config"], obj) else _check(
-            obj, objects[name] or {}, fmt, name)
+        settled = getattr(obj, "STATE_UNDER_ANY_CONFIG", False) or _same_config(
+            saved["config"], obj)
+        fields = _check(obj, objects[name] or {}, fmt, name) if settled else None
         if fields is None:
             cold.append(name)
             continue

@@ -7,13 +7,14 @@ the seed gap), in the same process."""
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from test_checkpoint_guard import Counting, Poison, hf_args, tiny_gpt2  # noqa: E402
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import fasthealth as fh  # noqa: E402
 from fasthealth.integrations.transformers import HealthCallback  # noqa: E402
@@ -114,3 +115,131 @@ def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_t
     gap = max(abs(_last20(pl_fit(tmp_path / f"seed{k}", poison=False, seed=k)[2][:trained])
                   - level) for k in (1, 2))
     assert abs(_last20(losses) - level) <= gap, (_last20(losses), level, gap)
+
+
+class CountingWithIds(Counting):
+    """``Counting`` with each sample's index as its ``sample_ids`` column."""
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "sample_ids": torch.tensor(i)}
+
+
+QUARANTINED = list(range(0, 512, 16))  # 32 samples of 512: most batches of 8 hold none
+
+
+class Quarantine(TrainerCallback):
+    """Puts QUARANTINED in the Monitor's quarantine at the end of step ``at``, as a rollback
+    before the checkpoint would have; stops the job at step 10."""
+
+    def __init__(self, health, at):
+        self.health, self.at = health, at
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            self.health.monitor.rollback.quarantine = list(QUARANTINED)
+        control.should_training_stop = state.global_step == 10  # the job stops there
+
+
+class Moved(TrainerCallback):
+    """Whether the model's first weight changed at each step."""
+
+    def __init__(self):
+        self.moved: dict[int, bool] = {}
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        self.before = next(model.parameters()).detach().clone()
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.moved[state.global_step - 1] = not torch.equal(self.before,
+                                                            next(model.parameters()))
+
+
+def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path):
+    """The quarantine a checkpoint's Monitor state holds is applied through the Trainer's own
+    data loading: after resume_from_checkpoint, each step whose batch holds a quarantined
+    sample is skipped (the weights unchanged), the others train, and steps.jsonl says which."""
+    out = tmp_path / "out"
+    args = dict(save_steps=10, save_total_limit=None, remove_unused_columns=False)
+    health = HealthCallback(rollback=True, flush_every=5)
+    Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
+            callbacks=[health, Quarantine(health, 3)]).train()
+    assert (out / "checkpoint-10").is_dir() and not (out / "checkpoint-20").exists()
+    given: list[list[int]] = []  # each step's sample ids, as the callback reads them
+
+    def ids(batch):
+        given.append(batch["sample_ids"].tolist())
+        return batch["sample_ids"]
+
+    health, moved = HealthCallback(rollback=True, flush_every=5, sample_ids=ids), Moved()
+    Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
+            callbacks=[health, moved]).train(resume_from_checkpoint=str(out / "checkpoint-10"))
+    mon = health.monitor
+    assert mon.rollback.quarantine == QUARANTINED
+    steps = {r["step"]: r for r in map(json.loads, (mon.run_dir / "steps.jsonl").open())
+             if r["step"] >= 10}
+    assert len(given) == 20 == len(steps)
+    held = {10 + k for k, batch in enumerate(given) if set(batch) & set(QUARANTINED)}
+    assert held and len(held) < 20
+    assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
+    assert {t for t, r in steps.items() if r["skipped"]} == held
+    # the weights stood still at those steps, and moved at every other
+    assert {t for t in range(10, 30) if not moved.moved[t]} == held
+
+
+class QuarantinePL(pl.Callback):
+    def __init__(self, health, at):
+        self.health, self.at = health, at
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            self.health.monitor.rollback.quarantine = list(QUARANTINED)
+
+
+class MovedPL(pl.Callback):
+    def __init__(self):
+        self.moved: dict[int, bool] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before = next(module.parameters()).detach().clone()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.moved[trainer.global_step - 1] = not torch.equal(self.before,
+                                                              next(module.parameters()))
+
+
+def test_lightning_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path):
+    """As for Hugging Face: the quarantine in the Lightning checkpoint's callback state is
+    applied after fit(ckpt_path=...), through Lightning's own data loading."""
+    from fasthealth.integrations.lightning import HealthCallback as PLHealth
+
+    def fit(steps, callbacks, ckpt_path=None):
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"),
+                                            every_n_train_steps=10, save_top_k=-1,
+                                            filename="{step}")
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=str(tmp_path), callbacks=[*callbacks, ckpt])
+        loader = torch.utils.data.DataLoader(CountingWithIds(), batch_size=8, shuffle=True,
+                                             generator=torch.Generator().manual_seed(0))
+        trainer.fit(Counter(), loader, ckpt_path=ckpt_path)
+
+    health = PLHealth(rollback=True, flush_every=5)
+    fit(10, [health, QuarantinePL(health, 3)])
+    given: list[list[int]] = []
+
+    def ids(batch):
+        given.append(batch["sample_ids"].tolist())
+        return batch["sample_ids"]
+
+    health, moved = PLHealth(rollback=True, flush_every=5, sample_ids=ids), MovedPL()
+    fit(30, [health, moved], ckpt_path=str(tmp_path / "ckpt" / "step=10.ckpt"))
+    mon = health.monitor
+    assert mon.rollback.quarantine == QUARANTINED
+    steps = {r["step"]: r for r in map(json.loads, (mon.run_dir / "steps.jsonl").open())
+             if r["step"] >= 10}
+    assert len(given) == 20 == len(steps)
+    held = {10 + k for k, batch in enumerate(given) if set(batch) & set(QUARANTINED)}
+    assert held and len(held) < 20
+    assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
+    assert {t for t, r in steps.items() if r["skipped"]} == held
+    assert {t for t in range(10, 30) if not moved.moved[t]} == held

@@ -135,6 +135,42 @@ def test_the_quarantine_survives_a_resume_and_a_sampler_skips_it(tmp_path):
     again.close()
 
 
+def test_a_batch_holding_a_quarantined_sample_is_skipped_and_spares_the_budget(tmp_path):
+    """A loop whose sampler still serves quarantined samples (a trainer's): a resumed Monitor
+    skips each step whose batch holds one, on the device, the weights and the optimizer as they
+    were; steps.jsonl marks it quarantine_skip, and max_skips=0 is not spent on it. Sample ids
+    as a tensor or a list of ints; a batch without ids or without quarantined samples steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = fh.Monitor(model, opt, rollback=True)
+    first.rollback.quarantine = [13, 40]  # as a rollback before the checkpoint left it
+    state = first.state_dict()
+    first.close()
+    mon = fh.Monitor(model, opt, rollback=fh.RollbackConfig(max_skips=0), log_dir=tmp_path,
+                     flush_every=5)
+    mon.load_state_dict(state)
+    g = torch.Generator().manual_seed(1)
+    held = {1: torch.tensor([12, 13, 14, 15]), 3: [40, 41, 42, 43]}
+    for t in range(10):
+        ids = held.get(t, torch.arange(4) + 100 * t) if t != 5 else None
+        x = torch.randn(4, 4, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        steps_before = [float(s["step"]) for s in opt.state.values()]
+        mon.step(loss, sample_ids=ids)
+        opt.zero_grad()
+        same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert same == (t in held), t
+        assert ([float(s["step"]) for s in opt.state.values()] == steps_before) == (t in held), t
+    mon.close()
+    lines = [json.loads(line) for line in (mon.run_dir / "steps.jsonl").open()]
+    assert [r["step"] for r in lines if r["quarantine_skip"]] == [1, 3]
+    assert [r["step"] for r in lines if r["skipped"]] == [1, 3]
+    assert not mon.events and mon.rollback.skips == 0
+
+
 @pytest.mark.slow
 def test_the_budget_stops_a_run_that_skips_without_end():
     """NaN losses from step 100 on: each is skipped, until more than max_skips, then the flush
