@@ -96,14 +96,15 @@ class DeviceRecord:
         Returns the slot written (``host.slot``)."""
         slot = self.fill
         row = self._buf[slot]
-        row[self.scalars] = torch.stack([scalars[k].to(self.device, torch.float64)
-                                         for k in SCALARS])
+        torch.stack([scalars[k].to(self.device, torch.float64) for k in SCALARS],
+                    out=row[self.scalars])  # written in place: no copy of the stack
         per_norm = table[:-1, COL["norm"]]
-        per_bad = table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]
         if len(present) == len(self.names):
             row[self.norm] = per_norm
-            row[self.bad] = per_bad
+            torch.add(table[:-1, COL["nan_count"]], table[:-1, COL["inf_count"]],
+                      out=row[self.bad])
         else:
+            per_bad = table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]
             row[self.norm.start:] = math.nan
             if present:
                 idx = self._index.get(tuple(present))
