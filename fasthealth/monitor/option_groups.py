@@ -247,8 +247,8 @@ def _unknown(name: str) -> TypeError:
     close = [renamed[name]] if name in renamed else difflib.get_close_matches(name, known, 1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return TypeError(f"fasthealth: Monitor got an unknown keyword argument {name!r}{hint}; its "
-                     "options are the fields of fh.MeasureOptions, DetectOptions, "
-                     "PrecursorOptions, ActOptions and LogOptions, flat or in their group")
+                     "options are the keywords documented in fh.MeasureOptions, "
+                     "DetectOptions, PrecursorOptions, ActOptions and LogOptions")
 
 
 def _as_keywords(name: str, group: Any) -> str:

@@ -233,7 +233,7 @@ def test_an_option_given_twice_is_refused_by_name(tmp_path, kwargs, name):
      "unknown keyword argument 'spike_zcore' (did you mean 'spike_zscore'?)"),
     (dict(logs=fh.LogOptions()), "unknown keyword argument 'logs' (did you mean 'log'?)"),
     (dict(enabled=False), "unknown keyword argument 'enabled' (did you mean 'precursors'?)"),
-    (dict(zzz=1), "unknown keyword argument 'zzz'; its options are the fields of"),
+    (dict(zzz=1), "unknown keyword argument 'zzz'; its options are the keywords documented in"),
 ])
 def test_an_unknown_keyword_is_a_type_error_naming_it(kwargs, message):
     with pytest.raises(TypeError) as info:
