@@ -111,6 +111,15 @@ def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_byt
 
 
 
+def _precursor_probe(mon: Monitor, pr: PrecursorOptions) -> PrecursorProbe:
+    """The precursors' probe of the Monitor's model; its LM-head hook learns the coming step
+    from the Monitor through a weak reference (the model's hook must not keep it alive)."""
+    this = weakref.ref(mon)
+    return PrecursorProbe(mon.model, mon.params, mon.device, logits=pr.logits,
+                          attention=pr.attention, stats=mon._grad_pass,
+                          next_step=lambda: getattr(this(), "_next_step", 0))
+
+
 def _active(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
     """The scaler, or None for a disabled one: nanoGPT's ``GradScaler(enabled=dtype ==
     "float16")`` outside float16, or a CUDA scaler where CUDA is unavailable, scales nothing and
@@ -121,25 +130,18 @@ class Monitor(LongRun):
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
     Each option is a keyword (``Monitor(model, opt, flush_every=20, dumps="alarm")``): those of
-    docs/spec.md's signature are spelled out in this one, the others come through
-    ``**options``. They are documented by concern in five groups (``option_groups.py``,
-    ``help(fh.ActOptions)``), which ``mon.options`` holds as resolved:
-
-    - ``fh.MeasureOptions(backend, process_group, replica_group, activations)``: what is
-      measured, where;
-    - ``fh.DetectOptions(spike_zscore, spike_window, warmup_steps, vanishing_threshold,
-      min_loss_scale, optimizer_check_every, scheduler, rules, detectors, incidents)``: what
-      counts as an event;
-    - ``fh.PrecursorOptions(enabled, logits, attention)``: the notices that come before a spike
-      (``precursors=True/False`` turns them on or off);
-    - ``fh.ActOptions(on_nonfinite, on_spike, max_grad_norm, scaler, rollback)``: what is done
-      to the step;
-    - ``fh.LogOptions(log_dir, flush_every, per_tensor_every, tensorboard, dumps,
-      snapshot_max_bytes, all_ranks)``: what reaches the host and the disk, when.
-
-    A group passed as ``measure=``, ``detect=``, ``act=``, ``log=`` or ``precursors=`` still
-    works in this release and warns (DeprecationWarning) with the keywords to write instead. An
-    option given both ways is a ValueError, an unknown keyword a TypeError.
+    docs/spec.md's signature are spelled out here, the others come through ``**options``. Five
+    groups document them by concern (``option_groups.py``), and ``mon.options`` holds them so:
+    ``fh.MeasureOptions(backend, process_group, replica_group, activations)``;
+    ``fh.DetectOptions(spike_zscore, spike_window, warmup_steps, vanishing_threshold,
+    min_loss_scale, optimizer_check_every, scheduler, rules, detectors, incidents)``;
+    ``fh.PrecursorOptions(enabled, logits, attention)`` (``precursors=True/False``);
+    ``fh.ActOptions(on_nonfinite, on_spike, max_grad_norm, scaler, rollback)``;
+    ``fh.LogOptions(log_dir, flush_every, per_tensor_every, tensorboard, dumps,
+    snapshot_max_bytes, all_ranks)``. A group passed as ``measure=``, ``detect=``, ``act=``,
+    ``log=`` or ``precursors=`` still works in this release and warns (DeprecationWarning) with
+    the keywords to write instead; an option given both ways is a ValueError, an unknown
+    keyword a TypeError.
 
     Every argument is checked here, before anything is made or written (types, ranges and
     combinations: ``tensorboard=True`` needs ``log_dir`` and an importable tensorboard,
@@ -194,11 +196,7 @@ class Monitor(LongRun):
         self.device = self.params[0][1].device
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
-        this = weakref.ref(self)  # the model's hook must not keep the Monitor alive
-        self.precursors = (PrecursorProbe(model, self.params, self.device, logits=pr.logits,
-                                          attention=pr.attention, stats=self._grad_pass,
-                                          next_step=lambda: getattr(this(), "_next_step", 0))
-                           if pr.enabled else None)
+        self.precursors = _precursor_probe(self, pr) if pr.enabled else None
         self.rule_context = Context(
             names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,
             optimizer=optimizer, scaler=self.scaler is not None, spike_zscore=de.spike_zscore,

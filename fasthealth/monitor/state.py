@@ -48,7 +48,7 @@ a listed field starts cold, with a warning that names it. A format this fastheal
 know, or a component whose fields differ from its list in a state of this format, is refused
 with a StateError before anything is applied: never half-loaded. A rule resumes warm only
 under the settings it was saved with (its config); a config saved before some of its fields
-became named constants (``_retired``) is read as it was then.
+became named constants (``retired.py``) is read as it was then.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from typing import Any, Protocol
 import torch
 
 from .events import Incident
+from .retired import RETIRED
 
 
 class Monitor(Protocol):
@@ -282,47 +283,11 @@ def _rule_key(rule: Any, i: int) -> str:
     return f"{i}:{getattr(rule, 'name', '') or type(rule).__qualname__}"
 
 
-def _retired() -> dict[str, list[tuple[int, str, Any]]]:
-    """The config fields a release turned into named constants of their modules, by config
-    class: (the field's place among the fields then, its name, its value, the constant's). A
-    state saved before spells its configs with them; with the same values they are the same
-    settings, and its rules resume warm."""
-    from . import causes, incidents
-    from .rules import (
-        logit_growth,
-        oscillation,
-        repeated_batch,
-        spike,
-        stall,
-        tensor_norm,
-        vanishing,
-        weight_corruption,
-    )
-    return {
-        "StallConfig": [(1, "first", stall.FIRST), (2, "recent", stall.RECENT),
-                        (4, "half", stall.LEARNED), (5, "matrices_only", True)],
-        "LogitConfig": [(4, "first", logit_growth.EARLY_FROM),
-                        (5, "span", logit_growth.EARLY_SPAN)],
-        "OscillationConfig": [(3, "history", oscillation.HISTORY)],
-        "SpikeConfig": [(6, "first", spike.EARLY_VALUES), (8, "restart_loss", spike.RESTART_LOSS)],
-        "TensorNormConfig": [(4, "alpha", tensor_norm.ALPHA)],
-        "VanishingConfig": [(5, "fitted", vanishing.FITTED)],
-        "WeightCorruptionConfig": [(2, "floor", weight_corruption.FLOOR)],
-        "RepeatedBatchConfig": [(1, "moving", repeated_batch.MOVING)],
-        "IncidentConfig": [(5, "noise_floor", incidents.NOISE_FLOOR),
-                           (6, "recent", incidents.RECENT), (7, "before", incidents.BEFORE),
-                           (9, "scale_drop", incidents.SCALE_DROP),
-                           (12, "broken", incidents.BROKEN)],
-        "CauseConfig": [(8, "back_within", causes.BACK_WITHIN),
-                        (9, "astronomical", causes.ASTRONOMICAL)],
-    }
-
-
 def _canonical(v: Any, retired: dict[str, list[tuple[int, str, Any]]] | None = None) -> Any:
     """``v`` with its sets sorted and dataclasses spelled field by field: a config's repr that
     does not depend on the process (a frozenset's order follows the hash seed, which differs
     between the process that saved a state and the one that loads it). With ``retired``
-    (``_retired()``), spelled as before those fields left the configs."""
+    (``retired.RETIRED``), spelled as before those fields left the configs."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         name = type(v).__qualname__
         fields = [(f.name, _canonical(getattr(v, f.name), retired))
@@ -350,7 +315,7 @@ def _same_config(saved: str, obj: Any) -> bool:
     if saved == _config(obj):
         return True
     c = getattr(obj, "config", None)
-    return dataclasses.is_dataclass(c) and saved == repr(_canonical(c, _retired()))
+    return dataclasses.is_dataclass(c) and saved == repr(_canonical(c, RETIRED))
 
 
 def _host_state(mon: Monitor) -> dict[str, Any]:
