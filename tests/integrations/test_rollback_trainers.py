@@ -154,6 +154,22 @@ class Moved(TrainerCallback):
                                                             next(model.parameters()))
 
 
+def _skipped_where_held(mon, given: list[list[int]], moved: dict[int, bool]) -> None:
+    """Steps 10-29 of a run resumed at 10: the quarantine came back with the Monitor's state,
+    and exactly the steps whose batch (``given``, each step's ids) held a quarantined sample
+    were skipped, marked so in steps.jsonl, the weights standing still there and moving at
+    every other step."""
+    assert mon.rollback.quarantine == QUARANTINED
+    steps = {r["step"]: r for r in map(json.loads, (mon.run_dir / "steps.jsonl").open())
+             if r["step"] >= 10}
+    assert len(given) == 20 == len(steps)
+    held = {10 + k for k, batch in enumerate(given) if set(batch) & set(QUARANTINED)}
+    assert held and len(held) < 20
+    assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
+    assert {t for t, r in steps.items() if r["skipped"]} == held
+    assert {t for t in range(10, 30) if not moved[t]} == held
+
+
 def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path):
     """The quarantine a checkpoint's Monitor state holds is applied through the Trainer's own
     data loading: after resume_from_checkpoint, each step whose batch holds a quarantined
@@ -173,17 +189,7 @@ def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path
     health, moved = HealthCallback(rollback=True, flush_every=5, sample_ids=ids), Moved()
     Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
             callbacks=[health, moved]).train(resume_from_checkpoint=str(out / "checkpoint-10"))
-    mon = health.monitor
-    assert mon.rollback.quarantine == QUARANTINED
-    steps = {r["step"]: r for r in map(json.loads, (mon.run_dir / "steps.jsonl").open())
-             if r["step"] >= 10}
-    assert len(given) == 20 == len(steps)
-    held = {10 + k for k, batch in enumerate(given) if set(batch) & set(QUARANTINED)}
-    assert held and len(held) < 20
-    assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
-    assert {t for t, r in steps.items() if r["skipped"]} == held
-    # the weights stood still at those steps, and moved at every other
-    assert {t for t in range(10, 30) if not moved.moved[t]} == held
+    _skipped_where_held(health.monitor, given, moved.moved)
 
 
 class QuarantinePL(pl.Callback):
@@ -233,13 +239,4 @@ def test_lightning_a_resumed_run_skips_the_batches_holding_quarantined_samples(t
 
     health, moved = PLHealth(rollback=True, flush_every=5, sample_ids=ids), MovedPL()
     fit(30, [health, moved], ckpt_path=str(tmp_path / "ckpt" / "step=10.ckpt"))
-    mon = health.monitor
-    assert mon.rollback.quarantine == QUARANTINED
-    steps = {r["step"]: r for r in map(json.loads, (mon.run_dir / "steps.jsonl").open())
-             if r["step"] >= 10}
-    assert len(given) == 20 == len(steps)
-    held = {10 + k for k, batch in enumerate(given) if set(batch) & set(QUARANTINED)}
-    assert held and len(held) < 20
-    assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
-    assert {t for t, r in steps.items() if r["skipped"]} == held
-    assert {t for t in range(10, 30) if not moved.moved[t]} == held
+    _skipped_where_held(health.monitor, given, moved.moved)
