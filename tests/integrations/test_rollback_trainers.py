@@ -170,12 +170,15 @@ def _skipped_where_held(mon, given: list[list[int]], moved: dict[int, bool]) -> 
     assert {t for t in range(10, 30) if not moved[t]} == held
 
 
-def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path, accumulate):
     """The quarantine a checkpoint's Monitor state holds is applied through the Trainer's own
-    data loading: after resume_from_checkpoint, each step whose batch holds a quarantined
-    sample is skipped (the weights unchanged), the others train, and steps.jsonl says which."""
+    data loading: after resume_from_checkpoint, each step whose batch (any of its
+    micro-batches, with gradient accumulation) holds a quarantined sample is skipped (the
+    weights unchanged), the others train, and steps.jsonl says which."""
     out = tmp_path / "out"
-    args = dict(save_steps=10, save_total_limit=None, remove_unused_columns=False)
+    args = dict(save_steps=10, save_total_limit=None, remove_unused_columns=False,
+                gradient_accumulation_steps=accumulate)
     health = HealthCallback(rollback=True, flush_every=5)
     Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
             callbacks=[health, Quarantine(health, 3)]).train()
@@ -189,7 +192,8 @@ def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path
     health, moved = HealthCallback(rollback=True, flush_every=5, sample_ids=ids), Moved()
     Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
             callbacks=[health, moved]).train(resume_from_checkpoint=str(out / "checkpoint-10"))
-    _skipped_where_held(health.monitor, given, moved.moved)
+    steps = [sum(given[k:k + accumulate], []) for k in range(0, len(given), accumulate)]
+    _skipped_where_held(health.monitor, steps, moved.moved)
 
 
 class QuarantinePL(pl.Callback):
