@@ -339,12 +339,14 @@ class Monitor(LongRun):
         kept until the flush), the RNG state its forward started from, the learning rate, the
         rate the scheduler set and the schedule's verdict (``schedule.py``), the scans'
         findings. The batch and the RNG state only with a log_dir: they are for the dumps; the
-        sample ids also with ``rollback``: its quarantine."""
+        sample ids also with ``rollback``, for its quarantine, the batch with its ``replay``."""
         if self.journal.jsonl is None:
             ids = None if self.rollback is None else map_tensors(torch.Tensor.detach,
                                                                   sample_ids)
+            kept = None if self.rollback is None or self.rollback.config.replay is None else \
+                map_tensors(torch.Tensor.detach, batch)  # for the rollback's replay
             return StepHost(t, self.record.fill, rates[0], rates[1], restart, unexplained,
-                            sample_ids=ids, opt_stats=self._opt_stats,
+                            batch=kept, sample_ids=ids, opt_stats=self._opt_stats,
                             grads_present=grads_present, weight_table=weight_table,
                             batch_key=batch_key)
         host = StepHost(

@@ -260,6 +260,9 @@ def _check_rollback(rollback: Any, optimizer: Any, process_group: Any) -> None:
             _integer(f"rollback.{name}", getattr(rollback, name), 1)
         if rollback.max_skips is not None:
             _integer("rollback.max_skips", rollback.max_skips, 0)
+        if rollback.replay is not None and not callable(rollback.replay):
+            raise TypeError("fasthealth: rollback.replay must be a loss function "
+                            f"replay(model, batch) or None, got {shown(rollback.replay)}")
 
 
 def loss_value(loss: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ not yet supported under a ``process_group`` (every rank would have to take the s
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
@@ -75,6 +76,16 @@ class RollbackConfig:
     max_skips: int | None = None
     """Skipped steps (non-finite, or spikes under ``on_spike="skip"``) in all before the run is
     stopped; None: no limit."""
+    replay: Any = None
+    """A loss function ``replay(model, batch) -> loss`` (as ``fh.replay`` takes): after a
+    rollback, the batch of the incident's first alarm is run again without gradients on the
+    restored, older state, to tell data from state (PaLM's ablation): its loss there
+    non-finite or more than the tracker's ``recover`` share (20%) above the level before the
+    incident says the batch alone is bad (``RollbackRecord.replay == "batch"``); a loss within
+    it, that the batch was bad only with the state the run had reached (``"state"``). It needs
+    the steps' batches (``mon.step(loss, batch=...)``), which the Monitor then keeps by
+    reference until their flush, and an alarm's batch until its incident is rolled back or
+    closed. None: no replay, since the Monitor does not know the loss."""
 
 
 class RollbackBudgetError(RuntimeError):
@@ -96,11 +107,20 @@ class RollbackRecord:
     incident: int
     reason: str
     quarantined: list[int] = field(default_factory=list)
+    replay: str | None = None
+    """With ``RollbackConfig.replay``: "batch" (the incident's first alarm batch is bad on the
+    restored state too) or "state" (it is not: the batch and the state the run had reached,
+    together); None: not replayed (no replay function, or that batch was not kept)."""
+    replay_loss: float | None = None
+    """That batch's loss on the restored state."""
+    level: float | None = None
+    """The loss level before the incident, which ``replay_loss`` was judged against."""
 
     def to_json(self) -> dict:
         return {"record": "rollback", "step": self.step, "to_step": self.to_step,
                 "incident": self.incident, "reason": self.reason,
-                "quarantined": list(self.quarantined)}
+                "quarantined": list(self.quarantined), "replay": self.replay,
+                "replay_loss": self.replay_loss, "level": self.level}
 
 
 @dataclass
@@ -185,6 +205,7 @@ class Rollback:
         self.off_reason: str | None = None
         self._ids: dict[int, list[int]] = {}  # step -> its sample ids, steps since a snapshot
         self._held: tuple[int, torch.Tensor] | None = None  # the quarantine on the device
+        self._alarm_batches: dict[int, Any] = {}  # incident id -> its first alarm's batch
 
     def holds(self, sample_ids: Any, device: torch.device) -> torch.Tensor | None:
         """Whether a batch of ``sample_ids`` holds a quarantined sample, as a 0-dim bool on
@@ -232,6 +253,8 @@ class Rollback:
                 self._ids[s.step] = ids
             # a quarantined sample's skip is the quarantine at work, not a fault's
             self.skips += s.values["skipped"] > 0 and not s.values["quarantine_skip"] > 0
+        if c.replay is not None:
+            self._keep_alarm_batches(mon, steps, found)
         while len(self._ids) > (c.keep + 2) * c.every + len(steps):  # no snapshot for long:
             del self._ids[next(iter(self._ids))]  # an incident older than these has none
         last = steps[-1].step
@@ -292,6 +315,7 @@ class Rollback:
                              f"{c.max_total}")
         self._restore(target)
         mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
+        verdict = self._replay(mon, incident)
         ids: list[int] = []
         if incident.cause not in INNOCENT_DATA:
             # the incident's steps: from its first to its last event (a run of bad batches
@@ -301,7 +325,7 @@ class Rollback:
             ids = sorted({i for t, batch in self._ids.items() if incident.start <= t <= end
                           for i in batch})
         self.quarantine = sorted(set(self.quarantine) | set(ids))
-        record = RollbackRecord(last, target.step, incident.id, why, ids)
+        record = RollbackRecord(last, target.step, incident.id, why, ids, *verdict)
         self.history.append(record)
         self.in_row += 1
         # the snapshots after the target hold the fault's start: never restored again
@@ -317,8 +341,42 @@ class Rollback:
             + (", the scheduler" if target.scheduler is not None else "")
             + f" are as they were at the end of step {target.step}, and training goes on with "
             f"the next batch ({last - target.step} steps' updates undone"
-            + (f"; {len(ids)} samples quarantined" if ids else "") + ")",
+            + (f"; {len(ids)} samples quarantined" if ids else "") + ")"
+            + ("" if verdict[0] is None else
+               f"; its first alarm's batch replayed on the restored state: loss "
+               f"{verdict[1]:.4g} against the level {verdict[2]:.4g} before, "
+               + ("bad alone (the data)" if verdict[0] == "batch" else
+                  "fine there (the batch with the state the run had reached)")),
             RuntimeWarning, stacklevel=4)
+
+    def _keep_alarm_batches(self, mon: Any, steps: list[StepRecord], found: list[Event]) -> None:
+        """Keeps (a reference to) the batch of each new incident's first alarm, and lets go of
+        those of incidents closed since."""
+        batches = {s.step: s.host.batch for s in steps if s.host.batch is not None}
+        for e in sorted(found, key=lambda e: e.step):
+            if e.severity == "alarm" and e.incident is not None and e.step in batches \
+                    and e.incident not in self._alarm_batches and e.incident not in self.done:
+                self._alarm_batches[e.incident] = batches[e.step]
+        open_ids = {i.id for i in mon.incidents if i.open}
+        for key in [k for k in self._alarm_batches if k not in open_ids]:
+            del self._alarm_batches[key]
+
+    def _replay(self, mon: Any, incident: Incident) -> tuple[str | None, float | None,
+                                                           float | None]:
+        """(verdict, loss, level): the incident's first alarm batch run again, without
+        gradients and with the RNG put back after, on the state just restored
+        (``RollbackConfig.replay``); (None, None, None) without it."""
+        batch = self._alarm_batches.pop(incident.id, None)
+        tracker = mon.analyser.tracker
+        level = tracker.baseline[0]
+        if self.config.replay is None or batch is None or level is None:
+            return None, None, None
+        device = next(self.model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.no_grad():
+            loss = float(torch.as_tensor(self.config.replay(self.model, batch)).float().mean())
+        bad = not math.isfinite(loss) or loss > level + tracker.recover * abs(level)
+        return ("batch" if bad else "state"), loss, level
 
     def _restore(self, snap: Snapshot) -> None:
         """Copies ``snap`` back in place (the optimizer's learning rates with its state); the

@@ -217,11 +217,13 @@ class _Decoder:
             self.memo[v["id"]] = obj
             state = {k: self(x, f"{path}.{k}") for k, x in v["state"].items()}
             if dataclasses.is_dataclass(cls):
-                names = {f.name for f in dataclasses.fields(cls)}
-                if self.fmt == FORMAT and set(state) != names:
+                fields = {f.name: f for f in dataclasses.fields(cls)}
+                added = {n: f.default for n, f in fields.items()  # added since, with a default
+                         if n not in state and f.default is not dataclasses.MISSING}
+                if self.fmt == FORMAT and set(state) | set(added) != set(fields):
                     raise StateError(f"fasthealth: the {v['cls']} at {path} has fields "
-                                     f"{sorted(state)}, this fasthealth's has {sorted(names)}")
-                state = {k: x for k, x in state.items() if k in names}
+                                     f"{sorted(state)}, this fasthealth's has {sorted(fields)}")
+                state = {**added, **{k: x for k, x in state.items() if k in fields}}
             setstate = getattr(obj, "__setstate__", None)  # pickle's hook: derived fields
             if callable(setstate) and not dataclasses.is_dataclass(cls):
                 setstate(state)

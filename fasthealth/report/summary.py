@@ -181,7 +181,11 @@ def summary(meta: dict, steps: list[dict], events: list[dict],
             ids = len(r["quarantined"])
             lines.append(f"    at step {r['step']} back to the end of step {r['to_step']} "
                          f"(incident #{r['incident']}: {r['reason']})"
-                         + (f"; {_plural(ids, 'sample')} quarantined" if ids else ""))
+                         + (f"; {_plural(ids, 'sample')} quarantined" if ids else "")
+                         + {"batch": "; its first alarm's batch bad on the older state too: "
+                            "the data", "state": "; its first alarm's batch fine on the older "
+                            "state: the batch with the state the run had reached"}.get(
+                                str(r.get("replay")), ""))
     if not events:
         lines.append("  events: none")
         return "\n".join(lines)

@@ -44,18 +44,19 @@ def _train(log_dir: Path | None, fault: str | None, rollback=None, steps: int = 
                               FAULT_AT <= step < FAULT_AT + 20 else 1.0)
             for group in opt.param_groups:
                 group["lr"] = lr
-            step_loss = torch.zeros(())
+            step_loss, micro = torch.zeros(()), []
             for _ in range(ACCUM):
                 x, y = batch(data, g)
                 if fault == "garbage" and FAULT_AT <= step < FAULT_AT + 10:
                     y = torch.randint(0, int(data.max()) + 1, y.shape, generator=g)
+                micro.append((x, y))
                 loss = model(x, y) / ACCUM
                 if nan_from is not None and step >= nan_from:
                     loss = loss * math.nan
                 loss.backward()
                 step_loss += loss.detach()
             ids = torch.arange(ACCUM * len(x)) + step * ACCUM * len(x)
-            mon.step(step_loss, sample_ids=ids)
+            mon.step(step_loss, batch=micro, sample_ids=ids)
             opt.zero_grad(set_to_none=True)
             losses.append(step_loss.item())
             if fault == "weight" and step == FAULT_AT:
@@ -64,6 +65,11 @@ def _train(log_dir: Path | None, fault: str | None, rollback=None, steps: int = 
         mon.close()
     return mon, model, losses, [str(w.message) for w in caught
                                 if "rolled back" in str(w.message)]
+
+
+def _replay(model, micro) -> torch.Tensor:
+    """The step's loss from its micro-batches, as the loop computes it."""
+    return sum(model(x, y) for x, y in micro) / ACCUM
 
 
 def _level(losses: list[float]) -> float:
@@ -92,8 +98,11 @@ def test_a_damaging_fault_is_rolled_back_and_the_run_ends_as_its_healthy_twin(
     level, gap = healthy
     _, _, damaged, _ = _train(None, fault)
     assert _level(damaged) - level > 3 * gap  # the harm the rollback undoes
-    mon, model, losses, said = _train(tmp_path, fault, rollback=fh.RollbackConfig(every=100))
+    mon, model, losses, said = _train(tmp_path, fault,
+                                      rollback=fh.RollbackConfig(every=100, replay=_replay))
     (rb,) = mon.rollbacks
+    # the first alarm's batch, run again on the restored state, is fine there: not the data
+    assert rb.replay == "state" and rb.replay_loss < 1.2 * rb.level, rb
     assert rb.to_step < FAULT_AT <= rb.step < FAULT_AT + 50, rb
     assert rb.step - rb.to_step <= 100 + 50  # at most `every` and a flush lost
     assert len(said) == 1 and f"rolled back at step {rb.step}" in said[0]
@@ -112,8 +121,8 @@ def test_a_damaging_fault_is_rolled_back_and_the_run_ends_as_its_healthy_twin(
         assert inc.cause == "weights"
         assert {i // (ACCUM * 8) for i in rb.quarantined} == set(range(inc.start, last + 1))
     (line,) = [json.loads(s) for s in (mon.run_dir / "rollbacks.jsonl").read_text().splitlines()]
-    assert (line["step"], line["to_step"], line["quarantined"]) == (rb.step, rb.to_step,
-                                                                    rb.quarantined)
+    assert (line["step"], line["to_step"], line["quarantined"], line["replay"]) == (
+        rb.step, rb.to_step, rb.quarantined, "state")
     text = report.write(tmp_path)[1]  # and the report says it
     assert f"rollbacks: 1\n    at step {rb.step} back to the end of step {rb.to_step} " \
         f"(incident #{inc.id}: " in text, text
@@ -192,6 +201,9 @@ def test_rollback_needs_the_optimizer_and_names_bad_settings():
         fh.Monitor(model, opt, rollback="yes")
     with pytest.raises(ValueError, match="rollback.every"):
         fh.Monitor(model, opt, rollback=fh.RollbackConfig(every=0))
+    with pytest.raises(TypeError, match=r"rollback.replay must be a loss function "
+                       r"replay\(model, batch\) or None, got 'loss'"):
+        fh.Monitor(model, opt, rollback=fh.RollbackConfig(replay="loss"))
 
 
 def test_a_snapshot_holds_its_step_though_buffers_are_used_again():
@@ -227,10 +239,13 @@ def test_a_run_of_bad_batches_is_quarantined_whole(healthy):
     sample of the ten steps in quarantine (some of them raised no event of their own), the run
     ending within the seed gap of its healthy twin (as it does left alone: this fault is
     harmless here, and the rollback costs it nothing)."""
-    mon, _, losses, _ = _train(None, "garbage", rollback=True)
+    mon, _, losses, said = _train(None, "garbage", rollback=fh.RollbackConfig(replay=_replay))
     level, gap = healthy
     assert abs(_level(losses) - level) <= gap
     (rb,) = mon.rollbacks
+    # its first alarm's batch (random labels) is bad on the restored state too: the data
+    assert rb.replay == "batch" and rb.replay_loss > 1.2 * rb.level, rb
+    assert "bad alone (the data)" in said[0]
     assert rb.to_step < FAULT_AT <= rb.step
     steps = {i // (ACCUM * 8) for i in rb.quarantined}
     assert set(range(FAULT_AT, FAULT_AT + 10)) <= steps
