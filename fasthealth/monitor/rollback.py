@@ -220,8 +220,8 @@ class Rollback:
             ids = torch.tensor(sample_ids)
         else:
             return None
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            return None
+        if ids.dtype == torch.bool or ids.is_complex():
+            return None  # not ids; whole-valued floats count, as the quarantine took them
         if self._held is None or self._held[0] != len(self.quarantine) \
                 or self._held[1].device != ids.device:
             # the quarantine only grows: its length says whether the copy is current

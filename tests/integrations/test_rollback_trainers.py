@@ -170,15 +170,17 @@ def _skipped_where_held(mon, given: list[list[int]], moved: dict[int, bool]) -> 
     assert {t for t in range(10, 30) if not moved[t]} == held
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path, accumulate):
+@pytest.mark.parametrize("accumulate, smoothing", [(1, 0.0), (2, 0.0), (1, 0.1)])
+def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path, accumulate,
+                                                                         smoothing):
     """The quarantine a checkpoint's Monitor state holds is applied through the Trainer's own
     data loading: after resume_from_checkpoint, each step whose batch (any of its
     micro-batches, with gradient accumulation) holds a quarantined sample is skipped (the
-    weights unchanged), the others train, and steps.jsonl says which."""
+    weights unchanged), the others train, and steps.jsonl says which; also with the
+    Trainer's label smoothing, which computes the loss outside the model."""
     out = tmp_path / "out"
     args = dict(save_steps=10, save_total_limit=None, remove_unused_columns=False,
-                gradient_accumulation_steps=accumulate)
+                gradient_accumulation_steps=accumulate, label_smoothing_factor=smoothing)
     health = HealthCallback(rollback=True, flush_every=5)
     Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
             callbacks=[health, Quarantine(health, 3)]).train()
