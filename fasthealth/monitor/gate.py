@@ -17,7 +17,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..ops.layout import COL
-from .precursors import PRECURSOR_SCALARS, PrecursorProbe
+from .precursors import PrecursorProbe
 from .record import DeviceRecord, not_measured
 from .skip_rule import SkipRule
 
@@ -160,13 +160,13 @@ class Gate:
         self._pending: tuple[int, int] | None = None  # (slot, step) of check()'s last row
 
     def spike(self, loss: Any, total: torch.Tensor, bad: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(whether ``on_spike="skip"`` skips this step, the rule's two scores), on the device;
-        (False, NaNs) without the rule. ``bad``: the step is non-finite."""
-        nan = not_measured(self.device)
+        None without the rule. ``bad``: the step is non-finite."""
         if self.skip_rule is None:
-            return torch.zeros_like(bad), nan.expand(2)
-        loss = nan if loss is None else loss.to(self.device, torch.float64)
+            return None
+        loss = not_measured(self.device) if loss is None else loss.to(self.device,
+                                                                       torch.float64)
         return self.skip_rule.update(loss, total[COL["norm"]], ~bad)
 
     def act(self, t: int, bad: torch.Tensor, take_step: bool) -> torch.Tensor:
@@ -207,9 +207,8 @@ class Gate:
         self._pending = None
 
     def precursor_scalars(self) -> dict[str, torch.Tensor]:
-        if self.precursors is None:
-            return dict.fromkeys(PRECURSOR_SCALARS, not_measured(self.device))
-        return self.precursors.scalars()
+        """The precursors' fields this step measured (none without precursors)."""
+        return {} if self.precursors is None else self.precursors.scalars()
 
     def remove(self) -> None:
         if self._post_hook is not None:

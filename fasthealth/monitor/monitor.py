@@ -126,6 +126,28 @@ def _active(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
     steps the optimizer as it is."""
     return scaler if scaler is not None and scaler.is_enabled() else None
 
+def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
+              skipped: torch.Tensor, stats: MultiTensorStats, spike: Any, held: Any,
+              bad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The step's record fields beside the totals (which the record takes from the fused
+    pass's table): only those measured this step; the others stay NaN (not measured)."""
+    scalars = {"loss": loss_d, "loss_finite": loss_ok, "skipped": skipped,
+               **mon.gate.precursor_scalars()}
+    if mon.scaler is not None:
+        scalars["loss_scale"] = loss_scale(mon.scaler, mon.device)
+    if (count := mon._scan_optimizer(t)) is not None:
+        scalars["optimizer_nonfinite"] = count
+    if stats.replica_mismatch is not None:
+        scalars["replica_mismatch"] = stats.replica_mismatch.to(mon.device, torch.float64)
+        scalars["replica_mismatch_mask"] = or_nan(stats.replica_mismatch_mask, mon.device)
+    if spike is not None:
+        scalars["spike_skip"], z = spike
+        scalars["skip_z_loss"], scalars["skip_z_grad_norm"] = z[0], z[1]
+    if mon.rollback is not None:
+        scalars["quarantine_skip"] = held if held is not None else torch.zeros_like(bad)
+    return scalars
+
+
 class Monitor(LongRun):
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
@@ -193,6 +215,7 @@ class Monitor(LongRun):
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
+        self._tensors, self._all = [p for _, p in self.params], list(range(len(self.params)))
         self.device = self.params[0][1].device
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
@@ -265,43 +288,35 @@ class Monitor(LongRun):
         self._next_step = t + 1
         if self.scaler is not None and self.optimizer is not None:
             gate.unscale(self.optimizer, self.scaler)
-        present = [i for i, (_, p) in enumerate(self.params) if p.grad is not None]
-        grads = [g for g in (self.params[i][1].grad for i in present) if g is not None]
+        grads = [p.grad for p in self._tensors]
+        present, names = self._all, self.names
+        if any(g is None for g in grads):
+            present = [i for i, g in enumerate(grads) if g is not None]
+            grads, names = [grads[i] for i in present], [self.names[i] for i in present]
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere,
         # and the skip rule sees the ranks' mean loss
         pg = self.process_group
-        stats = self._grad_pass(grads, [self.names[i] for i in present], process_group=pg,
-                                extra_bad=~loss_ok, replica_group=self.replica_group,
+        stats = self._grad_pass(grads, names, process_group=pg, extra_bad=~loss_ok,
+                                replica_group=self.replica_group,
                                 extra_loss=loss_d if self.skip_rule is not None else None)
         table = stats.raw.to(self.device)
-        grads_ok = table[-1, COL["all_finite"]] != 0
-        bad = ~grads_ok if pg is not None else ~(loss_ok & grads_ok)
         total = table[-1]
+        grads_ok = total[COL["all_finite"]]  # 1.0 or 0.0
+        bad = (grads_ok == 0) if pg is not None else ~torch.logical_and(loss_ok, grads_ok)
         rates = self.schedule.rates()
         restart, unexplained = self._restarts.observe(*rates)  # the run's one schedule view
-        spike, z = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
+        spike = self.gate.spike(loss_d if pg is None else stats.loss_mean, total, bad)
         if restart and self.skip_rule is not None:  # as the host rules do (analyser.py)
             self.skip_rule.rearm()
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
         # a batch holding a sample a rollback quarantined: skipped as well (rollback.py)
         held = None if self.rollback is None else self.rollback.holds(sample_ids, self.device)
-        skip = spike if held is None else spike | held  # what skips beside non-finite values
-        skipped = self._act(t, grads, table, nonfinite_gate | skip, take_step)
-        scalars = {
-            "loss": loss_d, "grad_norm": total[COL["norm"]],
-            "grad_finite_norm": total[COL["finite_norm"]], "grad_amax": total[COL["amax"]],
-            "nan_count": total[COL["nan_count"]], "inf_count": total[COL["inf_count"]],
-            "grads_finite": grads_ok, "loss_finite": loss_ok, "skipped": skipped,
-            "loss_scale": loss_scale(self.scaler, self.device),
-            "optimizer_nonfinite": self._scan_optimizer(t),
-            "replica_mismatch": or_nan(stats.replica_mismatch, self.device),
-            "replica_mismatch_mask": or_nan(stats.replica_mismatch_mask, self.device),
-            "spike_skip": spike if self.skip_rule is not None else or_nan(None, self.device),
-            "quarantine_skip": or_nan(None if self.rollback is None else held
-                                      if held is not None else torch.zeros_like(bad),
-                                      self.device),
-            "skip_z_loss": z[0], "skip_z_grad_norm": z[1], **self.gate.precursor_scalars(),
-        }
+        skip = spike[0] if spike is not None else None  # what skips beside non-finite values
+        if held is not None:
+            skip = held if skip is None else skip | held
+        skipped = self._act(t, grads, table,
+                            nonfinite_gate if skip is None else nonfinite_gate | skip, take_step)
+        scalars = _measured(self, t, loss_d, loss_ok, skipped, stats, spike, held, bad)
         scanned, weight_table, batch_key = self.scans.measure(self.steps_seen, batch,
                                                               sample_ids)
         scalars.update(scanned)
@@ -311,7 +326,8 @@ class Monitor(LongRun):
         self.steps_seen += 1
         if self.record.full:
             self.flush()
-        return Observation(step=t, skip=bad | skip, loss=loss_d, stats=stats)
+        return Observation(step=t, skip=bad if skip is None else bad | skip, loss=loss_d,
+                           stats=stats)
 
     def _act(self, t: int, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
              take_step: bool) -> torch.Tensor:
@@ -324,12 +340,15 @@ class Monitor(LongRun):
                                  [p.detach() for _, p in self.params])
         return self.gate.act(t, bad, take_step)
 
-    def _scan_optimizer(self, t: int) -> torch.Tensor:
-        """NaN + Inf count of the optimizer's state every ``optimizer_check_every`` steps."""
+    def _scan_optimizer(self, t: int) -> torch.Tensor | None:
+        """NaN + Inf count of the optimizer's state every ``optimizer_check_every`` steps;
+        None at the other steps (not scanned)."""
         k = self.optimizer_check_every
-        due = self.optimizer is not None and k and t % k == 0
-        count, self._opt_stats = optimizer_nonfinite(
-            self.optimizer if due else None, self.names_by_id, self._grad_pass, self.device)
+        self._opt_stats = None
+        if self.optimizer is None or not k or t % k:
+            return None
+        count, self._opt_stats = optimizer_nonfinite(self.optimizer, self.names_by_id,
+                                                     self._grad_pass, self.device)
         return count
 
     def _step_host(self, t: int, batch: Any, sample_ids: Any,

@@ -44,10 +44,7 @@ from torch import nn
 from ..checks import multi_tensor_stats
 from ..distributed import local_view
 from ..ops.layout import COL
-from .record import not_measured
 
-PRECURSOR_SCALARS = ("update_ratio_max", "update_ratio_arg", "logit_max", "log_z",
-                     "attention_logit_max")
 QKV_CHILDREN = ("qkv", "c_attn", "in_proj", "query_key_value")
 HEAD_ATTRS = ("heads", "num_heads", "n_head", "num_attention_heads", "n_heads")
 ROWS = 128  # logits rows (tokens) the hook reads: enough for the level, a fixed small cost
@@ -140,8 +137,8 @@ class PrecursorProbe:
         self._attention: torch.Tensor | None = None
         self.hooks: list[Any] = []
         self.head = find_lm_head(model, logits) if logits is not False else None
-        if self.head is not None:
-            self.hooks.append(self.head[1].register_forward_hook(self._on_logits))
+        self._head_hook: Any = None  # on the LM head only for the forwards it reads
+        self.arm(self.next_step())
         self.attention = find_attention(model, attention) if attention else []
         for _, proj, heads in self.attention:
             self.hooks.append(proj.register_forward_hook(self._attention_hook(heads)))
@@ -182,6 +179,19 @@ class PrecursorProbe:
         (every step for 0), in training (not an evaluation pass)."""
         return torch.is_grad_enabled() and (not self.every or self.next_step() % self.every == 0)
 
+    def arm(self, step: int) -> None:
+        """Hooks the LM head for the forwards of ``step`` when that step is read, and unhooks
+        it otherwise: a module with a forward hook takes nn.Module's slower call path, which
+        costs the nine steps in ten that are not read more than the reading costs the tenth."""
+        if self.head is None:
+            return
+        due = not self.every or step % self.every == 0
+        if due and self._head_hook is None:
+            self._head_hook = self.head[1].register_forward_hook(self._on_logits)
+        elif not due and self._head_hook is not None:
+            self._head_hook.remove()
+            self._head_hook = None
+
     def _on_logits(self, module: nn.Module, args: Any, out: Any) -> None:
         x = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
         if self._logits is not None or not isinstance(x, torch.Tensor) or x.dim() < 2 \
@@ -219,24 +229,30 @@ class PrecursorProbe:
         return hook
 
     def ratio_scalars(self) -> dict[str, torch.Tensor]:
-        nan = not_measured(self.device)
-        ratio = self._ratio or (nan, nan)
-        return {"update_ratio_max": ratio[0], "update_ratio_arg": ratio[1]}
+        """The update ratio's record fields, when this step measured it (else none)."""
+        if self._ratio is None:
+            return {}
+        return {"update_ratio_max": self._ratio[0], "update_ratio_arg": self._ratio[1]}
 
     def scalars(self) -> dict[str, torch.Tensor]:
-        """This step's fields (the hooks' values since the last step), then reset."""
-        nan = not_measured(self.device)
-        top, log_z = self._logits or (nan, nan)
-        attention = self._attention if self._attention is not None else nan
+        """This step's fields that were measured (the hooks' values since the last step), then
+        reset; a field left out is not measured."""
+        out = self.ratio_scalars()
+        self.arm(self.next_step())  # the next step's forwards
+        if self._logits is not None:
+            out["logit_max"], out["log_z"] = (x.to(self.device) for x in self._logits)
+        if self._attention is not None:
+            out["attention_logit_max"] = self._attention.to(self.device)
         self._logits = self._attention = None
-        return {**self.ratio_scalars(), "logit_max": top.to(self.device),
-                "log_z": log_z.to(self.device),
-                "attention_logit_max": attention.to(self.device)}
+        return out
 
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        if self._head_hook is not None:
+            self._head_hook.remove()
+            self._head_hook = None
 
 
 # ---- the host rules -------------------------------------------------------------------------

@@ -24,6 +24,9 @@ from ..optim import optimizer_state_tensors
 from .schema import DEVICE
 
 SCALARS = DEVICE  # the columns of a row, declared in schema.py
+# the step's totals, written from the fused pass's last row in one operation
+FROM_TOTAL = {"grad_norm": "norm", "grad_finite_norm": "finite_norm", "grad_amax": "amax",
+              "nan_count": "nan_count", "inf_count": "inf_count", "grads_finite": "all_finite"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,11 @@ class StepRecord:
 
 
 class DeviceRecord:
-    """``capacity`` rows of ``[SCALARS | per-tensor norm | per-tensor NaN+Inf]`` on ``device``."""
+    """``capacity`` rows of ``[SCALARS | per-tensor norm | per-tensor NaN+Inf]`` on ``device``.
+
+    A field a step does not measure is not written: the rows are NaN (not measured) from the
+    start of each flush, so a step writes only what it has, in as few operations as it can
+    (each small operation costs a few microseconds inside a training step)."""
 
     def __init__(self, names: list[str], capacity: int, device: torch.device) -> None:
         n, k = len(names), len(SCALARS)
@@ -80,6 +87,12 @@ class DeviceRecord:
                                device=device)
         self._host: list[StepHost] = []
         self._index: dict[tuple[int, ...], torch.Tensor] = {}  # rows present, when some aren't
+        self._at: dict[tuple[str, ...], torch.Tensor] = {}  # columns of a set of fields
+        # the totals' columns of the fused pass's table, and where they go in a row
+        at = [SCALARS.index(k) for k in FROM_TOTAL]
+        self._total_src = torch.tensor([COL[c] for c in FROM_TOTAL.values()], device=device)
+        self._total_dst = slice(at[0], at[-1] + 1) if at == list(range(at[0], at[-1] + 1)) \
+            else torch.tensor(at, device=device)
 
     @property
     def fill(self) -> int:
@@ -91,28 +104,38 @@ class DeviceRecord:
 
     def write(self, scalars: dict[str, torch.Tensor], table: torch.Tensor, present: list[int],
               host: StepHost) -> int:
-        """Records one step: ``scalars`` (0-dim tensors, SCALARS names), the per-tensor rows of
+        """Records one step: ``scalars`` (0-dim tensors on the record's device, by SCALARS
+        name; a field left out is not measured, NaN), the totals and the per-tensor rows of
         the stats ``table`` for the watched tensors ``present``, and what it keeps on the host.
         Returns the slot written (``host.slot``)."""
         slot = self.fill
+        if slot == 0:  # a new flush: every field not measured until written
+            self._buf.fill_(math.nan)
         row = self._buf[slot]
-        torch.stack([scalars[k].to(self.device, torch.float64) for k in SCALARS],
-                    out=row[self.scalars])  # written in place: no copy of the stack
+        if isinstance(self._total_dst, slice):
+            torch.index_select(table[-1], 0, self._total_src, out=row[self._total_dst])
+        else:
+            row.index_copy_(0, self._total_dst, table[-1].index_select(0, self._total_src))
+        keys = tuple(scalars)
+        at = self._at.get(keys)
+        if at is None:  # copied to the device once per set of fields
+            at = self._at.setdefault(keys, torch.tensor([SCALARS.index(k) for k in keys],
+                                                        device=self.device))
+        if keys:
+            row.index_copy_(0, at, torch.stack(list(scalars.values())))  # promoted to float64
         per_norm = table[:-1, COL["norm"]]
         if len(present) == len(self.names):
             row[self.norm] = per_norm
             torch.add(table[:-1, COL["nan_count"]], table[:-1, COL["inf_count"]],
                       out=row[self.bad])
-        else:
+        elif present:
             per_bad = table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]
-            row[self.norm.start:] = math.nan
-            if present:
-                idx = self._index.get(tuple(present))
-                if idx is None:  # copied to the device once per pattern of missing grads
-                    idx = self._index.setdefault(tuple(present),
-                                                 torch.tensor(present, device=self.device))
-                row[self.norm].index_copy_(0, idx, per_norm)
-                row[self.bad].index_copy_(0, idx, per_bad)
+            idx = self._index.get(tuple(present))
+            if idx is None:  # copied to the device once per pattern of missing grads
+                idx = self._index.setdefault(tuple(present),
+                                             torch.tensor(present, device=self.device))
+            row[self.norm].index_copy_(0, idx, per_norm)
+            row[self.bad].index_copy_(0, idx, per_bad)
         self._host.append(host)
         return slot
 

@@ -21,7 +21,6 @@ import torch
 
 from ..checks import multi_tensor_stats
 from ..ops.layout import COL
-from .record import not_measured
 
 SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
 
@@ -141,8 +140,7 @@ class Scans:
                 ) -> tuple[dict[str, torch.Tensor], Any, Any]:
         """(the record's fields, the weight scan's table or None, the sample ids' key or None)
         for step number ``n`` of the Monitor (0 for its first)."""
-        nan = not_measured(self.device)
-        out = {"weight_nonfinite": nan, "weight_amax": nan, "batch_fingerprint": nan}
+        out: dict[str, torch.Tensor] = {}  # a field left out is not measured (NaN)
         table = key = None
         if self.every and (n == 0 or (n + 1) % self.every == 0):
             out["weight_nonfinite"], out["weight_amax"], table = weight_scan(
@@ -151,5 +149,6 @@ class Scans:
             key = ids_key(sample_ids)
             if key is None:
                 fp = fingerprint(batch if sample_ids is None else sample_ids, self.device)
-                out["batch_fingerprint"] = fp if fp is not None else nan
+                if fp is not None:
+                    out["batch_fingerprint"] = fp
         return out, table, key

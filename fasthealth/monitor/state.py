@@ -491,6 +491,8 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
     j.recent_lr.extend(recent_lr)
     j.optimizer = optimizer
     mon._next_step, mon.steps_seen, mon._resumed = next_step, steps_seen, True
+    if mon.precursors is not None:
+        mon.precursors.arm(next_step)  # the LM head's hook for the step the run goes on with
     if cold:
         warnings.warn("fasthealth: these rules start cold (their settings differ from the "
                       "saved run's, they keep no state, or an older state lacks their fields): "
