@@ -166,6 +166,7 @@ def grads_stats(
     if check is not None:
         s.replica_mismatch = check["replica_mismatch"]
         s.replica_mismatch_mask = check["replica_mismatch_mask"]
+        s.replica_named = check["replica_named"]
         s.loss_mean = check["loss_mean"]
     return s
 

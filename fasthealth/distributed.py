@@ -1,30 +1,43 @@
-"""Whole-model statistics under torch.distributed (docs/spec.md section 8): one collective per
-call, right for every layout.
+"""Whole-model statistics under torch.distributed (docs/spec.md section 8): two fixed-size
+all-reduces per call, whatever the world size, right for every layout.
 
-Each rank reduces its local data with the fused kernel, as always, then contributes one row to
-a single all-gather: the merge of its DTensor shards it owns, the merge of its plain tensors, and
-a few flags. Every rank then merges the gathered rows exactly (counts add, extremes combine,
-moments merge with Chan's formula) into the same total, on the device, with no host sync.
+Each rank reduces its local data with the fused kernel, as always, then joins two all-reduces
+over the process group, on the device, with no host sync:
+
+1. a MAX of a few numbers: the finite extremes and the largest norm (a shift and a scale for
+   step 2), whether any rank's data or ``extra_bad`` (the Monitor's loss check) is non-finite,
+   whether any rank's input was refused, and, for each replica set, the largest and the
+   smallest fingerprint of its members' plain rows (equal when the replicas agree);
+2. a SUM of the counts and of the shifted, scaled moments (merged exactly as Chan's formula
+   merges groups), the loss (``extra_loss``: every rank gets the mean over ranks, so that every
+   rank's skip rule sees the same numbers), and, for each replica set, how many members hold
+   its largest and its smallest fingerprint and the sums of their ranks: where one member
+   disagrees, that sum is its rank.
+
+The bytes sent per rank are the same at 8 ranks and at 100,000; the replica sets add four
+numbers each (one set under DDP).
 
 - DTensor gradients (FSDP2, HSDP): a shard is owned by the rank whose coordinate is 0 on every
   mesh dimension where the placement is ``Replicate``: each element is counted once.
 - Plain tensors: ranks form *replica sets*, whose plain tensors are copies of one another (DDP's
-  gradients after the all-reduce); each set counts once, the sets add up (pipeline stages, or
-  hand-written tensor parallelism, are sets of one rank each). The sets come from
-  ``replica_group`` (each rank's group of replicas, e.g. its data-parallel group), or ``False``
-  (no two ranks hold the same tensors), or, by default, from a fingerprint of each rank's tensor
-  names, shapes and dtypes: ranks with the same fingerprint are replicas (hand-written tensor
-  parallelism with identical names and shapes needs ``replica_group``).
+  gradients after the all-reduce); each set counts once, through its lowest rank, the sets add
+  up (pipeline stages, or hand-written tensor parallelism, are sets of one rank each). The sets
+  come from ``replica_group`` (each rank's group of replicas, e.g. its data-parallel group), or
+  ``False`` (no two ranks hold the same tensors), or, by default, from a fingerprint of each
+  rank's tensor names, shapes and dtypes: ranks with the same fingerprint are replicas
+  (hand-written tensor parallelism with identical names and shapes needs ``replica_group``).
+  The sets are found once per process group, at its first call (one all-gather of one number
+  per rank); a rank whose tensors change later keeps its set, and a rank whose fingerprint was
+  not seen then counts as a set of its own.
 - Replicas that disagree (silent data corruption, desynchronised ranks) are found by comparing
-  their rows: ``replica_mismatch`` counts the ranks that differ from the rest of their set (every
-  member, when a set of two disagrees) and ``replica_mismatch_mask`` has bit r set for such a
-  rank r < 52. The set's row in the total is its member with the most NaN/Inf, so a bad
-  replica's NaN/Inf are counted.
-- The non-finite flag ORs every rank's local data and ``extra_bad`` (the Monitor's loss check).
-- ``extra_loss`` (the Monitor's loss, under ``on_spike="skip"``) rides in the same row: every
-  rank gets the mean over ranks, so that every rank's skip rule sees the same numbers.
-- A rank whose input is bad still joins the collective, with an error flag, and raises after it:
-  no rank waits for another's error; the others get a total of NaN with ``all_finite`` False.
+  a bitwise fingerprint of their rows: ``replica_mismatch`` counts the ranks that differ from
+  the rest of their set (the smaller side; both sides when they are as many, so every member
+  of a set of two; every member not on either side when a set holds three or more versions),
+  and ``replica_named`` names those on a side of one (the usual case of one bad rank), at any
+  world size. Every rank's extremes and NaN/Inf flag count, so a bad replica's NaN is seen.
+- A rank whose input is bad still joins both collectives, with an error flag, and raises after
+  them: no rank waits for another's error; the others get a total of NaN with ``all_finite``
+  False.
 
 Per-tensor statistics stay those of the local shards (with the global parameter names).
 """
@@ -32,6 +45,7 @@ Per-tensor statistics stay those of the local shards (with the global parameter 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,14 +54,20 @@ import torch.distributed as dist
 from . import ops
 from .ops.inputs import dtensor_cls
 from .ops.layout import COL, TABLE_WIDTH
-from .ops.reference import merge_rows
+from .ops.reference import finalize, merge_rows
 
 W = TABLE_WIDTH
-# the gathered row: owned DTensor shards' merge, plain tensors' merge, then these flags and
-# the rank's loss
-F_BAD, F_SET, F_ERROR, F_LOSS = 2 * W, 2 * W + 1, 2 * W + 2, 2 * W + 3
-ROW = 2 * W + 4
 MASK_RANKS = 52  # ranks a float64 bit mask holds exactly
+# the MAX vector's head: finite max, -finite min, largest finite norm, non-finite, refused
+M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_HEAD = range(6)
+# the SUM vector's head: the counts, then the moments and the loss
+SUM_COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count",
+              "overflow_count", "underflow_count")
+S_NF, S_MEAN, S_M2, S_NORM, S_LOSS, S_LOSSES = range(len(SUM_COUNTS), len(SUM_COUNTS) + 6)
+S_HEAD = S_LOSSES + 1
+_LOW, _MID = 2**26 - 1, 2**26  # the fingerprint's pieces of a float64's bits
+_NEG = float("-inf")
+RANKS = 2.0**20  # the representative's key: NaN/Inf count * RANKS + (RANKS - 1 - rank)
 
 
 def local_view(t: torch.Tensor) -> tuple[torch.Tensor, bool | None]:
@@ -72,17 +92,72 @@ def fingerprint(names: list[str], tensors: list[torch.Tensor]) -> float:
     return float(zlib.crc32(text.encode()))
 
 
-def _replica_set(replica_group: Any, plain_fp: float, process_group: Any) -> float:
-    """This rank's replica-set id: the lowest global rank of its replica group, its own rank
-    (``False``: no replicas), or the fingerprint (default)."""
-    if replica_group is None:
-        return plain_fp
+@dataclass(frozen=True)
+class _Sets:
+    """A process group's replica sets, found at its first call: each key's lowest rank, the
+    index of each set of two or more ranks (its slot in the collectives), their sizes."""
+
+    first: dict[float, int]
+    slot: dict[float, int]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, keys: list[float]) -> _Sets:
+        first: dict[float, int] = {}
+        size: dict[float, int] = {}
+        for r, k in enumerate(keys):
+            first.setdefault(k, r)
+            size[k] = size.get(k, 0) + 1
+        shared = sorted((k for k in first if size[k] > 1), key=first.__getitem__)
+        return cls(first, {k: i for i, k in enumerate(shared)}, tuple(size[k] for k in shared))
+
+
+# (id of the process group, id of the replica group or None) -> (the group, its sets): kept
+# for the life of the process, one entry per group a caller checks with
+_SETS: dict[tuple[int, int | None], tuple[Any, _Sets]] = {}
+
+
+def replica_set(process_group: Any, replica_group: Any, plain_fp: float
+                ) -> tuple[int | None, bool, tuple[int, ...]]:
+    """(this rank's set's slot, or None outside a set of two or more; whether it counts its
+    set's plain tensors: its lowest rank; the sizes of the sets with a slot). The sets are
+    found at the process group's first call, one all-gather of one number per rank: by the
+    plain tensors' fingerprint (``replica_group=None``), or by each rank's replica group."""
     if replica_group is False:
-        return float(dist.get_rank())
-    if not isinstance(replica_group, dist.ProcessGroup):
+        return None, True, ()
+    if replica_group is not None and not isinstance(replica_group, dist.ProcessGroup):
         raise TypeError("fasthealth: replica_group must be a ProcessGroup, False or None, got "
                         f"{type(replica_group).__name__}")
-    return float(min(dist.get_process_group_ranks(replica_group)))
+    key = plain_fp if replica_group is None else float(
+        min(dist.get_process_group_ranks(replica_group)))
+    where = (id(process_group), None if replica_group is None else id(replica_group))
+    entry = _SETS.get(where)
+    if entry is None or entry[0] is not process_group:  # an id reused by a new group
+        entry = (process_group, _Sets.of(_gather_keys(key, process_group)))
+        _SETS[where] = entry
+    sets = entry[1]
+    if key not in sets.first:  # tensors not seen at the first call: a set of its own
+        return None, True, sets.sizes
+    return sets.slot.get(key), sets.first[key] == dist.get_rank(process_group), sets.sizes
+
+
+def _gather_keys(key: float, process_group: Any) -> list[float]:
+    world = dist.get_world_size(process_group)
+    dev = _comm_device(process_group, _default_device(process_group))
+    out = torch.empty(world, dtype=torch.float64, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, torch.tensor([key], dtype=torch.float64, device=dev), group=process_group)
+    return out.tolist()
+
+
+def _default_device(process_group: Any) -> torch.device:
+    if dist.get_backend(process_group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _comm_device(process_group: Any, device: torch.device) -> torch.device:
+    return device if dist.get_backend(process_group) != "gloo" else torch.device("cpu")
 
 
 def _check_group(process_group: Any) -> None:
@@ -94,14 +169,25 @@ def _check_group(process_group: Any) -> None:
                         f"(e.g. dist.group.WORLD), got {type(process_group).__name__}")
 
 
+def row_fingerprint(row: torch.Tensor) -> torch.Tensor:
+    """A float64 integer below 2**52 from the bits of a float64 row: a single flipped bit of
+    any field changes it (each field's bits in three pieces, each times an odd weight of its
+    own, summed without overflow)."""
+    bits = row.double().contiguous().view(torch.int64)
+    pieces = torch.stack([bits & _LOW, (bits >> 26) & _LOW, (bits >> 52) & 0xFFF])
+    n = row.numel()
+    weights = torch.arange(1, 2 * 3 * n, 2, dtype=torch.int64, device=row.device).view(3, n)
+    return (pieces * weights).sum().double()
+
+
 def global_table(grads: list[torch.Tensor], names: list[str], backend: str | None,
                  rng: tuple[float, float], process_group: Any,
                  extra_bad: torch.Tensor | None = None, replica_group: Any = None,
                  extra_loss: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the local per-tensor table of ``grads`` with the model-wide total as its last row, the
-    replica check: ``replica_mismatch`` and ``replica_mismatch_mask``, and ``loss_mean``, the
-    mean of every rank's ``extra_loss``: 0-dim tensors)."""
+    replica check: ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named``, and
+    ``loss_mean``, the mean of every rank's ``extra_loss``)."""
     _check_group(process_group)
     views = [local_view(g) for g in grads]
     local = [v for v, _ in views]
@@ -110,30 +196,122 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     table: torch.Tensor | None = None
     try:
         table = ops.table(local, names, backend, rng) if local else ops.empty_table()
-    except (TypeError, ValueError, RuntimeError) as exc:  # joins the collective, raises after
+    except (TypeError, ValueError, RuntimeError) as exc:  # joins the collectives, raises after
         error = exc
     plain = [i for i, o in enumerate(owned) if o is None]
     fp = fingerprint([names[i] for i in plain], [local[i] for i in plain])
-    row = _local_row(table, owned, extra_bad, _replica_set(replica_group, fp, process_group),
-                     error is not None, extra_loss)
-    gathered = _all_gather(row, process_group)
+    slot, own, sizes = replica_set(process_group, replica_group, fp)
+    dev = table.device if table is not None else _default_device(process_group)
+    part = _Part(table, owned, extra_bad, slot, own, len(sizes),
+                 float(dist.get_rank(process_group)), dev)
+    comm = _comm_device(process_group, dev)
+    # 1. MAX: extremes, the norms' scale, the flags, each set's fingerprints and representative
+    top = part.maxima().to(comm)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=process_group)
+    top = top.to(dev)
+    # 2. SUM: counts, moments about the finite values' midrange and norms over the largest
+    # one (exact merges, no overflow), the loss, each set's sides
+    fmax, fmin = top[M_FMAX], -top[M_FMIN]
+    shift = torch.where(torch.isfinite(fmax) & torch.isfinite(fmin), fmin / 2 + fmax / 2, 0.0)
+    scale = torch.where(top[M_SCALE] > 0, top[M_SCALE], 1.0)
+    add = part.sums(top, shift, scale, extra_loss).to(comm)
+    dist.all_reduce(add, op=dist.ReduceOp.SUM, group=process_group)
+    add = add.to(dev)
     if error is not None:
         raise error
     assert table is not None  # set when there was no error
-    total, check = _merge_gathered(gathered)
-    return torch.cat([table[:-1], total[None].to(table.device)]), check
+    total = _total(top, add, shift, scale)
+    check = _replica_check(top, add, sizes)
+    check["loss_mean"] = add[S_LOSS] / add[S_LOSSES]
+    return torch.cat([table[:-1], total[None]]), check
 
 
-def _local_row(table: torch.Tensor | None, owned: list[bool | None], extra_bad: Any,
-               replica_set: float, error: bool, loss: Any = None) -> torch.Tensor:
-    """[owned DTensor shards' row | plain tensors' row | bad, replica set, error, loss]."""
-    empty = merge_rows(torch.zeros(0, W, dtype=torch.float64))
-    if table is None:  # this rank's input was bad: a NaN row, flagged
-        nan = torch.full((W,), float("nan"), dtype=torch.float64)
-        return torch.cat([nan, nan, torch.tensor([1.0, replica_set, 1.0, float("nan")])])
+class _Part:
+    """This rank's part of the two reductions: its owned DTensor shards' and its plain
+    tensors' merged rows (NaN rows, flagged, when its input was refused: ``table`` None)."""
+
+    def __init__(self, table: torch.Tensor | None, owned: list[bool | None], extra_bad: Any,
+                 slot: int | None, own: bool, sets: int, rank: float, dev: torch.device
+                 ) -> None:
+        self.table, self.slot, self.own, self.sets, self.rank, self.dev = (
+            table, slot, own, sets, rank, dev)
+        if table is None:
+            return
+        dt, self.pl = _parts(table, owned)
+        self.every = torch.stack([dt, self.pl])
+        self.bad = table[-1, COL["all_finite"]] == 0
+        if extra_bad is not None:
+            self.bad = self.bad | extra_bad.to(dev)
+        if slot is not None:
+            self.h = row_fingerprint(self.pl)
+            # the set's representative: the member with the most NaN/Inf, lowest rank on ties
+            self.key = (self.pl[COL["nan_count"]] + self.pl[COL["inf_count"]]) * RANKS + (
+                RANKS - 1 - rank)
+
+    def maxima(self) -> torch.Tensor:
+        top = torch.full((M_HEAD + 3 * self.sets,), _NEG, dtype=torch.float64, device=self.dev)
+        if self.table is None:
+            top[M_BAD] = top[M_ERROR] = 1.0
+            return top
+        e = self.every
+        has = e[:, COL["numel"]] - e[:, COL["nan_count"]] - e[:, COL["inf_count"]] > 0
+        top[:M_HEAD] = torch.stack([
+            torch.where(has, e[:, COL["finite_max"]], _NEG).max(),
+            torch.where(has, -e[:, COL["finite_min"]], _NEG).max(),
+            e[:, COL["finite_norm"]].max(), self.bad.double(),
+            torch.zeros((), dtype=torch.float64, device=self.dev)])
+        if self.slot is not None:
+            at = M_HEAD + 3 * self.slot
+            top[at:at + 3] = torch.stack([self.h, -self.h, self.key])
+        return top
+
+    def sums(self, top: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+             loss: Any) -> torch.Tensor:
+        add = torch.zeros(S_HEAD + 4 * self.sets, dtype=torch.float64, device=self.dev)
+        if loss is not None:
+            add[S_LOSS:S_LOSSES + 1] = torch.stack([
+                loss.reshape(()).to(self.dev, torch.float64),
+                torch.ones((), dtype=torch.float64, device=self.dev)])
+        if self.table is None:
+            return add
+        weight = torch.ones(2, dtype=torch.float64, device=self.dev)  # the plain row's: 1, 0
+        if self.slot is not None:
+            at = M_HEAD + 3 * self.slot
+            weight[1] = (top[at + 2] == self.key).double()
+            on = torch.stack([self.h == top[at], self.h == -top[at + 1]]).double()
+            base = S_HEAD + 4 * self.slot
+            add[base:base + 4] = torch.cat([on, on * self.rank])
+        elif not self.own:
+            weight[1] = 0.0
+        _sums(add, self.every, weight, shift, scale)
+        return add
+
+
+def _sums(add: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor,
+          scale: torch.Tensor) -> None:
+    """This rank's part of the SUM: ``rows`` (merged rows of disjoint groups) each times its
+    ``weight`` (0: counted by another rank), moments about ``shift``, norms over ``scale``."""
+    cols = [COL[name] for name in SUM_COUNTS]
+    add[:len(cols)] = (weight[:, None] * rows[:, cols]).sum(0)
+    nf = weight * (rows[:, COL["numel"]] - rows[:, COL["nan_count"]] - rows[:, COL["inf_count"]])
+    mean = torch.where(nf > 0, rows[:, COL["finite_mean"]], shift) - shift
+    m2 = torch.where(nf > 1, rows[:, COL["finite_std"]].square() * (nf - 1), 0.0)
+    add[S_NF:S_NORM + 1] = torch.stack([
+        nf.sum(), (nf * mean).sum(), (m2 + nf * mean.square()).sum(),
+        (weight * (rows[:, COL["finite_norm"]] / scale).square()).sum()])
+
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _parts(table: torch.Tensor, owned: list[bool | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the merged row of the DTensor shards this rank owns, that of its plain tensors)."""
     dev = table.device
-    empty = empty.to(dev)
     n = table.shape[0] - 1
+    empty = _EMPTY.get(dev)
+    if empty is None:  # the row of no elements, made once per device
+        empty = _EMPTY.setdefault(dev, merge_rows(torch.zeros(0, W, dtype=torch.float64,
+                                                             device=dev)))
 
     def merged(mask: list[bool]) -> torch.Tensor:
         if not any(mask):
@@ -143,55 +321,52 @@ def _local_row(table: torch.Tensor | None, owned: list[bool | None], extra_bad: 
         m = torch.tensor(mask, device=dev)
         return merge_rows(torch.where(m[:, None], table[:n], empty))
 
-    dt = merged([o is True for o in owned])
-    pl = merged([o is None for o in owned])
-    bad = table[-1, COL["all_finite"]] == 0
-    if extra_bad is not None:
-        bad = bad | extra_bad.to(dev)
-    nan = torch.full((), float("nan"), dtype=torch.float64, device=dev)
-    flags = torch.stack([bad.double(), torch.full((), replica_set, dtype=torch.float64,
-                                                  device=dev),
-                         torch.zeros((), dtype=torch.float64, device=dev),
-                         nan if loss is None else loss.reshape(()).to(dev, torch.float64)])
-    return torch.cat([dt.double(), pl.double(), flags])
+    return (merged([o is True for o in owned]).double(),
+            merged([o is None for o in owned]).double())
 
 
-def _all_gather(row: torch.Tensor, process_group: Any) -> torch.Tensor:
-    comm_dev = row.device if dist.get_backend(process_group) != "gloo" else torch.device("cpu")
-    world = dist.get_world_size(process_group)
-    flat = torch.empty(world * ROW, dtype=torch.float64, device=comm_dev)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(flat, row.to(comm_dev), group=process_group)
-    return flat.view(world, ROW).to(row.device)
-
-
-def _merge_gathered(g: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The total row and the replica check from the gathered rows, on the device."""
-    world, dev = g.shape[0], g.device
-    plain, sets = g[:, W:2 * W], g[:, F_SET]
-    same = sets[:, None] == sets[None, :]
-    score = plain[:, COL["nan_count"]] + plain[:, COL["inf_count"]]
-    idx = torch.arange(world, device=dev)
-    better = (score[None, :] > score[:, None]) | (
-        (score[None, :] == score[:, None]) & (idx[None, :] < idx[:, None]))
-    rep = ~(same & better).any(1)  # the member of each set with the most NaN/Inf
-    empty = merge_rows(torch.zeros(0, W, dtype=torch.float64, device=dev))
-    rows = torch.cat([g[:, :W], torch.where(rep[:, None], plain, empty)])
-    total = merge_rows(rows)
-    failed = (g[:, F_ERROR] > 0).any()  # a rank's input was bad: no total to give
+def _total(top: torch.Tensor, add: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+           ) -> torch.Tensor:
+    """The total row from the two reductions (``merge_rows``'s merge, its sums taken by the
+    collective)."""
+    counts = {name: add[i] for i, name in enumerate(SUM_COUNTS)}
+    nf = add[S_NF]
+    rel = add[S_MEAN] / nf.clamp(min=1)  # the finite mean, less the shift
+    m2 = add[S_M2] - nf * rel.square()
+    total = finalize(counts["numel"], counts["nan_count"], counts["posinf_count"],
+                     counts["neginf_count"], counts["zero_count"], -top[M_FMIN], top[M_FMAX],
+                     shift + rel, m2, scale * add[S_NORM].sqrt(), counts["overflow_count"],
+                     counts["underflow_count"])
+    failed = top[M_ERROR] > 0  # a rank's input was refused: no total to give
     total = torch.where(failed, torch.full_like(total, float("nan")), total)
-    bad = (g[:, F_BAD] > 0).any() | failed
+    bad = (top[M_BAD] > 0) | failed
     total[COL["all_finite"]] = torch.where(bad, 0.0, total[COL["all_finite"]])
-    equal = (plain[:, None, :] == plain[None, :, :]) | (
-        plain[:, None, :].isnan() & plain[None, :, :].isnan())
-    agree = same & equal.all(-1)
-    n_agree = agree.sum(1)  # members of its set equal to it (itself included)
-    set_size = same.sum(1)
-    best = torch.where(same, n_agree[None, :], 0).amax(1)  # the set's largest agreeing group
-    disagree = n_agree < set_size
-    mismatch = disagree & ((n_agree < best) | (n_agree == best) & (best * 2 <= set_size))
-    weights = torch.where(idx < MASK_RANKS, 2.0 ** idx.clamp(max=MASK_RANKS - 1).double(), 0.0)
-    check = {"replica_mismatch": mismatch.sum().double(),
-             "replica_mismatch_mask": (mismatch.double() * weights).sum(),
-             "loss_mean": g[:, F_LOSS].mean()}
-    return total, check
+    return total
+
+
+def _replica_check(top: torch.Tensor, add: torch.Tensor, sizes: tuple[int, ...]
+                   ) -> dict[str, torch.Tensor]:
+    """Each set's verdict from its two fingerprints and its sides: the ranks on the smaller
+    side differ (both sides when they are as many; every member on neither side when the set
+    holds three versions or more); a side of one is named by its rank sum."""
+    dev = top.device
+    k = len(sizes)
+    if k == 0:
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        return {"replica_mismatch": zero, "replica_mismatch_mask": zero,
+                "replica_named": torch.zeros(0, dtype=torch.float64, device=dev)}
+    slots = top[M_HEAD:].view(k, 3)
+    sides = add[S_HEAD:].view(k, 4)
+    size = torch.tensor(sizes, dtype=torch.float64, device=dev)
+    differ = slots[:, 0] != -slots[:, 1]
+    n_hi, n_lo = sides[:, 0], sides[:, 1]
+    hi_odd = differ & (n_hi <= n_lo)
+    lo_odd = differ & (n_lo <= n_hi)
+    others = torch.where(differ, size - n_hi - n_lo, 0.0)
+    count = (torch.where(hi_odd, n_hi, 0.0) + torch.where(lo_odd, n_lo, 0.0) + others).sum()
+    nan = torch.full_like(n_hi, float("nan"))
+    named = torch.stack([torch.where(hi_odd & (n_hi == 1), sides[:, 2], nan),
+                         torch.where(lo_odd & (n_lo == 1), sides[:, 3], nan)], 1).view(-1)
+    low = torch.where(named < MASK_RANKS, named, float("nan"))
+    mask = torch.where(low.isnan(), 0.0, torch.exp2(low.nan_to_num(0.0))).sum()
+    return {"replica_mismatch": count, "replica_mismatch_mask": mask, "replica_named": named}

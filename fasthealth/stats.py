@@ -221,10 +221,12 @@ class MultiTensorStats:
         self._wide: torch.dtype | None = None
         self.missing: list[str] = list(missing)
         self.range_dtype = range_dtype
-        # with a process group: how many ranks' replicas disagree, and a bit mask of them (bit
-        # r for rank r < 52), 0-dim tensors on the device (see fasthealth.distributed)
+        # with a process group: how many ranks' replicas disagree, a bit mask of those named
+        # (bit r for rank r < 52), 0-dim tensors, and the ranks named (any rank; NaN where a
+        # set's side holds more than one), on the device (see fasthealth.distributed)
         self.replica_mismatch: torch.Tensor | None = None
         self.replica_mismatch_mask: torch.Tensor | None = None
+        self.replica_named: torch.Tensor | None = None
         self.loss_mean: torch.Tensor | None = None  # with a process group: the ranks' mean loss
 
     @property
@@ -310,11 +312,14 @@ class MultiTensorStats:
         return {"total": total, "per_tensor": per, "missing": list(self.missing)}
 
     def mismatched_ranks(self) -> list[int]:
-        """The ranks whose replicas disagree with the rest of their set (one host copy; ranks
-        below 52); empty without a process group."""
-        if self.replica_mismatch_mask is None:
-            return []
-        return decode_ranks(float(self.replica_mismatch_mask))
+        """The ranks whose replicas disagree with the rest of their set, at any world size
+        (one host copy): each set's odd one out, or both of a set of two; empty without a
+        process group. Where several ranks of a set disagree alike, ``replica_mismatch``
+        counts them and they are not named."""
+        if self.replica_named is None:
+            return [] if self.replica_mismatch_mask is None else decode_ranks(
+                float(self.replica_mismatch_mask))
+        return sorted(int(r) for r in self.replica_named.tolist() if r == r)
 
     def nonfinite(self) -> list[str]:
         """Names of the tensors holding NaN or Inf, in input order (one host copy)."""

@@ -19,6 +19,7 @@ the JSONL logs, TensorBoard and a dump per incident.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import time
 import warnings
@@ -140,6 +141,9 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
     if stats.replica_mismatch is not None:
         scalars["replica_mismatch"] = stats.replica_mismatch.to(mon.device, torch.float64)
         scalars["replica_mismatch_mask"] = or_nan(stats.replica_mismatch_mask, mon.device)
+        if stats.replica_named is not None and stats.replica_named.numel():
+            named = stats.replica_named.to(mon.device)
+            scalars["replica_mismatch_rank"] = named.nan_to_num(math.inf).min()
     if spike is not None:
         scalars["spike_skip"], z = spike
         scalars["skip_z_loss"], scalars["skip_z_grad_norm"] = z[0], z[1]

@@ -43,7 +43,10 @@ FIELDS: tuple[Field, ...] = (
           "at optimizer scans (every optimizer_check_every steps)"),
     Field("replica_mismatch", COUNT, "ranks whose replicated gradients differ",
           "with a process_group"),
-    Field("replica_mismatch_mask", COUNT, "those ranks, as a bit mask", "with a process_group"),
+    Field("replica_mismatch_mask", COUNT, "those named below rank 52, as a bit mask",
+          "with a process_group"),
+    Field("replica_mismatch_rank", FLOAT, "the lowest rank named among them, at any world "
+          "size (NaN: none named)", "with a process_group"),
     Field("spike_skip", MAYBE_FLAG, "the device spike rule skipped this step",
           "with on_spike='skip'"),
     Field("quarantine_skip", MAYBE_FLAG, "the step's batch held a sample a rollback "

@@ -29,9 +29,14 @@ class ReplicaDivergence(Rule[NoConfig]):
             return []
         self.active = True
         ranks = decode_ranks(s.values["replica_mismatch_mask"])
+        lowest = s.values.get("replica_mismatch_rank", math.nan)
+        if not ranks and math.isfinite(lowest):  # named above rank 51: the lowest of them
+            ranks = [int(lowest)]
+        named = (f": ranks {listed(map(str, ranks))}" if ranks else
+                 " (several ranks of a set disagree alike: counted, not named)")
         return [Finding(
             "replica_divergence",
-            f"the gradients of {int(count)} rank(s) differ from their replicas': ranks "
-            f"{listed(map(str, ranks))}. Check first: those ranks' hardware (silent data "
-            "corruption: ECC errors, a failing GPU), then whether every rank runs the same code "
-            "and data order (a desynchronised rank)", {"ranks": ranks, "count": int(count)})]
+            f"the gradients of {int(count)} rank(s) differ from their replicas'{named}. Check "
+            "first: those ranks' hardware (silent data corruption: ECC errors, a failing GPU), "
+            "then whether every rank runs the same code and data order (a desynchronised "
+            "rank)", {"ranks": ranks, "count": int(count)})]
