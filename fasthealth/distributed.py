@@ -344,6 +344,9 @@ def _total(top: torch.Tensor, add: torch.Tensor, shift: torch.Tensor, scale: tor
     return total
 
 
+_SIZES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
 def _replica_check(top: torch.Tensor, add: torch.Tensor, sizes: tuple[int, ...]
                    ) -> dict[str, torch.Tensor]:
     """Each set's verdict from its two fingerprints and its sides: the ranks on the smaller
@@ -357,7 +360,10 @@ def _replica_check(top: torch.Tensor, add: torch.Tensor, sizes: tuple[int, ...]
                 "replica_named": torch.zeros(0, dtype=torch.float64, device=dev)}
     slots = top[M_HEAD:].view(k, 3)
     sides = add[S_HEAD:].view(k, 4)
-    size = torch.tensor(sizes, dtype=torch.float64, device=dev)
+    size = _SIZES.get((sizes, dev))
+    if size is None:  # on the device once: no copy from the host in the step
+        size = _SIZES.setdefault((sizes, dev), torch.tensor(sizes, dtype=torch.float64,
+                                                            device=dev))
     differ = slots[:, 0] != -slots[:, 1]
     n_hi, n_lo = sides[:, 0], sides[:, 1]
     hi_odd = differ & (n_hi <= n_lo)

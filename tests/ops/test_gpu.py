@@ -511,7 +511,12 @@ def _nccl_worker(rank, world, init_file):
         m = torch.nn.Linear(64, 32).cuda()
         ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
         ddp(torch.randn(8, 64, device="cuda")).sum().backward()
-        s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+        fh.check_grads(ddp, process_group=dist.group.WORLD)  # the first call: the sets
+        torch.cuda.set_sync_debug_mode("error")  # then two all-reduces and no host sync
+        try:
+            s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         local = fh.check_grads(m)
         assert s.raw.device.type == "cuda"
         torch.testing.assert_close(s.total.norm, local.total.norm)
@@ -524,7 +529,8 @@ def _nccl_worker(rank, world, init_file):
 
 def test_nccl_path():
     """The NCCL path on every GPU of the machine (one rank per GPU; world size 1 on a single
-    GPU still runs the NCCL all-gather on device tensors)."""
+    GPU still runs the NCCL all-reduces on device tensors, and the all-gather of a group's first
+call), with no host sync after the first call."""
     import os
     import tempfile
 
