@@ -349,17 +349,22 @@ _SIZES: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 def _replica_check(top: torch.Tensor, add: torch.Tensor, sizes: tuple[int, ...]
                    ) -> dict[str, torch.Tensor]:
-    """Each set's verdict from its two fingerprints and its sides: the ranks on the smaller
-    side differ (both sides when they are as many; every member on neither side when the set
-    holds three versions or more); a side of one is named by its rank sum."""
-    dev = top.device
+    """``global_table``'s replica check: each set's slot of the MAX (high, -low, its
+    representative) and of the SUM (its sides)."""
     k = len(sizes)
-    if k == 0:
+    return _verdict(top[M_HEAD:].view(k, 3), add[S_HEAD:].view(k, 4), sizes, top.device)
+
+
+def _verdict(slots: torch.Tensor, sides: torch.Tensor, sizes: tuple[int, ...],
+             dev: torch.device) -> dict[str, torch.Tensor]:
+    """Each set's verdict from its two fingerprints (``slots[:, 0]``, ``-slots[:, 1]``) and its
+    sides (how many members hold each, the sums of their ranks): the ranks on the smaller side
+    differ (both sides when they are as many; every member on neither side when the set holds
+    three versions or more); a side of one is named by its rank sum."""
+    if not sizes:
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         return {"replica_mismatch": zero, "replica_mismatch_mask": zero,
                 "replica_named": torch.zeros(0, dtype=torch.float64, device=dev)}
-    slots = top[M_HEAD:].view(k, 3)
-    sides = add[S_HEAD:].view(k, 4)
     size = _SIZES.get((sizes, dev))
     if size is None:  # on the device once: no copy from the host in the step
         size = _SIZES.setdefault((sizes, dev), torch.tensor(sizes, dtype=torch.float64,
@@ -376,3 +381,50 @@ def _replica_check(top: torch.Tensor, add: torch.Tensor, sizes: tuple[int, ...]
     low = torch.where(named < MASK_RANKS, named, float("nan"))
     mask = torch.where(low.isnan(), 0.0, torch.exp2(low.nan_to_num(0.0))).sum()
     return {"replica_mismatch": count, "replica_mismatch_mask": mask, "replica_named": named}
+
+
+def param_checksums(params: list[torch.Tensor]) -> torch.Tensor:
+    """A float64 integer below 2**52 per tensor, from the bits of its elements: the sum of
+    their bit patterns as integers, its bits above 52 folded into the low ones, so a single
+    flipped bit anywhere changes it. On the device, no sync; a DTensor's local shard."""
+    out = []
+    for p in params:
+        x = local_view(p.detach())[0].reshape(-1)
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
+        s = x.view(bits).sum(dtype=torch.int64)
+        out.append((s & 0xFFFFFFFFFFFFF) ^ ((s >> 52) & 0xFFF))
+    return torch.stack(out).double() if out else torch.zeros(0, dtype=torch.float64)
+
+
+def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group: Any,
+                     plain_fp: float) -> dict[str, torch.Tensor | None]:
+    """Whether the replicas of each set hold the same tensors (``param_checksums`` of the same
+    parameters on every member), by two all-reduces: a MAX of each set's fingerprint (high,
+    -low) and, when every rank of the group is a replica of one set (DDP), of each tensor's
+    checksum; a SUM of each set's sides (``_verdict``). Returns ``replica_mismatch``,
+    ``replica_mismatch_mask``, ``replica_named`` as ``global_table``'s check, and ``tensors``:
+    per tensor whether its replicas differ (None unless one set holds every rank)."""
+    _check_group(process_group)
+    slot, _, sizes = replica_set(process_group, replica_group, plain_fp)
+    dev, k = checksums.device, len(sizes)
+    comm = _comm_device(process_group, dev)
+    n = checksums.numel() if k == 1 and sizes[0] == dist.get_world_size(process_group) else 0
+    top = torch.full((2 * k + 2 * n,), _NEG, dtype=torch.float64, device=dev)
+    h = row_fingerprint(checksums)
+    if slot is not None:
+        top[2 * slot:2 * slot + 2] = torch.stack([h, -h])
+    if n:
+        top[2 * k:] = torch.cat([checksums, -checksums])
+    top = top.to(comm)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=process_group)
+    top = top.to(dev)
+    add = torch.zeros(4 * k, dtype=torch.float64, device=dev)
+    if slot is not None:
+        on = torch.stack([h == top[2 * slot], h == -top[2 * slot + 1]]).double()
+        add[4 * slot:4 * slot + 4] = torch.cat([on, on * float(dist.get_rank(process_group))])
+    add = add.to(comm)
+    dist.all_reduce(add, op=dist.ReduceOp.SUM, group=process_group)
+    out: dict[str, torch.Tensor | None] = dict(_verdict(top[:2 * k].view(k, 2),
+                                                        add.to(dev).view(k, 4), sizes, dev))
+    out["tensors"] = top[2 * k:2 * k + n] != -top[2 * k + n:] if n else None
+    return out

@@ -172,6 +172,8 @@ def _monitor_divergence(rank, world):
         mon.step(loss)
     mon.close()
     ev = [e for e in mon.events if e.kind == "replica_divergence"]
+    # the gradients at the step (the parameters that step made differ, found at the flush's
+    # comparison of the weights, are a repeat within the same incident)
     assert [e.step for e in ev] == [4], [(e.step, e.kind) for e in mon.events]
     assert ev[0].details["ranks"] == ([world - 1] if world > 2 else [0, 1])
 

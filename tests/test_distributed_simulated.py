@@ -4,7 +4,8 @@ threads (a real MAX, SUM and all-gather over every rank's tensor), the process g
 fake one. What real processes check with Gloo (test_distributed.py) holds here at 64 and 96
 ranks: a replica that went astray on a rank above 51 (beyond a float64 bit mask) is named, a
 NaN on one rank is seen and counted by every rank, the totals are the statistics of every
-rank's data, counted once per replica set."""
+rank's data, counted once per replica set, and one bit flipped in one replica's weights is an
+alarm naming the tensor and the rank."""
 
 import threading
 
@@ -186,3 +187,39 @@ def test_a_monitor_step_skips_on_every_rank_and_names_the_rank(world):
     for skipped, events in world.run(run):
         assert skipped == [False, False, True, False]
         assert events == [(2, "replica_divergence", [57])]
+
+
+@pytest.mark.parametrize("world", [64], indirect=True)
+def test_a_bit_flipped_in_one_replicas_weights_is_named_with_the_tensor_and_rank(world):
+    """DDP's gradients are averaged (here by the simulated all-reduce), so a weight that went
+    astray on one rank leaves the gradients equal: the comparison of the parameters after the
+    step, once per flush, finds it, and names the tensor and the rank."""
+
+    def run(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(),
+                                    torch.nn.Linear(4, 2))
+        with torch.no_grad():  # the same weights on every rank (the threads share torch's RNG)
+            g = torch.Generator().manual_seed(0)
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=4)
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+        for step in range(8):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            for p in model.parameters():  # DDP's all-reduce of the gradients
+                dist.all_reduce(p.grad)
+                p.grad /= world.world
+            if step == 5 and rank == 58:  # one bit of one weight, before the step
+                w = model[2].weight.data.view(-1)
+                w[3] = (w[3:4].view(torch.int32) ^ (1 << 4)).view(torch.float32)[0]
+            mon.step(torch.tensor(1.0))
+        mon.close()
+        return [(e.step, e.details) for e in mon.events if e.kind == "replica_divergence"]
+
+    for events in world.run(run):
+        assert len(events) == 1, events
+        step, details = events[0]
+        assert step == 7 and details["ranks"] == [58] and details["tensor"] == "2.weight"

@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -142,8 +142,8 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
         scalars["replica_mismatch"] = stats.replica_mismatch.to(mon.device, torch.float64)
         scalars["replica_mismatch_mask"] = or_nan(stats.replica_mismatch_mask, mon.device)
         if stats.replica_named is not None and stats.replica_named.numel():
-            named = stats.replica_named.to(mon.device)
-            scalars["replica_mismatch_rank"] = named.nan_to_num(math.inf).min()
+            named = stats.replica_named.to(mon.device).nan_to_num(math.inf).min()
+            scalars["replica_mismatch_rank"] = torch.where(named.isinf(), math.nan, named)
     if spike is not None:
         scalars["spike_skip"], z = spike
         scalars["skip_z_loss"], scalars["skip_z_grad_norm"] = z[0], z[1]
@@ -219,7 +219,6 @@ class Monitor(LongRun):
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
-        self._tensors, self._all = [p for _, p in self.params], list(range(len(self.params)))
         self.device = self.params[0][1].device
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
@@ -233,7 +232,8 @@ class Monitor(LongRun):
         self.detectors: list[Rule] = list(
             build_rules(self.rule_context, precursors=pr.enabled) if de.detectors is None
             else de.detectors)
-        self.scans = Scans.for_rules(self.detectors, lg.flush_every, self.params, me.backend)
+        self.scans = Scans.for_rules(self.detectors, lg.flush_every, self.params, me.backend,
+                                     me.process_group, me.replica_group)
         self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
                                                            de.warmup_steps))
                           if ac.on_spike == "skip" else None)
@@ -244,10 +244,10 @@ class Monitor(LongRun):
         self.schedule = ScheduleSource(optimizer, de.scheduler)
         self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler)
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
-        self.steps_seen = self._next_step = 0
+        self.steps_seen = self._next_step = 0  # the Monitor's steps, then its state's flags
         self._stepped = self._resumed = self._closed = self._closing = False  # state, close()
-        self._rng = _rng_state()
-        self._opt_stats: MultiTensorStats | None = None
+        self._rng, self._opt_stats = _rng_state(), None  # the dumps'; the optimizer scan's
+        self._tensors, self._all = [p for _, p in self.params], list(range(len(self.params)))
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         self.activations: ActivationMonitor | None = None  # before the sinks: a bad regex
         if me.activations is not None and me.activations is not False:
@@ -292,10 +292,10 @@ class Monitor(LongRun):
         self._next_step = t + 1
         if self.scaler is not None and self.optimizer is not None:
             gate.unscale(self.optimizer, self.scaler)
-        grads = [p.grad for p in self._tensors]
-        present, names = self._all, self.names
-        if any(g is None for g in grads):
-            present = [i for i, g in enumerate(grads) if g is not None]
+        found = [p.grad for p in self._tensors]
+        grads, present, names = cast("list[torch.Tensor]", found), self._all, self.names
+        if any(g is None for g in found):
+            present = [i for i, g in enumerate(found) if g is not None]
             grads, names = [grads[i] for i in present], [self.names[i] for i in present]
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere,
         # and the skip rule sees the ranks' mean loss

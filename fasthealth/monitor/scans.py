@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from ..checks import multi_tensor_stats
+from ..distributed import compare_replicas, local_view, param_checksums
+from ..distributed import fingerprint as fp_of
 from ..ops.layout import COL
 
 SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
@@ -122,19 +124,28 @@ class Scans:
     the batch's fingerprint on the device). No sync."""
 
     def __init__(self, every: int, keyed: bool, params: list[tuple[str, Any]],
-                 backend: str | None) -> None:
+                 backend: str | None, replicas: tuple[int, Any, Any] | None = None) -> None:
         self.every, self.keyed, self.params, self.backend = every, keyed, params, backend
         self.device = params[0][1].device
+        # under a process group: (every, process group, replica group) of the comparison of
+        # the parameters across replicas, when they are all plain tensors (not DTensor shards)
+        plain = all(local_view(p.detach())[1] is None for _, p in params)
+        self.replicas = replicas if replicas is not None and replicas[0] and plain else None
+        self._fp = fp_of([n for n, _ in params], [p for _, p in params])
 
     @classmethod
     def for_rules(cls, rules: list[Any], flush_every: int, params: list[tuple[str, Any]],
-                  backend: str | None) -> Scans:
+                  backend: str | None, process_group: Any = None,
+                  replica_group: Any = None) -> Scans:
         by_name = {getattr(r, "name", None): r for r in rules}
         wc = by_name.get("weight_corruption")
         every = 0
         if wc is not None:  # never less often than once per flush
             every = min(getattr(wc.config, "every", 0) or flush_every, flush_every)
-        return cls(every, "repeated_batch" in by_name, params, backend)
+        replicas = None
+        if process_group is not None and "replica_divergence" in by_name:
+            replicas = (flush_every, process_group, replica_group)
+        return cls(every, "repeated_batch" in by_name, params, backend, replicas)
 
     def measure(self, n: int, batch: Any, sample_ids: Any
                 ) -> tuple[dict[str, torch.Tensor], Any, Any]:
@@ -145,6 +156,8 @@ class Scans:
         if self.every and (n == 0 or (n + 1) % self.every == 0):
             out["weight_nonfinite"], out["weight_amax"], table = weight_scan(
                 self.params, self.backend, self.device)
+        if self.replicas is not None and (n + 1) % self.replicas[0] == 0:
+            out.update(self._compare_replicas())
         if self.keyed:
             key = ids_key(sample_ids)
             if key is None:
@@ -152,3 +165,27 @@ class Scans:
                 if fp is not None:
                     out["batch_fingerprint"] = fp
         return out, table, key
+
+    def _compare_replicas(self) -> dict[str, torch.Tensor]:
+        """The parameters compared across replicas after the step (``compare_replicas``): how
+        many ranks' copies differ, the lowest rank named, the first tensor that differs."""
+        _, group, replica_group = self.replicas  # type: ignore[misc]
+        sums = param_checksums([p for _, p in self.params]).to(self.device)
+        check = compare_replicas(sums, group, replica_group, self._fp)
+        count, named, differ = (check["replica_mismatch"], check["replica_named"],
+                                check["tensors"])
+        out: dict[str, torch.Tensor] = {}
+        if count is not None:
+            out["weight_replica_mismatch"] = count
+        if named is not None and named.numel():
+            out["weight_replica_rank"] = _lowest(named)
+        if differ is not None and differ.numel():
+            at = torch.arange(differ.numel(), device=self.device, dtype=torch.float64)
+            out["weight_replica_tensor"] = _lowest(torch.where(differ, at, math.nan))
+        return out
+
+
+def _lowest(x: torch.Tensor) -> torch.Tensor:
+    """The smallest of ``x`` leaving NaN out; NaN when all are."""
+    low = x.nan_to_num(math.inf).min()
+    return torch.where(torch.isinf(low), math.nan, low)

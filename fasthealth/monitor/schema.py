@@ -47,6 +47,12 @@ FIELDS: tuple[Field, ...] = (
           "with a process_group"),
     Field("replica_mismatch_rank", FLOAT, "the lowest rank named among them, at any world "
           "size (NaN: none named)", "with a process_group"),
+    Field("weight_replica_mismatch", COUNT, "ranks whose parameters differ from their "
+          "replicas' after the step", "with a process_group, once per flush"),
+    Field("weight_replica_rank", FLOAT, "the lowest rank named among them (NaN: none named)",
+          "with a process_group, once per flush"),
+    Field("weight_replica_tensor", FLOAT, "the index of the first parameter whose replicas "
+          "differ (NaN: not known)", "with a process_group under DDP, once per flush"),
     Field("spike_skip", MAYBE_FLAG, "the device spike rule skipped this step",
           "with on_spike='skip'"),
     Field("quarantine_skip", MAYBE_FLAG, "the step's batch held a sample a rollback "

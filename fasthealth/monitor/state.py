@@ -6,11 +6,10 @@ What a run's verdicts depend on lives in a handful of host objects: each rule's 
 open incident (``incidents.py``), the schedule's view of the learning rate (``schedule.py``),
 the step counter and the run id. The state is those objects' fields, encoded as plain
 containers (dicts, lists, numbers, strings) and CPU tensors, so that ``torch.load(...,
-weights_only=True)`` reads it without running code. What is not state stays
-out: the rules' configs (a resumed Monitor's options decide them; a rule whose config changed
-starts cold, with a warning), references to the model, the optimizer and the precursor probe's
-copies of the weights (the probe copies them again at its next due step), the batches kept for
-the next dump.
+weights_only=True)`` reads it without running code. What is not state stays out: the rules'
+configs (a resumed Monitor's options decide them; a rule whose config changed starts cold, with
+a warning), references to the model, the optimizer and the precursor probe's copies of the
+weights (the probe copies them again at its next due step), the batches kept for the dump.
 
 The state stays small however long and noisy the run (events.jsonl and incidents.jsonl hold
 the whole history): of the events it keeps the last ``EVENTS_KEPT`` (256) and the open
@@ -76,6 +75,7 @@ class Monitor(Protocol):
     detectors: list[Any]
     skip_rule: Any
     rollback: Any
+    precursors: Any
     _restarts: Any
     _next_step: int
     steps_seen: int
@@ -491,8 +491,8 @@ def load_state_dict(mon: Monitor, sd: dict[str, Any]) -> None:
     j.recent_lr.extend(recent_lr)
     j.optimizer = optimizer
     mon._next_step, mon.steps_seen, mon._resumed = next_step, steps_seen, True
-    if mon.precursors is not None:
-        mon.precursors.arm(next_step)  # the LM head's hook for the step the run goes on with
+    if mon.precursors is not None:  # the LM head hooked for the step the run goes on with
+        mon.precursors.arm(next_step)
     if cold:
         warnings.warn("fasthealth: these rules start cold (their settings differ from the "
                       "saved run's, they keep no state, or an older state lacks their fields): "

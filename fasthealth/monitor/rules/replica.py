@@ -1,6 +1,9 @@
-"""``replica_divergence``: under a process group, ranks whose replicas (DDP's copies of the
-gradients) disagree (``fasthealth.distributed``): reported once until they agree again,
-naming the ranks."""
+"""``replica_divergence``: under a process group, ranks whose replicas disagree
+(``fasthealth.distributed``): DDP's copies of the gradients at every step, or of the parameters
+after the step, compared once per flush (silent data corruption that reached the weights, or a
+desynchronised rank). Reported once until they agree again, naming the ranks and, for the
+parameters, the first tensor that differs. ``active`` holds what is being reported: 1 the
+gradients, 2 the parameters (a state saved as True reads as the gradients)."""
 
 from __future__ import annotations
 
@@ -18,20 +21,27 @@ class ReplicaDivergence(Rule[NoConfig]):
 
     def __init__(self, config=None, ctx=None) -> None:
         super().__init__(config, ctx)
-        self.active = False
+        self.active = 0
 
     def observe(self, s: StepRecord) -> list[Finding]:
+        found = self._gradients(s)
+        weights = s.values.get("weight_replica_mismatch", math.nan)
+        if weights == 0:
+            self.active = int(self.active) & 1
+        elif weights > 0 and not int(self.active) & 2:
+            self.active = int(self.active) | 2
+            found += self._weights(s, int(weights))
+        return found
+
+    def _gradients(self, s: StepRecord) -> list[Finding]:
         count = s.values.get("replica_mismatch", math.nan)
         if not count > 0:
-            self.active = False
+            self.active = int(self.active) & 2
             return []
-        if self.active:
+        if int(self.active) & 1:
             return []
-        self.active = True
-        ranks = decode_ranks(s.values["replica_mismatch_mask"])
-        lowest = s.values.get("replica_mismatch_rank", math.nan)
-        if not ranks and math.isfinite(lowest):  # named above rank 51: the lowest of them
-            ranks = [int(lowest)]
+        self.active = int(self.active) | 1
+        ranks = _named(s, "replica_mismatch_mask", "replica_mismatch_rank")
         named = (f": ranks {listed(map(str, ranks))}" if ranks else
                  " (several ranks of a set disagree alike: counted, not named)")
         return [Finding(
@@ -40,3 +50,28 @@ class ReplicaDivergence(Rule[NoConfig]):
             "first: those ranks' hardware (silent data corruption: ECC errors, a failing GPU), "
             "then whether every rank runs the same code and data order (a desynchronised "
             "rank)", {"ranks": ranks, "count": int(count)})]
+
+    def _weights(self, s: StepRecord, count: int) -> list[Finding]:
+        ranks = _named(s, None, "weight_replica_rank")
+        at = s.values.get("weight_replica_tensor", math.nan)
+        names = self.ctx.names if self.ctx is not None else []
+        tensor = names[int(at)] if math.isfinite(at) and int(at) < len(names) else None
+        where = f" first in {tensor}" if tensor else ""
+        who = (f"rank {ranks[0]}" if ranks and count == 1 else
+               f"{count} ranks (rank {ranks[0]} among them)" if ranks else f"{count} rank(s)")
+        return [Finding(
+            "replica_divergence",
+            f"the parameters of {who} differ from their replicas'{where} after the step: a "
+            "replica that no longer trains the same model. Check first: that rank's hardware "
+            "(silent data corruption in memory or in the optimizer's update), then restart it "
+            "from a replica's weights", {"ranks": ranks, "count": count, "tensor": tensor,
+                                         "what": "parameters"})]
+
+
+def _named(s: StepRecord, mask: str | None, lowest: str) -> list[int]:
+    """The ranks a record names: those of the bit mask (below 52), else the lowest named."""
+    ranks = decode_ranks(s.values.get(mask, math.nan)) if mask else []
+    low = s.values.get(lowest, math.nan)
+    if not ranks and math.isfinite(low):
+        ranks = [int(low)]
+    return ranks
