@@ -59,12 +59,15 @@ from .ops.reference import finalize, merge_rows
 W = TABLE_WIDTH
 MASK_RANKS = 52  # ranks a float64 bit mask holds exactly
 # the MAX vector's head: finite max, -finite min, largest finite norm, non-finite, refused
-M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_HEAD = range(6)
+# and the lowest (as -rank) and highest rank whose own gradients held NaN/Inf before DDP's
+# all-reduce (``NonFiniteOrigin``)
+M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_ORIGIN_LOW, M_ORIGIN_HIGH, M_HEAD = range(8)
 # the SUM vector's head: the counts, then the moments and the loss
 SUM_COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count",
               "overflow_count", "underflow_count")
-S_NF, S_MEAN, S_M2, S_NORM, S_LOSS, S_LOSSES = range(len(SUM_COUNTS), len(SUM_COUNTS) + 6)
-S_HEAD = S_LOSSES + 1
+S_NF, S_MEAN, S_M2, S_NORM, S_LOSS, S_LOSSES, S_ORIGINS = range(len(SUM_COUNTS),
+                                                               len(SUM_COUNTS) + 7)
+S_HEAD = S_ORIGINS + 1
 _LOW, _MID = 2**26 - 1, 2**26  # the fingerprint's pieces of a float64's bits
 _NEG = float("-inf")
 RANKS = 2.0**20  # the representative's key: NaN/Inf count * RANKS + (RANKS - 1 - rank)
@@ -183,11 +186,13 @@ def row_fingerprint(row: torch.Tensor) -> torch.Tensor:
 def global_table(grads: list[torch.Tensor], names: list[str], backend: str | None,
                  rng: tuple[float, float], process_group: Any,
                  extra_bad: torch.Tensor | None = None, replica_group: Any = None,
-                 extra_loss: torch.Tensor | None = None
+                 extra_loss: torch.Tensor | None = None, origin: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the local per-tensor table of ``grads`` with the model-wide total as its last row, the
-    replica check: ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named``, and
-    ``loss_mean``, the mean of every rank's ``extra_loss``)."""
+    replica check: ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named``,
+    ``loss_mean``, the mean of every rank's ``extra_loss``, and ``origin_rank`` and
+    ``origin_count``: the lowest rank whose ``origin`` flag was set (its own gradients held
+    NaN/Inf before the data-parallel reduction; NaN for none) and how many were)."""
     _check_group(process_group)
     views = [local_view(g) for g in grads]
     local = [v for v, _ in views]
@@ -203,7 +208,7 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     slot, own, sizes = replica_set(process_group, replica_group, fp)
     dev = table.device if table is not None else _default_device(process_group)
     part = _Part(table, owned, extra_bad, slot, own, len(sizes),
-                 float(dist.get_rank(process_group)), dev)
+                 float(dist.get_rank(process_group)), dev, origin)
     comm = _comm_device(process_group, dev)
     # 1. MAX: extremes, the norms' scale, the flags, each set's fingerprints and representative
     top = part.maxima().to(comm)
@@ -223,6 +228,9 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     total = _total(top, add, shift, scale)
     check = _replica_check(top, add, sizes)
     check["loss_mean"] = add[S_LOSS] / add[S_LOSSES]
+    check["origin_rank"] = torch.where(torch.isinf(top[M_ORIGIN_LOW]), float("nan"),
+                                       -top[M_ORIGIN_LOW])
+    check["origin_count"] = add[S_ORIGINS]
     return torch.cat([table[:-1], total[None]]), check
 
 
@@ -231,10 +239,11 @@ class _Part:
     tensors' merged rows (NaN rows, flagged, when its input was refused: ``table`` None)."""
 
     def __init__(self, table: torch.Tensor | None, owned: list[bool | None], extra_bad: Any,
-                 slot: int | None, own: bool, sets: int, rank: float, dev: torch.device
-                 ) -> None:
+                 slot: int | None, own: bool, sets: int, rank: float, dev: torch.device,
+                 origin: torch.Tensor | None = None) -> None:
         self.table, self.slot, self.own, self.sets, self.rank, self.dev = (
             table, slot, own, sets, rank, dev)
+        self.origin = None if origin is None else origin.to(dev).reshape(())
         if table is None:
             return
         dt, self.pl = _parts(table, owned)
@@ -250,12 +259,16 @@ class _Part:
 
     def maxima(self) -> torch.Tensor:
         top = torch.full((M_HEAD + 3 * self.sets,), _NEG, dtype=torch.float64, device=self.dev)
+        if self.origin is not None:
+            top[M_ORIGIN_LOW:M_ORIGIN_HIGH + 1] = torch.stack([
+                torch.where(self.origin, -self.rank, _NEG),
+                torch.where(self.origin, self.rank, _NEG)]).double()
         if self.table is None:
             top[M_BAD] = top[M_ERROR] = 1.0
             return top
         e = self.every
         has = e[:, COL["numel"]] - e[:, COL["nan_count"]] - e[:, COL["inf_count"]] > 0
-        top[:M_HEAD] = torch.stack([
+        top[:M_ORIGIN_LOW] = torch.stack([
             torch.where(has, e[:, COL["finite_max"]], _NEG).max(),
             torch.where(has, -e[:, COL["finite_min"]], _NEG).max(),
             e[:, COL["finite_norm"]].max(), self.bad.double(),
@@ -272,6 +285,8 @@ class _Part:
             add[S_LOSS:S_LOSSES + 1] = torch.stack([
                 loss.reshape(()).to(self.dev, torch.float64),
                 torch.ones((), dtype=torch.float64, device=self.dev)])
+        if self.origin is not None:
+            add[S_ORIGINS] = self.origin.double()
         if self.table is None:
             return add
         weight = torch.ones(2, dtype=torch.float64, device=self.dev)  # the plain row's: 1, 0
@@ -428,3 +443,50 @@ def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group:
                                                         add.to(dev).view(k, 4), sizes, dev))
     out["tensors"] = top[2 * k:2 * k + n] != -top[2 * k + n:] if n else None
     return out
+
+
+class NonFiniteOrigin:
+    """A DDP communication hook that notes whether this rank's own gradients held NaN/Inf
+    before the all-reduce spreads them to every rank, then all-reduces each bucket as DDP's
+    default hook does. ``take()`` gives the flag of the buckets since the last take (a 0-dim
+    bool tensor on the device, no sync; None when no bucket was reduced) and resets it; the
+    Monitor passes it to the step's collectives, which name the lowest such rank."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self.flag: torch.Tensor | None = None
+
+    def note(self, buffer: torch.Tensor) -> None:
+        """One bucket's flat gradients, before the all-reduce: NaN/Inf in any of them."""
+        bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))  # no copy
+        self.flag = bad if self.flag is None else self.flag | bad
+
+    def take(self) -> torch.Tensor | None:
+        flag, self.flag = self.flag, None
+        return flag
+
+    @classmethod
+    def attach(cls, model: Any, process_group: Any) -> NonFiniteOrigin | None:
+        """The hook registered on ``model`` when it is a DistributedDataParallel with no
+        communication hook of its own (DDP takes one); None otherwise."""
+        ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+        if ddp is None or not isinstance(model, ddp):
+            return None
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (  # DDP only
+            allreduce_hook,
+        )
+
+        origin = cls(process_group)
+
+        def fasthealth_nonfinite_origin(state, bucket):
+            # unannotated: DDP takes a hook whose bucket is annotated dist.GradBucket or not
+            # at all, and this module's annotations are strings
+            origin.note(bucket.buffer())
+            return allreduce_hook(state, bucket)
+
+        try:
+            # DDP's own group (its data-parallel group), whatever the Monitor's
+            model.register_comm_hook(model.process_group, fasthealth_nonfinite_origin)
+        except RuntimeError:  # the model has a communication hook already: not replaced
+            return None
+        return origin

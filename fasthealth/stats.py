@@ -228,6 +228,10 @@ class MultiTensorStats:
         self.replica_mismatch_mask: torch.Tensor | None = None
         self.replica_named: torch.Tensor | None = None
         self.loss_mean: torch.Tensor | None = None  # with a process group: the ranks' mean loss
+        # with a process group and fasthealth's DDP hook: the lowest rank whose own gradients
+        # held NaN/Inf before the all-reduce (NaN: none), and how many did
+        self.origin_rank: torch.Tensor | None = None
+        self.origin_count: torch.Tensor | None = None
 
     @property
     def dtypes(self) -> list[torch.dtype]:

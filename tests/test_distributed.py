@@ -253,14 +253,39 @@ def _spike_skip(rank, world):
     assert all(torch.equal(gathered[0], t) for t in gathered), "replicas diverged"
 
 
+def _nan_origin(rank, world):
+    """A NaN made on one rank (its batch) reaches every rank through DDP's all-reduce; the
+    Monitor's DDP hook saw it in that rank's own gradients first, and every rank's event names
+    it. The Monitor takes the DDP model itself, as a loop that steps the wrapped model."""
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(ddp, opt, process_group=dist.group.WORLD, flush_every=4)
+    assert mon._origin is not None
+    for step in range(4):
+        x, y = batch(rank)
+        if step == 2 and rank == world - 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        obs = mon.step(loss)
+        assert bool(obs.skip) == (step == 2), (rank, step)
+    mon.close()
+    ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
+    assert [e.step for e in ev] == [2], [(e.step, e.kind) for e in mon.events]
+    assert ev[0].details["origin_rank"] == world - 1, ev[0].details
+    assert f"made on rank {world - 1} before the all-reduce" in ev[0].message
+
+
 def _worker(rank, world, init_file, scenario):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
-         "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip}[scenario](rank,
-                                                                                      world)
+         "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
+         "nan_origin": _nan_origin}[scenario](rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -289,6 +314,6 @@ def test_fsdp2(world):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scenario", ["stages", "bad_input", "monitor_divergence",
-                                      "spike_skip"])
+                                      "spike_skip", "nan_origin"])
 def test_layouts_replicas_and_errors(world, scenario):
     run(world, scenario)

@@ -32,6 +32,7 @@ import torch
 
 from ..activations import ActivationMonitor
 from ..checks import GradPass
+from ..distributed import NonFiniteOrigin
 from ..ops.backends import unsupported
 from ..ops.layout import COL
 from ..stats import MultiTensorStats
@@ -121,6 +122,15 @@ def _precursor_probe(mon: Monitor, pr: PrecursorOptions) -> PrecursorProbe:
                           next_step=lambda: getattr(this(), "_next_step", 0))
 
 
+def _step_inputs(mon: Monitor, model: torch.nn.Module, process_group: Any) -> None:
+    """What every step reads, made once: the parameters and their indices, and under DDP the
+    communication hook that notes whether this rank's own gradients held NaN/Inf before the
+    all-reduce (``NonFiniteOrigin``; None where the model is not a DDP or has a hook)."""
+    mon._tensors, mon._all = [p for _, p in mon.params], list(range(len(mon.params)))
+    mon._origin = None if process_group is None else NonFiniteOrigin.attach(model,
+                                                                            process_group)
+
+
 def _active(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
     """The scaler, or None for a disabled one: nanoGPT's ``GradScaler(enabled=dtype ==
     "float16")`` outside float16, or a CUDA scaler where CUDA is unavailable, scales nothing and
@@ -144,6 +154,9 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
         if stats.replica_named is not None and stats.replica_named.numel():
             named = stats.replica_named.to(mon.device).nan_to_num(math.inf).min()
             scalars["replica_mismatch_rank"] = torch.where(named.isinf(), math.nan, named)
+    if stats.origin_count is not None and stats.origin_rank is not None:  # under DDP
+        scalars["nonfinite_origin_rank"] = stats.origin_rank.to(mon.device, torch.float64)
+        scalars["nonfinite_origins"] = stats.origin_count.to(mon.device, torch.float64)
     if spike is not None:
         scalars["spike_skip"], z = spike
         scalars["skip_z_loss"], scalars["skip_z_grad_norm"] = z[0], z[1]
@@ -176,6 +189,9 @@ class Monitor(LongRun):
     """
 
     analyser: Analyser  # the host side's rules, events and incidents (analyser.py)
+    _tensors: list[torch.Tensor]  # _step_inputs: the parameters, their indices, the DDP hook
+    _all: list[int]
+    _origin: NonFiniteOrigin | None
     journal: Journal  # the flushes' analysis and writing (journal.py)
 
     def __init__(
@@ -247,7 +263,7 @@ class Monitor(LongRun):
         self.steps_seen = self._next_step = 0  # the Monitor's steps, then its state's flags
         self._stepped = self._resumed = self._closed = self._closing = False  # state, close()
         self._rng, self._opt_stats = _rng_state(), None  # the dumps'; the optimizer scan's
-        self._tensors, self._all = [p for _, p in self.params], list(range(len(self.params)))
+        _step_inputs(self, model, me.process_group)
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         self.activations: ActivationMonitor | None = None  # before the sinks: a bad regex
         if me.activations is not None and me.activations is not False:
@@ -302,7 +318,8 @@ class Monitor(LongRun):
         pg = self.process_group
         stats = self._grad_pass(grads, names, process_group=pg, extra_bad=~loss_ok,
                                 replica_group=self.replica_group,
-                                extra_loss=loss_d if self.skip_rule is not None else None)
+                                extra_loss=loss_d if self.skip_rule is not None else None,
+                                origin=None if self._origin is None else self._origin.take())
         table = stats.raw.to(self.device)
         total = table[-1]
         grads_ok = total[COL["all_finite"]]  # 1.0 or 0.0

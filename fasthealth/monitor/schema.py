@@ -47,6 +47,10 @@ FIELDS: tuple[Field, ...] = (
           "with a process_group"),
     Field("replica_mismatch_rank", FLOAT, "the lowest rank named among them, at any world "
           "size (NaN: none named)", "with a process_group"),
+    Field("nonfinite_origin_rank", FLOAT, "the lowest rank whose own gradients held NaN/Inf "
+          "before DDP's all-reduce (NaN: none)", "with a process_group and a DDP model"),
+    Field("nonfinite_origins", COUNT, "how many ranks' own gradients did",
+          "with a process_group and a DDP model"),
     Field("weight_replica_mismatch", COUNT, "ranks whose parameters differ from their "
           "replicas' after the step", "with a process_group, once per flush"),
     Field("weight_replica_rank", FLOAT, "the lowest rank named among them (NaN: none named)",

@@ -7,6 +7,8 @@ always reported.
 
 from __future__ import annotations
 
+import math
+
 from ..record import StepRecord
 from .base import Finding, NoConfig, Rule, listed, skipped
 
@@ -41,10 +43,17 @@ class NonFiniteGrad(Rule[NoConfig]):
         names = self.ctx.names
         bad = {names[i]: int(c) for i, c in enumerate(s.per_bad) if c == c and c > 0}
         action = " (step skipped)" if skipped(s) else ""
+        origin = v.get("nonfinite_origin_rank", math.nan)
+        made = ""
+        if math.isfinite(origin):  # under DDP: where it was made, before the all-reduce
+            others = int(v.get("nonfinite_origins", 1)) - 1
+            made = (f", made on rank {int(origin)}" + (f" and {others} other rank(s)" if others
+                                                      else "") + " before the all-reduce")
         return [Finding("nonfinite_grad",
                         f"{int(v['nan_count'])} NaN and {int(v['inf_count'])} Inf gradient "
-                        f"values in {len(bad)} tensor(s): {listed(bad)}{action}. Check first: "
-                        "whether the loss was finite (if so, the backward pass of the first "
-                        "tensor named made it: fh.replay names the module), then fp16 ranges",
-                        {"tensors": bad, "nan_count": int(v["nan_count"]),
-                         "inf_count": int(v["inf_count"]), "skipped": skipped(s)})]
+                        f"values in {len(bad)} tensor(s): {listed(bad)}{made}{action}. Check "
+                        "first: whether the loss was finite (if so, the backward pass of the "
+                        "first tensor named made it: fh.replay names the module), then fp16 "
+                        "ranges", {"tensors": bad, "nan_count": int(v["nan_count"]),
+                                   "inf_count": int(v["inf_count"]), "skipped": skipped(s),
+                                   "origin_rank": int(origin) if made else None})]
