@@ -143,18 +143,19 @@ def grads_stats(
     replica_group: Any = None,
     extra_loss: torch.Tensor | None = None,
     origin: torch.Tensor | None = None,
+    extra_skip: torch.Tensor | None = None,
 ) -> MultiTensorStats:
     """check_grads on collected gradients; with a process group, the total is the whole
     model's (two all-reduces), ``extra_bad`` joins the cross-rank non-finite flag, the mean
     of every rank's ``extra_loss`` comes back as ``loss_mean``, and the ranks whose ``origin``
-    flag is set (``NonFiniteOrigin``) as ``origin_rank`` and ``origin_count``, in the same
-    collectives."""
+    flag is set (``NonFiniteOrigin``) as ``origin_rank`` and ``origin_count``, and whether any
+    rank's ``extra_skip`` is set as ``skip_any``, in the same collectives."""
     rng = range_thresholds(range_dtype)
     check = None
     if process_group is not None:
         grads = [grad_values(g) for g in grads]
         table, check = global_table(grads, names, backend, rng, process_group, extra_bad,
-                                    replica_group, extra_loss, origin)
+                                    replica_group, extra_loss, origin, extra_skip)
     elif grads:
         try:
             table = ops.table(grads, names, backend, rng)
@@ -172,6 +173,7 @@ def grads_stats(
         s.replica_named = check["replica_named"]
         s.loss_mean = check["loss_mean"]
         s.origin_rank, s.origin_count = check["origin_rank"], check["origin_count"]
+        s.skip_any = check["skip_any"]
     return s
 
 
@@ -189,7 +191,8 @@ class GradPass:
     def __call__(self, grads: list[torch.Tensor], names: list[str], *,
                  process_group: Any = None, extra_bad: torch.Tensor | None = None,
                  replica_group: Any = None, extra_loss: torch.Tensor | None = None,
-                 origin: torch.Tensor | None = None) -> MultiTensorStats:
+                 origin: torch.Tensor | None = None, extra_skip: torch.Tensor | None = None
+                 ) -> MultiTensorStats:
         if process_group is None and grads:
             try:
                 with torch.no_grad():
@@ -199,7 +202,8 @@ class GradPass:
                 pass  # the general path handles it, or raises naming the input at fault
         return grads_stats([grad_values(g) for g in grads], names, [], backend=self.backend,
                            process_group=process_group, extra_bad=extra_bad,
-                           replica_group=replica_group, extra_loss=extra_loss, origin=origin)
+                           replica_group=replica_group, extra_loss=extra_loss, origin=origin,
+                           extra_skip=extra_skip)
 
 
 def check_params(

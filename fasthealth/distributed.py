@@ -60,8 +60,9 @@ W = TABLE_WIDTH
 MASK_RANKS = 52  # ranks a float64 bit mask holds exactly
 # the MAX vector's head: finite max, -finite min, largest finite norm, non-finite, refused
 # and the lowest (as -rank) and highest rank whose own gradients held NaN/Inf before DDP's
-# all-reduce (``NonFiniteOrigin``)
-M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_ORIGIN_LOW, M_ORIGIN_HIGH, M_HEAD = range(8)
+# all-reduce (``replicas.NonFiniteOrigin``)
+# and whether any rank's ``extra_skip`` is set (a batch a rollback quarantined)
+M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_ORIGIN_LOW, M_ORIGIN_HIGH, M_SKIP, M_HEAD = range(9)
 # the SUM vector's head: the counts, then the moments and the loss
 SUM_COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count",
               "overflow_count", "underflow_count")
@@ -146,7 +147,7 @@ def replica_set(process_group: Any, replica_group: Any, plain_fp: float
 
 def _gather_keys(key: float, process_group: Any) -> list[float]:
     world = dist.get_world_size(process_group)
-    dev = _comm_device(process_group, _default_device(process_group))
+    dev = comm_device(process_group, _default_device(process_group))
     out = torch.empty(world, dtype=torch.float64, device=dev)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, torch.tensor([key], dtype=torch.float64, device=dev), group=process_group)
@@ -159,11 +160,13 @@ def _default_device(process_group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _comm_device(process_group: Any, device: torch.device) -> torch.device:
+def comm_device(process_group: Any, device: torch.device) -> torch.device:
+    """Where a collective of ``process_group`` takes its tensors: the CPU for Gloo, else
+    ``device``."""
     return device if dist.get_backend(process_group) != "gloo" else torch.device("cpu")
 
 
-def _check_group(process_group: Any) -> None:
+def check_group(process_group: Any) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("fasthealth: process_group= needs torch.distributed to be initialized "
                          "(init_process_group)")
@@ -186,14 +189,16 @@ def row_fingerprint(row: torch.Tensor) -> torch.Tensor:
 def global_table(grads: list[torch.Tensor], names: list[str], backend: str | None,
                  rng: tuple[float, float], process_group: Any,
                  extra_bad: torch.Tensor | None = None, replica_group: Any = None,
-                 extra_loss: torch.Tensor | None = None, origin: torch.Tensor | None = None
+                 extra_loss: torch.Tensor | None = None, origin: torch.Tensor | None = None,
+                 extra_skip: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the local per-tensor table of ``grads`` with the model-wide total as its last row, the
     replica check: ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named``,
     ``loss_mean``, the mean of every rank's ``extra_loss``, and ``origin_rank`` and
     ``origin_count``: the lowest rank whose ``origin`` flag was set (its own gradients held
-    NaN/Inf before the data-parallel reduction; NaN for none) and how many were)."""
-    _check_group(process_group)
+    NaN/Inf before the data-parallel reduction; NaN for none) and how many were, and
+    ``skip_any``: whether any rank's ``extra_skip`` is set)."""
+    check_group(process_group)
     views = [local_view(g) for g in grads]
     local = [v for v, _ in views]
     owned = [o for _, o in views]
@@ -208,8 +213,8 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     slot, own, sizes = replica_set(process_group, replica_group, fp)
     dev = table.device if table is not None else _default_device(process_group)
     part = _Part(table, owned, extra_bad, slot, own, len(sizes),
-                 float(dist.get_rank(process_group)), dev, origin)
-    comm = _comm_device(process_group, dev)
+                 float(dist.get_rank(process_group)), dev, origin, extra_skip)
+    comm = comm_device(process_group, dev)
     # 1. MAX: extremes, the norms' scale, the flags, each set's fingerprints and representative
     top = part.maxima().to(comm)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=process_group)
@@ -231,6 +236,7 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     check["origin_rank"] = torch.where(torch.isinf(top[M_ORIGIN_LOW]), float("nan"),
                                        -top[M_ORIGIN_LOW])
     check["origin_count"] = add[S_ORIGINS]
+    check["skip_any"] = top[M_SKIP] > 0
     return torch.cat([table[:-1], total[None]]), check
 
 
@@ -240,10 +246,11 @@ class _Part:
 
     def __init__(self, table: torch.Tensor | None, owned: list[bool | None], extra_bad: Any,
                  slot: int | None, own: bool, sets: int, rank: float, dev: torch.device,
-                 origin: torch.Tensor | None = None) -> None:
+                 origin: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
         self.table, self.slot, self.own, self.sets, self.rank, self.dev = (
             table, slot, own, sets, rank, dev)
         self.origin = None if origin is None else origin.to(dev).reshape(())
+        self.skip = None if skip is None else skip.to(dev).reshape(())
         if table is None:
             return
         dt, self.pl = _parts(table, owned)
@@ -263,6 +270,8 @@ class _Part:
             top[M_ORIGIN_LOW:M_ORIGIN_HIGH + 1] = torch.stack([
                 torch.where(self.origin, -self.rank, _NEG),
                 torch.where(self.origin, self.rank, _NEG)]).double()
+        if self.skip is not None:
+            top[M_SKIP] = self.skip.double()
         if self.table is None:
             top[M_BAD] = top[M_ERROR] = 1.0
             return top
@@ -367,10 +376,10 @@ def _replica_check(top: torch.Tensor, add: torch.Tensor, sizes: tuple[int, ...]
     """``global_table``'s replica check: each set's slot of the MAX (high, -low, its
     representative) and of the SUM (its sides)."""
     k = len(sizes)
-    return _verdict(top[M_HEAD:].view(k, 3), add[S_HEAD:].view(k, 4), sizes, top.device)
+    return verdict(top[M_HEAD:].view(k, 3), add[S_HEAD:].view(k, 4), sizes, top.device)
 
 
-def _verdict(slots: torch.Tensor, sides: torch.Tensor, sizes: tuple[int, ...],
+def verdict(slots: torch.Tensor, sides: torch.Tensor, sizes: tuple[int, ...],
              dev: torch.device) -> dict[str, torch.Tensor]:
     """Each set's verdict from its two fingerprints (``slots[:, 0]``, ``-slots[:, 1]``) and its
     sides (how many members hold each, the sums of their ranks): the ranks on the smaller side
@@ -397,96 +406,3 @@ def _verdict(slots: torch.Tensor, sides: torch.Tensor, sizes: tuple[int, ...],
     mask = torch.where(low.isnan(), 0.0, torch.exp2(low.nan_to_num(0.0))).sum()
     return {"replica_mismatch": count, "replica_mismatch_mask": mask, "replica_named": named}
 
-
-def param_checksums(params: list[torch.Tensor]) -> torch.Tensor:
-    """A float64 integer below 2**52 per tensor, from the bits of its elements: the sum of
-    their bit patterns as integers, its bits above 52 folded into the low ones, so a single
-    flipped bit anywhere changes it. On the device, no sync; a DTensor's local shard."""
-    out = []
-    for p in params:
-        x = local_view(p.detach())[0].reshape(-1)
-        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
-        s = x.view(bits).sum(dtype=torch.int64)
-        out.append((s & 0xFFFFFFFFFFFFF) ^ ((s >> 52) & 0xFFF))
-    return torch.stack(out).double() if out else torch.zeros(0, dtype=torch.float64)
-
-
-def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group: Any,
-                     plain_fp: float) -> dict[str, torch.Tensor | None]:
-    """Whether the replicas of each set hold the same tensors (``param_checksums`` of the same
-    parameters on every member), by two all-reduces: a MAX of each set's fingerprint (high,
-    -low) and, when every rank of the group is a replica of one set (DDP), of each tensor's
-    checksum; a SUM of each set's sides (``_verdict``). Returns ``replica_mismatch``,
-    ``replica_mismatch_mask``, ``replica_named`` as ``global_table``'s check, and ``tensors``:
-    per tensor whether its replicas differ (None unless one set holds every rank)."""
-    _check_group(process_group)
-    slot, _, sizes = replica_set(process_group, replica_group, plain_fp)
-    dev, k = checksums.device, len(sizes)
-    comm = _comm_device(process_group, dev)
-    n = checksums.numel() if k == 1 and sizes[0] == dist.get_world_size(process_group) else 0
-    top = torch.full((2 * k + 2 * n,), _NEG, dtype=torch.float64, device=dev)
-    h = row_fingerprint(checksums)
-    if slot is not None:
-        top[2 * slot:2 * slot + 2] = torch.stack([h, -h])
-    if n:
-        top[2 * k:] = torch.cat([checksums, -checksums])
-    top = top.to(comm)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=process_group)
-    top = top.to(dev)
-    add = torch.zeros(4 * k, dtype=torch.float64, device=dev)
-    if slot is not None:
-        on = torch.stack([h == top[2 * slot], h == -top[2 * slot + 1]]).double()
-        add[4 * slot:4 * slot + 4] = torch.cat([on, on * float(dist.get_rank(process_group))])
-    add = add.to(comm)
-    dist.all_reduce(add, op=dist.ReduceOp.SUM, group=process_group)
-    out: dict[str, torch.Tensor | None] = dict(_verdict(top[:2 * k].view(k, 2),
-                                                        add.to(dev).view(k, 4), sizes, dev))
-    out["tensors"] = top[2 * k:2 * k + n] != -top[2 * k + n:] if n else None
-    return out
-
-
-class NonFiniteOrigin:
-    """A DDP communication hook that notes whether this rank's own gradients held NaN/Inf
-    before the all-reduce spreads them to every rank, then all-reduces each bucket as DDP's
-    default hook does. ``take()`` gives the flag of the buckets since the last take (a 0-dim
-    bool tensor on the device, no sync; None when no bucket was reduced) and resets it; the
-    Monitor passes it to the step's collectives, which name the lowest such rank."""
-
-    def __init__(self, process_group: Any = None) -> None:
-        self.process_group = process_group
-        self.flag: torch.Tensor | None = None
-
-    def note(self, buffer: torch.Tensor) -> None:
-        """One bucket's flat gradients, before the all-reduce: NaN/Inf in any of them."""
-        bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))  # no copy
-        self.flag = bad if self.flag is None else self.flag | bad
-
-    def take(self) -> torch.Tensor | None:
-        flag, self.flag = self.flag, None
-        return flag
-
-    @classmethod
-    def attach(cls, model: Any, process_group: Any) -> NonFiniteOrigin | None:
-        """The hook registered on ``model`` when it is a DistributedDataParallel with no
-        communication hook of its own (DDP takes one); None otherwise."""
-        ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-        if ddp is None or not isinstance(model, ddp):
-            return None
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (  # DDP only
-            allreduce_hook,
-        )
-
-        origin = cls(process_group)
-
-        def fasthealth_nonfinite_origin(state, bucket):
-            # unannotated: DDP takes a hook whose bucket is annotated dist.GradBucket or not
-            # at all, and this module's annotations are strings
-            origin.note(bucket.buffer())
-            return allreduce_hook(state, bucket)
-
-        try:
-            # DDP's own group (its data-parallel group), whatever the Monitor's
-            model.register_comm_hook(model.process_group, fasthealth_nonfinite_origin)
-        except RuntimeError:  # the model has a communication hook already: not replaced
-            return None
-        return origin

@@ -232,6 +232,7 @@ class MultiTensorStats:
         # held NaN/Inf before the all-reduce (NaN: none), and how many did
         self.origin_rank: torch.Tensor | None = None
         self.origin_count: torch.Tensor | None = None
+        self.skip_any: torch.Tensor | None = None  # any rank's batch quarantined (rollback)
 
     @property
     def dtypes(self) -> list[torch.dtype]:

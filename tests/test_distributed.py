@@ -278,6 +278,45 @@ def _nan_origin(rank, world):
     assert f"made on rank {world - 1} before the all-reduce" in ev[0].message
 
 
+def _rollback(rank, world):
+    """nanoGPT's loop under DDP with rollback: one rank's weights corrupted after a step (as
+    its memory could be); the ranks' incidents differ (that rank's weights, the others' loss
+    and replicas), and every rank rolls back at the same flush to the same snapshot, after
+    which the replicas are equal again and train on."""
+    from nanogpt import GPT, batch, text
+
+    torch.manual_seed(0)
+    model = GPT()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    mon = fh.Monitor(ddp, opt, max_grad_norm=1.0, process_group=dist.group.WORLD,
+                     rollback=fh.RollbackConfig(every=100))
+    data, g = text(), torch.Generator().manual_seed(rank)
+    losses = []
+    for step in range(400):
+        x, y = batch(data, g)
+        loss = ddp(x, y)
+        loss.backward()
+        mon.step(loss.detach(), sample_ids=torch.arange(len(x)) + (step * world + rank) * 8)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step == 280 and rank == world - 1:
+            with torch.no_grad():
+                model.blocks[0].mlp[0].weight[:, 5] = 1e3
+    mon.close()
+    (rb,) = mon.rollbacks
+    assert rb.to_step < 280 <= rb.step < 280 + 50, rb
+    back = torch.tensor([rb.step, rb.to_step], dtype=torch.float64)
+    every = [torch.empty_like(back) for _ in range(world)]
+    dist.all_gather(every, back)
+    assert all(torch.equal(b, back) for b in every), every  # the same rollback everywhere
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], t) for t in gathered), "replicas differ after it"
+    assert max(losses[-20:]) < losses[270] * 1.5, (losses[270], losses[-20:])
+
+
 def _worker(rank, world, init_file, scenario, done_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
@@ -285,7 +324,7 @@ def _worker(rank, world, init_file, scenario, done_dir):
         torch.set_num_threads(1)
         {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
          "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
-         "nan_origin": _nan_origin}[scenario](rank, world)
+         "nan_origin": _nan_origin, "rollback": _rollback}[scenario](rank, world)
         dist.barrier()
         open(os.path.join(done_dir, f"rank-{rank}"), "w").close()  # every check passed
     finally:
@@ -325,6 +364,6 @@ def test_fsdp2(world):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scenario", ["stages", "bad_input", "monitor_divergence",
-                                      "spike_skip", "nan_origin"])
+                                      "spike_skip", "nan_origin", "rollback"])
 def test_layouts_replicas_and_errors(world, scenario):
     run(world, scenario)

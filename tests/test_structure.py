@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import its own layer and those below, never one above.
 LAYERS = [
     ["fasthealth.ops", "fasthealth.triton_kernels"],  # the one op
-    ["fasthealth.stats", "fasthealth.params", "fasthealth.distributed"],  # views, inputs, ranks
+    ["fasthealth.stats", "fasthealth.params", "fasthealth.distributed",
+     "fasthealth.replicas"],  # views, inputs, ranks
     ["fasthealth.checks"],  # the public checks
     ["fasthealth.activations", "fasthealth.optim"],
     ["fasthealth.monitor"],  # the training-loop monitor

@@ -32,9 +32,9 @@ import torch
 
 from ..activations import ActivationMonitor
 from ..checks import GradPass
-from ..distributed import NonFiniteOrigin
 from ..ops.backends import unsupported
 from ..ops.layout import COL
+from ..replicas import NonFiniteOrigin
 from ..stats import MultiTensorStats
 from . import gate
 from .analyser import Analyser
@@ -129,6 +129,17 @@ def _step_inputs(mon: Monitor, model: torch.nn.Module, process_group: Any) -> No
     mon._tensors, mon._all = [p for _, p in mon.params], list(range(len(mon.params)))
     mon._origin = None if process_group is None else NonFiniteOrigin.attach(model,
                                                                             process_group)
+
+
+def _gradients(mon: Monitor) -> tuple[list[torch.Tensor], list[int], list[str]]:
+    """(the watched parameters' gradients, their indices, their names): each ``.grad`` read
+    once, the lists kept when every parameter has one (the usual step)."""
+    found = [p.grad for p in mon._tensors]
+    grads, present, names = cast("list[torch.Tensor]", found), mon._all, mon.names
+    if any(g is None for g in found):
+        present = [i for i, g in enumerate(found) if g is not None]
+        grads, names = [grads[i] for i in present], [mon.names[i] for i in present]
+    return grads, present, names
 
 
 def _active(scaler: torch.amp.GradScaler | None) -> torch.amp.GradScaler | None:
@@ -308,18 +319,20 @@ class Monitor(LongRun):
         self._next_step = t + 1
         if self.scaler is not None and self.optimizer is not None:
             gate.unscale(self.optimizer, self.scaler)
-        found = [p.grad for p in self._tensors]
-        grads, present, names = cast("list[torch.Tensor]", found), self._all, self.names
-        if any(g is None for g in found):
-            present = [i for i, g in enumerate(found) if g is not None]
-            grads, names = [grads[i] for i in present], [self.names[i] for i in present]
+        grads, present, names = _gradients(self)
         # with a process group the verdict is every rank's: a NaN anywhere skips everywhere,
         # and the skip rule sees the ranks' mean loss
         pg = self.process_group
+        # a batch holding a sample a rollback quarantined: skipped as well (rollback.py), on
+        # every rank when any rank's batch holds one
+        held = None if self.rollback is None else self.rollback.holds(sample_ids, self.device)
         stats = self._grad_pass(grads, names, process_group=pg, extra_bad=~loss_ok,
                                 replica_group=self.replica_group,
                                 extra_loss=loss_d if self.skip_rule is not None else None,
-                                origin=None if self._origin is None else self._origin.take())
+                                origin=None if self._origin is None else self._origin.take(),
+                                extra_skip=held)
+        if pg is not None and self.rollback is not None:
+            held = stats.skip_any
         table = stats.raw.to(self.device)
         total = table[-1]
         grads_ok = total[COL["all_finite"]]  # 1.0 or 0.0
@@ -330,8 +343,6 @@ class Monitor(LongRun):
         if restart and self.skip_rule is not None:  # as the host rules do (analyser.py)
             self.skip_rule.rearm()
         nonfinite_gate = bad if self.on_nonfinite in ("skip", "raise") else torch.zeros_like(bad)
-        # a batch holding a sample a rollback quarantined: skipped as well (rollback.py)
-        held = None if self.rollback is None else self.rollback.holds(sample_ids, self.device)
         skip = spike[0] if spike is not None else None  # what skips beside non-finite values
         if held is not None:
             skip = held if skip is None else skip | held

@@ -252,9 +252,6 @@ def _check_rollback(rollback: Any, optimizer: Any, process_group: Any) -> None:
     if optimizer is None:
         raise ValueError("fasthealth: rollback needs the optimizer (Monitor(model, optimizer, "
                          "rollback=...)): its state is rolled back with the model's")
-    if process_group is not None:
-        raise ValueError("fasthealth: rollback is not supported with a process_group yet: "
-                         "every rank would have to roll back together")
     if rollback is not True:
         for name in ("every", "keep", "max_bytes", "max_in_row", "max_total"):
             _integer(f"rollback.{name}", getattr(rollback, name), 1)

@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ..distributed import comm_device
 from .events import Event, Incident
 from .guard import incident_reason, nonfinite_state
 from .record import StepRecord, map_tensors
@@ -262,15 +264,21 @@ class Rollback:
             raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
                              f"{c.max_skips}")
         damaged = incident_reason(mon)
-        if damaged is not None:
-            incident, why = damaged
-            if incident.id not in self.done:
-                self._roll_back(mon, incident, why, last, found)
-            return
+        mine = damaged is not None and damaged[0].id not in self.done
         newest = self.snapshots[-1].step if self.snapshots else None
-        if self.off_reason is None and (newest is None or last - newest >= c.every):
-            if not bool(nonfinite_state(mon).sum().cpu() == 0):  # a sync, every `every` steps
-                return
+        due = self.off_reason is None and (newest is None or last - newest >= c.every)
+        # a sync, every `every` steps: a snapshot only of a state without NaN/Inf
+        bad_state = due and damaged is None and not bool(nonfinite_state(mon).sum().cpu() == 0)
+        # under a process group every rank decides alike: back when any rank's incident says
+        # so (to before the earliest), a snapshot only when no rank objects
+        (back, held, unsafe), (start,) = _agree(
+            mon, [float(mine), float(damaged is not None), float(bad_state)],
+            [float(damaged[0].start) if mine and damaged is not None else math.inf])
+        if back:
+            incident, why = (damaged[0], damaged[1]) if mine and damaged is not None else \
+                (None, "an incident on another rank")
+            self._roll_back(mon, incident, why, last, found, int(start))
+        elif not held and due and not unsafe:
             self._take(last)
 
     def _take(self, step: int) -> None:
@@ -294,14 +302,18 @@ class Rollback:
         oldest = self.snapshots[0].step
         self._ids = {k: v for k, v in self._ids.items() if k > oldest}
 
-    def _roll_back(self, mon: Any, incident: Incident, why: str, last: int,
-                   found: list[Event]) -> None:
+    def _roll_back(self, mon: Any, incident: Incident | None, why: str, last: int,
+                   found: list[Event], start: int) -> None:
+        """Back to the newest snapshot from before ``start``: this rank's ``incident``'s, or
+        under a process group the earliest of the ranks' (None: another rank's)."""
         c = self.config
-        self.done.append(incident.id)
-        target = next((s for s in reversed(self.snapshots) if s.step < incident.start), None)
+        if incident is not None:
+            self.done.append(incident.id)
+        target = next((s for s in reversed(self.snapshots) if s.step < start), None)
+        name = f"incident #{incident.id}" if incident is not None else "an incident"
         if target is None:
             warnings.warn(
-                f"fasthealth: incident #{incident.id} (from step {incident.start}) says the "
+                f"fasthealth: {name} (from step {start}) says the "
                 f"training state may be damaged ({why}), and no snapshot from before it is "
                 "kept" + (f" ({self.off_reason})" if self.off_reason else
                           f" (the first is taken once the run has been safe for {c.every} "
@@ -315,9 +327,9 @@ class Rollback:
                              f"{c.max_total}")
         self._restore(target)
         mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
-        verdict = self._replay(mon, incident)
+        verdict = self._replay(mon, incident) if incident is not None else (None, None, None)
         ids: list[int] = []
-        if incident.cause not in INNOCENT_DATA:
+        if incident is not None and incident.cause not in INNOCENT_DATA:
             # the incident's steps: from its first to its last event (a run of bad batches
             # does not show an event at each of its steps)
             seen = [e.step for e in [*mon.events, *found] if e.incident == incident.id]
@@ -325,7 +337,8 @@ class Rollback:
             ids = sorted({i for t, batch in self._ids.items() if incident.start <= t <= end
                           for i in batch})
         self.quarantine = sorted(set(self.quarantine) | set(ids))
-        record = RollbackRecord(last, target.step, incident.id, why, ids, *verdict)
+        record = RollbackRecord(last, target.step, incident.id if incident is not None else -1,
+                                why, ids, *verdict)
         self.history.append(record)
         self.in_row += 1
         # the snapshots after the target hold the fault's start: never restored again
@@ -335,8 +348,8 @@ class Rollback:
             jsonl.queue_record("rollbacks.jsonl", record.to_json())
             jsonl.drain()
         warnings.warn(
-            f"fasthealth: rolled back at step {last}: incident #{incident.id} (from step "
-            f"{incident.start}: {why}); the model, the optimizer"
+            f"fasthealth: rolled back at step {last}: {name} (from step "
+            f"{start}: {why}); the model, the optimizer"
             + (", the scaler" if target.scaler is not None else "")
             + (", the scheduler" if target.scheduler is not None else "")
             + f" are as they were at the end of step {target.step}, and training goes on with "
@@ -412,3 +425,18 @@ def skip_quarantined(indices: Iterable[int], mon: Any) -> Iterator[int]:
 def _quarantined(sorted_ids: list[int], i: int) -> bool:
     k = bisect_left(sorted_ids, i)
     return k < len(sorted_ids) and sorted_ids[k] == i
+
+
+
+def _agree(mon: Any, most: list[float], least: list[float]) -> tuple[list[float], list[float]]:
+    """The largest of each of ``most`` and the smallest of each of ``least`` over the Monitor's
+    process group, so that every rank takes the same decision: one all-reduce of a few
+    numbers, at a flush; as they are without a process group."""
+    pg = getattr(mon, "process_group", None)
+    if pg is None:
+        return most, least
+    t = torch.tensor([*most, *(-v for v in least)], dtype=torch.float64)
+    t = t.to(comm_device(pg, mon.device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    out = t.cpu().tolist()
+    return out[:len(most)], [-v for v in out[len(most):]]

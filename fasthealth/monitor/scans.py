@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from ..checks import multi_tensor_stats
-from ..distributed import compare_replicas, local_view, param_checksums
 from ..distributed import fingerprint as fp_of
+from ..distributed import local_view
 from ..ops.layout import COL
+from ..replicas import compare_replicas, param_checksums
 
 SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
 

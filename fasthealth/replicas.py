@@ -1,0 +1,110 @@
+"""What replicas under torch.distributed hold beside their gradients (docs/spec.md section 8):
+their parameters, compared once per flush by a bitwise checksum per tensor, and, under DDP,
+where a NaN started: a communication hook that sees each rank's own gradients before the
+all-reduce. Both use ``distributed.py``'s replica sets and its fixed-size all-reduces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import check_group, comm_device, local_view, replica_set, row_fingerprint, verdict
+
+_NEG = float("-inf")
+
+
+
+def param_checksums(params: list[torch.Tensor]) -> torch.Tensor:
+    """A float64 integer below 2**52 per tensor, from the bits of its elements: the sum of
+    their bit patterns as integers, its bits above 52 folded into the low ones, so a single
+    flipped bit anywhere changes it. On the device, no sync; a DTensor's local shard."""
+    out = []
+    for p in params:
+        x = local_view(p.detach())[0].reshape(-1)
+        bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[x.element_size()]
+        s = x.view(bits).sum(dtype=torch.int64)
+        out.append((s & 0xFFFFFFFFFFFFF) ^ ((s >> 52) & 0xFFF))
+    return torch.stack(out).double() if out else torch.zeros(0, dtype=torch.float64)
+
+
+def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group: Any,
+                     plain_fp: float) -> dict[str, torch.Tensor | None]:
+    """Whether the replicas of each set hold the same tensors (``param_checksums`` of the same
+    parameters on every member), by two all-reduces: a MAX of each set's fingerprint (high,
+    -low) and, when every rank of the group is a replica of one set (DDP), of each tensor's
+    checksum; a SUM of each set's sides (``verdict``). Returns ``replica_mismatch``,
+    ``replica_mismatch_mask``, ``replica_named`` as ``global_table``'s check, and ``tensors``:
+    per tensor whether its replicas differ (None unless one set holds every rank)."""
+    check_group(process_group)
+    slot, _, sizes = replica_set(process_group, replica_group, plain_fp)
+    dev, k = checksums.device, len(sizes)
+    comm = comm_device(process_group, dev)
+    n = checksums.numel() if k == 1 and sizes[0] == dist.get_world_size(process_group) else 0
+    top = torch.full((2 * k + 2 * n,), _NEG, dtype=torch.float64, device=dev)
+    h = row_fingerprint(checksums)
+    if slot is not None:
+        top[2 * slot:2 * slot + 2] = torch.stack([h, -h])
+    if n:
+        top[2 * k:] = torch.cat([checksums, -checksums])
+    top = top.to(comm)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=process_group)
+    top = top.to(dev)
+    add = torch.zeros(4 * k, dtype=torch.float64, device=dev)
+    if slot is not None:
+        on = torch.stack([h == top[2 * slot], h == -top[2 * slot + 1]]).double()
+        add[4 * slot:4 * slot + 4] = torch.cat([on, on * float(dist.get_rank(process_group))])
+    add = add.to(comm)
+    dist.all_reduce(add, op=dist.ReduceOp.SUM, group=process_group)
+    out: dict[str, torch.Tensor | None] = dict(verdict(top[:2 * k].view(k, 2),
+                                                        add.to(dev).view(k, 4), sizes, dev))
+    out["tensors"] = top[2 * k:2 * k + n] != -top[2 * k + n:] if n else None
+    return out
+
+
+class NonFiniteOrigin:
+    """A DDP communication hook that notes whether this rank's own gradients held NaN/Inf
+    before the all-reduce spreads them to every rank, then all-reduces each bucket as DDP's
+    default hook does. ``take()`` gives the flag of the buckets since the last take (a 0-dim
+    bool tensor on the device, no sync; None when no bucket was reduced) and resets it; the
+    Monitor passes it to the step's collectives, which name the lowest such rank."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self.flag: torch.Tensor | None = None
+
+    def note(self, buffer: torch.Tensor) -> None:
+        """One bucket's flat gradients, before the all-reduce: NaN/Inf in any of them."""
+        bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))  # no copy
+        self.flag = bad if self.flag is None else self.flag | bad
+
+    def take(self) -> torch.Tensor | None:
+        flag, self.flag = self.flag, None
+        return flag
+
+    @classmethod
+    def attach(cls, model: Any, process_group: Any) -> NonFiniteOrigin | None:
+        """The hook registered on ``model`` when it is a DistributedDataParallel with no
+        communication hook of its own (DDP takes one); None otherwise."""
+        ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+        if ddp is None or not isinstance(model, ddp):
+            return None
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (  # DDP only
+            allreduce_hook,
+        )
+
+        origin = cls(process_group)
+
+        def fasthealth_nonfinite_origin(state, bucket):
+            # unannotated: DDP takes a hook whose bucket is annotated dist.GradBucket or not
+            # at all, and this module's annotations are strings
+            origin.note(bucket.buffer())
+            return allreduce_hook(state, bucket)
+
+        try:
+            # DDP's own group (its data-parallel group), whatever the Monitor's
+            model.register_comm_hook(model.process_group, fasthealth_nonfinite_origin)
+        except RuntimeError:  # the model has a communication hook already: not replaced
+            return None
+        return origin
