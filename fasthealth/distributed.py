@@ -118,15 +118,16 @@ class _Sets:
 
 # (id of the process group, id of the replica group or None) -> (the group, its sets): kept
 # for the life of the process, one entry per group a caller checks with
-_SETS: dict[tuple[int, int | None], tuple[Any, _Sets]] = {}
+_SETS: dict[tuple[int, int | None, str], tuple[Any, _Sets]] = {}
 
 
-def replica_set(process_group: Any, replica_group: Any, plain_fp: float
+def replica_set(process_group: Any, replica_group: Any, plain_fp: float, kind: str = "plain"
                 ) -> tuple[int | None, bool, tuple[int, ...]]:
     """(this rank's set's slot, or None outside a set of two or more; whether it counts its
     set's plain tensors: its lowest rank; the sizes of the sets with a slot). The sets are
     found at the process group's first call, one all-gather of one number per rank: by the
-    plain tensors' fingerprint (``replica_group=None``), or by each rank's replica group."""
+    plain tensors' fingerprint (``replica_group=None``), or by each rank's replica group.
+    ``kind`` keeps sets found from other keys apart (``replicas.py``'s DTensor shards)."""
     if replica_group is False:
         return None, True, ()
     if replica_group is not None and not isinstance(replica_group, dist.ProcessGroup):
@@ -134,7 +135,7 @@ def replica_set(process_group: Any, replica_group: Any, plain_fp: float
                         f"{type(replica_group).__name__}")
     key = plain_fp if replica_group is None else float(
         min(dist.get_process_group_ranks(replica_group)))
-    where = (id(process_group), None if replica_group is None else id(replica_group))
+    where = (id(process_group), None if replica_group is None else id(replica_group), kind)
     entry = _SETS.get(where)
     if entry is None or entry[0] is not process_group:  # an id reused by a new group
         entry = (process_group, _Sets.of(_gather_keys(key, process_group)))

@@ -5,12 +5,21 @@ all-reduce. Both use ``distributed.py``'s replica sets and its fixed-size all-re
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .distributed import check_group, comm_device, local_view, replica_set, row_fingerprint, verdict
+from .distributed import (
+    check_group,
+    comm_device,
+    fingerprint,
+    local_view,
+    replica_set,
+    row_fingerprint,
+    verdict,
+)
 
 _NEG = float("-inf")
 
@@ -29,25 +38,52 @@ def param_checksums(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(out).double() if out else torch.zeros(0, dtype=torch.float64)
 
 
+def replica_key(names: list[str], params: list[torch.Tensor]) -> tuple[str, float] | None:
+    """(the kind of replica sets, this rank's key in them) for comparing ``params`` across
+    replicas: plain tensors by their names, shapes and dtypes (DDP: the gradients' sets);
+    DTensor shards (FSDP2, HSDP) also by their coordinates on the mesh dimensions that shard
+    them, so that the ranks holding the same shard are a set (HSDP's replicate dimension;
+    none under FSDP2 alone). None for a mix of the two."""
+    views = [local_view(p.detach()) for p in params]
+    if all(owned is None for _, owned in views):
+        return "plain", fingerprint(names, params)
+    if not all(owned is not None for _, owned in views):
+        return None
+    from torch.distributed.tensor import Replicate  # DTensors only reach here
+
+    def sharded(p: Any) -> str:  # the coordinates on the mesh dimensions that shard it
+        return ",".join(str(c) for c, pl in zip(p.device_mesh.get_coordinate() or (),
+                                                 p.placements) if not isinstance(pl, Replicate))
+
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{sharded(p)}"
+                    for n, p in zip(names, params))
+    return "shards", float(zlib.crc32(text.encode()))
+
+
 def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group: Any,
-                     plain_fp: float) -> dict[str, torch.Tensor | None]:
+                     key: float, kind: str = "plain") -> dict[str, torch.Tensor | None]:
     """Whether the replicas of each set hold the same tensors (``param_checksums`` of the same
     parameters on every member), by two all-reduces: a MAX of each set's fingerprint (high,
-    -low) and, when every rank of the group is a replica of one set (DDP), of each tensor's
-    checksum; a SUM of each set's sides (``verdict``). Returns ``replica_mismatch``,
-    ``replica_mismatch_mask``, ``replica_named`` as ``global_table``'s check, and ``tensors``:
-    per tensor whether its replicas differ (None unless one set holds every rank)."""
+    -low) and of each tensor's checksum in its set's row; a SUM of each set's sides
+    (``verdict``). Returns ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named`` as
+    ``global_table``'s check, and ``tensors``: per tensor whether its replicas differ in any
+    set. Per tensor only where every rank holds as many (one set of every rank, or DTensor
+    shards: ``kind`` "shards"); else ``tensors`` is None."""
     check_group(process_group)
-    slot, _, sizes = replica_set(process_group, replica_group, plain_fp)
+    slot, _, sizes = replica_set(process_group, replica_group, key, kind)
     dev, k = checksums.device, len(sizes)
+    if not k:  # no two ranks hold the same tensors (the same on every rank: no collective)
+        return {**verdict(torch.zeros(0, 2), torch.zeros(0, 4), sizes, dev), "tensors": None}
     comm = comm_device(process_group, dev)
-    n = checksums.numel() if k == 1 and sizes[0] == dist.get_world_size(process_group) else 0
-    top = torch.full((2 * k + 2 * n,), _NEG, dtype=torch.float64, device=dev)
+    alike = kind == "shards" or (k == 1 and sizes[0] == dist.get_world_size(process_group))
+    n = checksums.numel() if alike else 0
+    top = torch.full((2 * k + 2 * n * k,), _NEG, dtype=torch.float64, device=dev)
     h = row_fingerprint(checksums)
     if slot is not None:
         top[2 * slot:2 * slot + 2] = torch.stack([h, -h])
-    if n:
-        top[2 * k:] = torch.cat([checksums, -checksums])
+        if n:
+            at = 2 * k + 2 * n * slot
+            top[at:at + 2 * n] = torch.cat([checksums, -checksums])
     top = top.to(comm)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=process_group)
     top = top.to(dev)
@@ -59,7 +95,8 @@ def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group:
     dist.all_reduce(add, op=dist.ReduceOp.SUM, group=process_group)
     out: dict[str, torch.Tensor | None] = dict(verdict(top[:2 * k].view(k, 2),
                                                         add.to(dev).view(k, 4), sizes, dev))
-    out["tensors"] = top[2 * k:2 * k + n] != -top[2 * k + n:] if n else None
+    rows = top[2 * k:].view(k, 2, n) if n and k else None
+    out["tensors"] = (rows[:, 0] != -rows[:, 1]).any(0) if rows is not None else None
     return out
 
 

@@ -317,6 +317,33 @@ def _rollback(rank, world):
     assert max(losses[-20:]) < losses[270] * 1.5, (losses[270], losses[-20:])
 
 
+def _hsdp_weights(rank, world):
+    """HSDP (2 replicas x 2 shards): a bit flipped in one rank's shard of a weight leaves the
+    reduced gradients alike, and the comparison of the parameters across the replicate
+    dimension, at the flush, names the tensor and the two ranks that hold that shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=3)
+    x, y = batch(rank)
+    for step in range(6):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 4 and rank == 3:  # one bit of rank 3's shard of the second weight
+            with torch.no_grad():
+                w = model[2].weight.to_local().view(-1)
+                w[1] = (w[1:2].view(torch.int32) ^ (1 << 3)).view(torch.float32)[0]
+        mon.step(torch.tensor(1.0))
+    mon.close()
+    ev = [e for e in mon.events if e.kind == "replica_divergence"]
+    assert [(e.step, e.details["tensor"], e.details["count"]) for e in ev] == \
+        [(5, "2.weight", 2)], [(e.step, e.kind, e.details) for e in mon.events]
+    assert ev[0].details["ranks"] == [1]  # rank 3's replica of that shard (the lower named)
+
+
 def _worker(rank, world, init_file, scenario, done_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
@@ -324,7 +351,8 @@ def _worker(rank, world, init_file, scenario, done_dir):
         torch.set_num_threads(1)
         {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
          "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
-         "nan_origin": _nan_origin, "rollback": _rollback}[scenario](rank, world)
+         "nan_origin": _nan_origin, "rollback": _rollback,
+         "hsdp_weights": _hsdp_weights}[scenario](rank, world)
         dist.barrier()
         open(os.path.join(done_dir, f"rank-{rank}"), "w").close()  # every check passed
     finally:
@@ -359,6 +387,12 @@ def test_ddp(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2(world):
     run(world, "fsdp")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
+def test_hsdp_weights_compared_across_the_replicate_dimension():
+    run(4, "hsdp_weights")
 
 
 @pytest.mark.slow

@@ -20,10 +20,8 @@ from typing import Any
 import torch
 
 from ..checks import multi_tensor_stats
-from ..distributed import fingerprint as fp_of
-from ..distributed import local_view
 from ..ops.layout import COL
-from ..replicas import compare_replicas, param_checksums
+from ..replicas import compare_replicas, param_checksums, replica_key
 
 SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
 
@@ -129,10 +127,11 @@ class Scans:
         self.every, self.keyed, self.params, self.backend = every, keyed, params, backend
         self.device = params[0][1].device
         # under a process group: (every, process group, replica group) of the comparison of
-        # the parameters across replicas, when they are all plain tensors (not DTensor shards)
-        plain = all(local_view(p.detach())[1] is None for _, p in params)
-        self.replicas = replicas if replicas is not None and replicas[0] and plain else None
-        self._fp = fp_of([n for n, _ in params], [p for _, p in params])
+        # the parameters across replicas, and the kind and key of this rank's replica set
+        # (plain tensors, or DTensor shards; not a mix of the two)
+        self._key = None if replicas is None or not replicas[0] else replica_key(
+            [n for n, _ in params], [p for _, p in params])
+        self.replicas = replicas if self._key is not None else None
 
     @classmethod
     def for_rules(cls, rules: list[Any], flush_every: int, params: list[tuple[str, Any]],
@@ -172,7 +171,8 @@ class Scans:
         many ranks' copies differ, the lowest rank named, the first tensor that differs."""
         _, group, replica_group = self.replicas  # type: ignore[misc]
         sums = param_checksums([p for _, p in self.params]).to(self.device)
-        check = compare_replicas(sums, group, replica_group, self._fp)
+        assert self._key is not None  # set with self.replicas
+        check = compare_replicas(sums, group, replica_group, self._key[1], self._key[0])
         count, named, differ = (check["replica_mismatch"], check["replica_named"],
                                 check["tensors"])
         out: dict[str, torch.Tensor] = {}
