@@ -106,14 +106,20 @@ def jobs_for(size: dict, final: bool, only: set[str] | None = None,
 
 
 def run_all(jobs: list[tuple], workers: int, progress: bool) -> list[dict]:
+    return run_all_with(_job, jobs, workers, progress, "detector corpus")
+
+
+def run_all_with(job, jobs: list[tuple], workers: int, progress: bool, what: str
+                 ) -> list[dict]:
+    """``job(j)`` for every ``j`` of ``jobs`` in ``workers`` processes, with a progress bar."""
     bar = None
     if progress:
         from tqdm import tqdm  # only for the interactive bar
 
-        bar = tqdm(total=len(jobs), desc="detector corpus", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(jobs), desc=what, unit="run", file=sys.stderr)
     runs = []
     with ProcessPoolExecutor(workers) as pool:
-        for fut in as_completed([pool.submit(_job, j) for j in jobs]):
+        for fut in as_completed([pool.submit(job, j) for j in jobs]):
             runs.append(fut.result())
             if bar is not None:
                 bar.update()

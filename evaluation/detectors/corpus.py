@@ -32,18 +32,20 @@ import torch
 from families import FAMILIES
 from faults import FAULTS
 
-HEALTHY = {n: f for n, f in FAMILIES.items() if not f.held_out}
-HELD_OUT_HEALTHY = {n: f for n, f in FAMILIES.items() if f.held_out}
+HEALTHY = {n: f for n, f in FAMILIES.items() if not f.held_out and not f.long}
+HELD_OUT_HEALTHY = {n: f for n, f in FAMILIES.items() if f.held_out and not f.long}
 TUNING_FAULTS = {n: f for n, f in FAULTS.items() if not f.held_out}
 HELD_OUT_FAULTS = {n: f for n, f in FAULTS.items() if f.held_out}
 
 
-def onset_of(spec, steps: int, seed: int) -> int:
-    """The fault's first step: its fraction of the run, moved by the seed (0-18 steps) so that
-    onsets do not always meet the same point of a schedule; 0 stays 0."""
+def onset_of(spec, steps: int, seed: int, at: float | None = None) -> int:
+    """The fault's first step: its fraction of the run (``at``, else the fault's own), moved
+    by the seed (0-18 steps) so that onsets do not always meet the same point of a schedule;
+    0 stays 0."""
+    at = spec.onset if at is None else at
     if spec.onset <= 0:
         return 0
-    return int(spec.onset * steps) + (7 * seed) % 19
+    return int(at * steps) + (7 * seed) % 19
 
 
 # what shapes a run's recorded steps: the corpus and every fasthealth source but the host rules
@@ -86,30 +88,35 @@ def _recorded(cache: Path | None, kind: str, name: str, seed: int, steps: int,
 
 
 def run(kind: str, name: str, seed: int, steps: int | None = None,
-        options: list[dict] | tuple = (), cache: Path | None = None) -> dict:
-    """One run: ``kind`` "healthy" (a family) or "fault"; trained under the Monitor's
-    defaults, then replayed under each of ``options``. With ``cache`` (a folder), the recorded
+        options: list[dict] | tuple = (), cache: Path | None = None,
+        onset: float | None = None) -> dict:
+    """One run: ``kind`` "healthy" (a family) or "fault" (at its onset, or at the fraction
+    ``onset`` of the run); trained under the Monitor's defaults, then replayed under each of
+    ``options``. With ``cache`` (a folder), the recorded
     steps of an earlier identical run are replayed instead of training again (``cached`` in
     the result; its training-time events are then those of the defaults' replay)."""
     t0, c0 = time.time(), time.process_time()
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
+    tag = name
     if kind == "healthy":
         fam = FAMILIES[name]
         steps = steps or fam.steps
-        setup, before, onset, group = fam.build(g, steps), None, None, name
+        setup, before, first, group = fam.build(g, steps), None, None, name
         meta = {"held_out": fam.held_out}
     else:
         spec = FAULTS[name]
         steps = steps or spec.steps
-        setup, onset, group = spec.build(g, steps), onset_of(spec, steps, seed), spec.group
+        setup, first, group = spec.build(g, steps), onset_of(spec, steps, seed, onset), spec.group
         meta = {"expect": list(spec.expect), "max_delay": spec.max_delay,
                 "held_out": spec.held_out}
+        if onset is not None:  # a recording of its own: the same run with another onset
+            tag = f"{name}@{onset}"
 
         def before(step, batch, s):
-            return spec.before(step, batch, s, onset)
+            return spec.before(step, batch, s, first)
 
-    out, cached = _recorded(cache, kind, name, seed, steps,
+    out, cached = _recorded(cache, kind, tag, seed, steps,
                             lambda: runner.train(setup, steps, before))
     trained = time.time() - t0
     replays = [runner.replay(setup, out["steps"], opts) for opts in options]
@@ -118,11 +125,12 @@ def run(kind: str, name: str, seed: int, steps: int | None = None,
                                                                             {})
         out = dict(out, events=fresh["events"], incidents=fresh["incidents"])
     loss = [x for x in out["loss"] if x == x and abs(x) != float("inf")]
-    return {"kind": kind, "name": name, "seed": seed, "steps": steps, "onset": onset,
+    return {"kind": kind, "name": name, "seed": seed, "steps": steps, "onset": first,
             "group": group, **meta, "events": out["events"], "incidents": out["incidents"],
             "replays": replays,
             "loss_first": statistics.median(loss[:10]) if loss else None,
             "loss_last": statistics.median(loss[-20:]) if loss else None,
+            "curve": out["loss"],
             "cached": cached,
             "train_seconds": round(trained, 2), "seconds": round(time.time() - t0, 2),
             "cpu_seconds": round(time.process_time() - c0, 2)}

@@ -49,15 +49,16 @@ class Family:
     steps: int
     about: str
     held_out: bool = False
+    long: bool = False  # only in the long-run evaluation (long_runs.py), never at 500 steps
 
 
 FAMILIES: dict[str, Family] = {}
 
 
-def family(steps: int, about: str, held_out: bool = False):
+def family(steps: int, about: str, held_out: bool = False, long: bool = False):
     def register(build):
         name = build.__name__
-        FAMILIES[name] = Family(name, build, steps, about, held_out)
+        FAMILIES[name] = Family(name, build, steps, about, held_out, long)
         return build
     return register
 
@@ -305,3 +306,48 @@ def descr_word_transformer_restarts(g, steps):
     opt = torch.optim.Adam(m.parameters(), lr=2e-3)
     return Setup(m, opt, data.Windows(g, data.word_ids("sklearn", 384), 16, 24), lm(),
                  sched=restarts(opt, 150))
+
+
+# ---- long runs only (long_runs.py): what a run looks like after thousands of steps ----------
+
+@family(8000, "100 digits, GELU MLP, Adam, constant LR, batch 20: the set memorised, the "
+        "loss at 1e-4 and below", long=True)
+def digits_100_memorised_adam(g, steps):
+    x, y = data.table("digits")
+    pick = torch.randperm(len(y), generator=g)[:100]
+    m = models.mlp([64, 128, 10], nn.GELU)
+    return Setup(m, torch.optim.Adam(m.parameters(), lr=1e-3),
+                 data.Loader(g, (x[pick].flatten(1), y[pick]), 20), ce)
+
+
+@family(8000, "iris, MLP, SGD momentum, linear decay to 0 at 60% of the run, then 0: a "
+        "schedule that ended and a run that goes on", long=True)
+def iris_mlp_schedule_ended(g, steps):
+    m = models.mlp([4, 32, 3], nn.ReLU)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    end = int(0.6 * steps)
+    return Setup(m, opt, data.table_loader(g, "iris", 16), ce,
+                 sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1 - t / end)))
+
+
+@family(8000, "wine, MLP, AdamW, warm-up 100, stable, decay to 0 over the last 20% (WSD), "
+        "label smoothing 0.2, batch 16", held_out=True, long=True)
+def wine_mlp_wsd_label_smoothing(g, steps):
+    m = models.mlp([13, 64, 64, 3], nn.GELU)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.01)
+    decay = int(0.8 * steps)
+
+    def wsd(t):
+        return min((t + 1) / 100, 1.0, max(0.0, (steps - t) / (steps - decay)))
+
+    return Setup(m, opt, data.table_loader(g, "wine", 16), cross_entropy(0.2),
+                 sched=torch.optim.lr_scheduler.LambdaLR(opt, wsd))
+
+
+@family(8000, "breast cancer, MLP with dropout 0.2, Adam, step decay x0.5 every 1000, "
+        "batch 32: a plateau after each decay", held_out=True, long=True)
+def cancer_mlp_adam_dropout_step_plateaus(g, steps):
+    m = models.mlp([30, 64, 64, 1], nn.ReLU, dropout=0.2)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    return Setup(m, opt, data.table_loader(g, "breast_cancer", 32), bce,
+                 sched=step_decay(opt, 1000, 0.5))

@@ -1,6 +1,7 @@
-"""The spike rule's paths for noisy floors (fasthealth/monitor/rules/spike.py): a value far
-beyond its window's largest at a noisy loss floor, and the first steps after a warm restart;
-and the stall rule's matrices-only evidence (rules/stall.py)."""
+"""The spike rule's paths for noisy and quiet floors (fasthealth/monitor/rules/spike.py): a value
+far beyond its window's largest at a noisy loss floor, a blip at a quiet floor (a notice) and a
+bad batch there (an alarm), and the first steps after a warm restart; and the stall rule's
+matrices-only evidence (rules/stall.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from fasthealth.monitor.record import StepHost, StepRecord
 from fasthealth.monitor.rules import Context
-from fasthealth.monitor.rules.spike import Spike
+from fasthealth.monitor.rules.spike import FLOOR_RISE, Spike
 from fasthealth.monitor.rules.stall import Stall
 
 
@@ -50,6 +51,29 @@ def test_a_loss_far_beyond_the_windows_largest_is_a_spike_at_a_noisy_floor():
 def test_healthy_noisy_floors_raise_nothing_through_that_path():
     for seed in range(20):
         assert _kinds(Spike(), _floor(600, seed)) == [], seed
+
+
+def test_at_a_quiet_floor_a_blip_is_a_notice_and_a_bad_batch_an_alarm():
+    """A classifier under label smoothing converged at 0.52 from 2.3, its batches within 1% of
+    each other: a batch 15% above the floor stands far more than 6 noise units out, yet rises
+    3.5% of the loss the run started from (a notice); a batch of wrong labels (2.6) is an
+    alarm."""
+    rng = random.Random(0)
+    floor = [2.3] * 5 + [0.52 + rng.gauss(0, 0.003) for _ in range(300)]
+    rule = Spike()
+    assert _kinds(rule, floor) == []
+    (blip,) = rule.observe(_step(305, 0.60))
+    assert blip.kind == "loss_spike" and blip.severity == "notice", blip
+    assert blip.details["zscore"] > 6 and blip.details["rise_share"] < FLOOR_RISE
+    assert "a blip at the loss's floor" in blip.message and "(2.3)" in blip.message
+    (bad,) = rule.observe(_step(306, 2.6))
+    assert bad.kind == "loss_spike" and bad.severity is None  # the kind's own: an alarm
+    # a state saved before the start was kept: taken as the median of the first values
+    ser = rule.series["loss"]
+    old = {k: getattr(ser, k) for k in ("first", "run", "restarted", "before")}
+    old["values"] = ser.values
+    ser.__setstate__(old)
+    assert ser.start == 2.3
 
 
 def test_after_a_restart_the_early_ratio_is_against_the_level_before_it():

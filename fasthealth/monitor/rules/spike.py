@@ -5,7 +5,8 @@ A value is a spike when its score exceeds ``zscore`` on the linear and the log s
 a loss floor of 0.01 healthy batches reach 50x the median: far on the log scale, near on the
 linear one). Before the windows are armed, a loss above ``early_loss`` or a gradient norm above
 ``early_grad_norm`` times their first values (a learning rate far too high from the start).
-``max_run`` spikes in a row are a new level, taken in.
+``max_run`` spikes in a row are a new level, taken in. A loss spike that rises less than
+``FLOOR_RISE`` of the loss the run started from is a notice, not an alarm: a blip at a floor.
 
 Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
 where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
@@ -24,6 +25,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from ..kinds import NOTICE
 from ..record import StepRecord
 from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, SpikeWindow, WindowValues
 from ..skip_rule import GRAD_FACTOR, SERIES
@@ -49,8 +51,23 @@ many times the largest of the window before the restart (which spans the cycle's
 not only its low end at a rate near 0: against the last few values, the climb after a restart
 from a floor of 0.01 reached 10x and alarmed, evaluation/trainers
 hf_mlp_digits_sgd_warm_restarts). A loss x100 at the restart's own step is still seen
-(hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). The gradient norm keeps
+(hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). Nor less than this many
+times the loss the run started from: a restart after a long cycle at a rate near 0 may undo
+much of the run (a conv autoencoder 8,000 steps long, at its 5th and 6th restarts: 12x and
+45x the window before, 3x and 7x its first loss; evaluation/eval_long_runs.py), while a bad
+batch at a floor goes far past where the run began. The gradient norm keeps
 ``early_grad_norm``."""
+
+
+FLOOR_RISE: float = 0.1
+"""A loss spike is an alarm only when it rises at least this share of the loss the run
+started from (the median of its first values; of its recent level, when that is higher) above
+its recent median; a smaller one is a notice. At a floor the noise unit shrinks with the
+noise: a converged classifier under label smoothing (floor 0.52, from 2.3) has healthy batches
+5-20% above its median scoring 6-9 units, and a memorised small set (floor 1e-6, from 1.05)
+batches at 0.004-0.06 scoring hundreds: over 8,000 steps, 15 and 13 alarms a run that nothing
+caused, each gone the next step (evaluation/eval_long_runs.py). Those rise 1-6% of the start;
+the bad batches of the corpus rise 60% and more (bench/results/long_runs.json)."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +108,14 @@ class _Series:
     """One watched series: its window of finite, non-spike values, its first values, and its
     run of spikes."""
 
-    STATE = ("values", "first", "run", "restarted", "before")  # the rest is the config's
+    STATE = ("values", "first", "start", "run", "restarted", "before")  # the rest: config's
     DERIVED = ("window",)  # made from ``values`` (``values`` reads and sets it)
 
     def __init__(self, key: str, window: int, early_ratio: float, first: int):
         self.key, self.label, self.early_ratio, self.n_first = key, LABEL[key], early_ratio, first
         self.window = SpikeWindow(window)
         self.first: list[float] = []
+        self.start = math.nan  # the median of the first values, kept through restarts
         self.run = 0
         self.restarted = False  # the window started again at a warm restart (Spike.rearm)
         self.before = math.inf  # then: the largest value of the window before the restart
@@ -109,6 +127,10 @@ class _Series:
         values among them): the window rebuilt from them."""
         state = dict(state)
         values = state.pop("values")
+        if "start" not in state:  # a state saved before the start was kept
+            first = state.get("first") or []
+            state["start"] = (statistics.median(first) if first and not state.get("restarted")
+                              else math.nan)
         self.__dict__.update(state)
         self.window = SpikeWindow(values.maxlen or len(values), values)
 
@@ -119,7 +141,19 @@ class _Series:
             return False
         if len(self.first) < self.n_first:
             self.first.append(value)
+            if len(self.first) == self.n_first and self.start != self.start:
+                self.start = statistics.median(self.first)
         return len(self.values) >= max(warmup, 3)
+
+    def small_rise(self, value: float) -> float | None:
+        """For the loss: the rise of ``value`` above the window's median as a share of the
+        run's scale (its start, or its level when higher), when below ``FLOOR_RISE``; else
+        None (an alarm, as for any series without a positive start)."""
+        if self.key != "loss" or not self.start > 0 or not self.values:
+            return None
+        level = statistics.median(self.values)
+        share = (value - level) / max(level, self.start)
+        return share if level >= 0 and share < FLOOR_RISE else None
 
     def early(self, value: float) -> float | None:
         """value / the largest of its first values, when that exceeds ``early_ratio``. The
@@ -174,7 +208,8 @@ class Spike(Rule[SpikeConfig]):
             ser.before = max(ser.values) if ser.values else math.inf
             ser.window.clear()
             ser.run = 0
-            ser.first = [ser.before] * EARLY_VALUES
+            ref = max(ser.before, ser.start) if key == "loss" and ser.start > 0 else ser.before
+            ser.first = [ref] * EARLY_VALUES
             ser.early_ratio = RESTART_LOSS if key == "loss" else c.early_grad_norm
             ser.restarted = True
 
@@ -236,19 +271,29 @@ class Spike(Rule[SpikeConfig]):
     def _spike(self, ser: _Series, value: float, z: float) -> Finding:
         median = statistics.median(ser.values)
         ratio = f" ({value / median:.3g}x)" if median > 0 else ""
+        details = {"value": value, "zscore": z, "window_median": median,
+                   "window": len(ser.values), "threshold": self.config.zscore}
+        share = ser.small_rise(value)
+        if share is not None:  # a blip at a floor: many units of a tiny noise, little loss
+            return Finding(
+                KIND[ser.key],
+                f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
+                f"{median:.4g}{ratio}, a rise of {share:.1%} of the loss the run started from "
+                f"({ser.start:.4g}): a blip at the loss's floor, a notice (an alarm from "
+                f"{FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
+                {**details, "rise_share": share, "start": ser.start}, severity=NOTICE)
         return Finding(
             KIND[ser.key],
             f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
-            f"{median:.4g}{ratio}. {ADVICE[ser.key]}",
-            {"value": value, "zscore": z, "window_median": median, "window": len(ser.values),
-             "threshold": self.config.zscore})
+            f"{median:.4g}{ratio}. {ADVICE[ser.key]}", details)
 
     def _early(self, ser: _Series, value: float, ratio: float) -> Finding:
         if ser.restarted:
             return Finding(
                 KIND[ser.key],
                 f"{ser.label} {value:.4g} is {ratio:.3g}x its level before the learning "
-                f"rate's warm restart, beyond what a restart causes. {ADVICE[ser.key]}",
+                f"rate's warm restart (or the run's first, when higher), beyond what a restart "
+                f"causes. {ADVICE[ser.key]}",
                 {"value": value, "ratio": ratio, "threshold": ser.early_ratio,
                  "restart": True})
         return Finding(

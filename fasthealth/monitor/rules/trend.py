@@ -76,10 +76,12 @@ class LossTrend(Rule[C]):
 class Rising(LossTrend[T]):
     """A steady rise of the log of a series: a line through the window climbs with a
     t-statistic above ``t_min`` and by more than ``rise``, and the median of the last ``short``
-    values stands ``rise`` above the lowest such median seen. The episode ends once that median
-    is back within half of ``rise``."""
+    values stands ``rise`` above the best: the lowest such median seen, or, with
+    ``BEST_OF_WINDOW``, the lowest median of the whole window seen. The episode ends once the
+    recent median is back within half of ``rise``."""
 
     STATE: ClassVar[tuple[str, ...]] = (*LossTrend.STATE, "best")
+    BEST_OF_WINDOW: ClassVar[bool] = False
 
     def __init__(self, config: T | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)
@@ -88,7 +90,7 @@ class Rising(LossTrend[T]):
     def rising(self, ys: list[float]) -> dict | None:
         c = self.config
         recent = statistics.median(ys[-c.short:])
-        self.best = min(self.best, recent)
+        self.best = min(self.best, statistics.median(ys) if self.BEST_OF_WINDOW else recent)
         slope, t = slope_t(ys)
         total = math.expm1(slope * (len(ys) - 1))
         above = math.expm1(recent - self.best)
