@@ -30,6 +30,7 @@ from ..monitor.option_groups import with_default
 from .capture import Capture
 from .checkpoints import Patch, SaveGuard
 from .log import log_dir_option, log_incident, logger
+from .replay import lightning_replay, with_replay
 
 NO_LOSS = ("fasthealth: step %d: no loss to check (on_before_backward saw none before this "
            "optimizer step); the loss rules are off, the gradient rules go on. To have it "
@@ -97,6 +98,9 @@ class HealthCallbackMixin:
         configs = getattr(trainer, "lr_scheduler_configs", None) or []
         # the module's scheduler: the rules take its warm restarts as a new start
         options = with_default(options, "scheduler", configs[0].scheduler if configs else None)
+        # after a rollback, the incident's batch run again through training_step (replay.py)
+        options = with_replay(options, lightning_replay(pl_module,
+                                                        trainer.accumulate_grad_batches))
         self.monitor = Monitor(pl_module, optimizer,
                                scaler=getattr(trainer.precision_plugin, "scaler", None),
                                **options)

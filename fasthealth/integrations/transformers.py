@@ -70,6 +70,7 @@ from . import _hf_trainer as adapter
 from .capture import BackwardEnd, ForwardCapture
 from .checkpoints import SaveGuard, load_state, save_state
 from .log import log_dir_option, log_incident, logger
+from .replay import hf_replay, with_replay
 
 
 def _resume_guess(args: Any, state: Any) -> str | None:
@@ -106,6 +107,8 @@ class HealthCallback(TrainerCallback):
         options = log_dir_option(dict(self.options), self.log_dir, args.output_dir)
         # the Trainer's scheduler: the rules take its warm restarts as a new start
         options = with_default(options, "scheduler", kwargs.get("lr_scheduler"))
+        # after a rollback, the incident's batch run again the model's way (replay.py)
+        options = with_replay(options, hf_replay(args.gradient_accumulation_steps))
         scaler = getattr(optimizer, "scaler", None)
         monitor = Monitor(model, optimizer, scaler=scaler, **options)
         monitor.on_alarm(log_incident)

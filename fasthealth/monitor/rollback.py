@@ -385,9 +385,16 @@ class Rollback:
         if self.config.replay is None or batch is None or level is None:
             return None, None, None
         device = next(self.model.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.no_grad():
-            loss = float(torch.as_tensor(self.config.replay(self.model, batch)).float().mean())
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    torch.no_grad():
+                loss = float(torch.as_tensor(self.config.replay(self.model, batch)).float()
+                             .mean())
+        except Exception as e:  # the user's function: the rollback stands without a verdict
+            warnings.warn(f"fasthealth: the replay of incident #{incident.id}'s batch failed "
+                          f"({type(e).__name__}: {e}); no data-or-state verdict",
+                          RuntimeWarning, stacklevel=2)
+            return None, None, level
         bad = not math.isfinite(loss) or loss > level + tracker.recover * abs(level)
         return ("batch" if bad else "state"), loss, level
 

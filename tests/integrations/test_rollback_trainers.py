@@ -2,7 +2,9 @@
 weight corrupted to NaN between two steps of a Hugging Face Trainer or Lightning run breaks
 every later step; the callbacks' ``rollback=`` restores the weights, the optimizer and the
 scheduler of the last snapshot before it, and the run ends where its healthy twin does (within
-the seed gap), in the same process."""
+the seed gap), in the same process. The callbacks replay the incident's batch on the restored
+state the trainer's way (the model's own loss; ``training_step``, its logging silenced): the
+batch is fine there, so the state was bad, not the data."""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def test_hf_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp
                                   rollback=fh.RollbackConfig(every=20))
     (rb,) = mon.rollbacks
     assert rb.to_step < AT <= rb.step < AT + 10, rb
+    assert rb.replay == "state" and rb.replay_loss < 1.2 * rb.level, rb
     assert abs(_end(losses) - level) <= gap, (_end(losses), level, gap)
     inc = next(i for i in mon.incidents if i.id == rb.incident)
     assert inc.severity == "alarm" and not inc.open and inc.recovered, inc
@@ -78,6 +81,23 @@ class Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class LoggingCounter(Counter):
+    """``Counter`` that logs its loss with ``self.log`` and counts the calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.logged = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def log(self, *args, **kwargs):
+        self.logged += 1
+        super().log(*args, **kwargs)
+
+
 def pl_fit(root, poison: bool, rollback=None, seed: int = 0):
     from fasthealth.integrations.lightning import HealthCallback as PLHealth
 
@@ -90,7 +110,7 @@ def pl_fit(root, poison: bool, rollback=None, seed: int = 0):
                                          generator=torch.Generator().manual_seed(seed))
     with pytest.warns(RuntimeWarning, match="rolled back") if poison and rollback else \
             contextlib.nullcontext():
-        trainer.fit(Counter(), loader)
+        trainer.fit(LoggingCounter(), loader)
     return health.monitor, trainer, losses.losses
 
 
@@ -105,6 +125,8 @@ def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_t
                                   rollback=fh.RollbackConfig(every=20))
     (rb,) = mon.rollbacks
     assert rb.to_step < AT <= rb.step < AT + 10, rb
+    assert rb.replay == "state" and rb.replay_loss < 1.2 * rb.level, rb
+    assert trainer.lightning_module.logged == STEPS  # one a step: the replay logged nothing
     inc = next(i for i in mon.incidents if i.id == rb.incident)
     assert inc.severity == "alarm" and not inc.open and inc.recovered, inc
     assert trainer.global_step == STEPS
@@ -246,3 +268,40 @@ def test_lightning_a_resumed_run_skips_the_batches_holding_quarantined_samples(t
     health, moved = PLHealth(rollback=True, flush_every=5, sample_ids=ids), MovedPL()
     fit(30, [health, moved], ckpt_path=str(tmp_path / "ckpt" / "step=10.ckpt"))
     _skipped_where_held(health.monitor, given, moved.moved)
+
+
+def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own():
+    """``with_replay`` fills in the replay only where rollback is on and names none; the
+    Hugging Face replay is the model's own loss over the step's micro-batches, keys its
+    forward does not take (a ``sample_ids`` column) left out; Lightning under manual
+    optimization gets none."""
+    from fasthealth.integrations.replay import hf_replay, lightning_replay, with_replay
+
+    def mine(model, batch):
+        return torch.zeros(())
+
+    def ours(model, batch):
+        return torch.ones(())
+
+    assert with_replay({"rollback": True}, ours)["rollback"].replay is ours
+    assert with_replay({"rollback": fh.RollbackConfig(every=7)}, ours)["rollback"].every == 7
+    assert with_replay({"rollback": fh.RollbackConfig(replay=mine)}, ours)[
+        "rollback"].replay is mine
+    act = with_replay({"act": fh.ActOptions(rollback=True)}, ours)["act"]
+    assert act.rollback.replay is ours
+    assert with_replay({"max_grad_norm": 1.0}, ours) == {"max_grad_norm": 1.0}
+    assert with_replay({"act": fh.ActOptions()}, ours)["act"].rollback is None
+
+    model, data = tiny_gpt2(), CountingWithIds()
+    micro = [{k: v[None] for k, v in data[i].items()} for i in (0, 1)]
+    with torch.no_grad():
+        want = [float(model(input_ids=b["input_ids"], labels=b["labels"]).loss) for b in micro]
+        assert float(hf_replay(2)(model, micro)) == pytest.approx(sum(want) / 2)
+        assert float(hf_replay(1)(model, micro[0])) == pytest.approx(want[0])
+
+    class Manual(Counter):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    assert lightning_replay(Manual(), 1) is None and lightning_replay(Counter(), 1) is not None

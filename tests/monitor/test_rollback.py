@@ -64,7 +64,7 @@ def _train(log_dir: Path | None, fault: str | None, rollback=None, steps: int = 
                     model.blocks[0].mlp[0].weight[:, 5] = 1e3
         mon.close()
     return mon, model, losses, [str(w.message) for w in caught
-                                if "rolled back" in str(w.message)]
+                                if "rolled back" in str(w.message) or "replay" in str(w.message)]
 
 
 def _replay(model, micro) -> torch.Tensor:
@@ -250,3 +250,19 @@ def test_a_run_of_bad_batches_is_quarantined_whole(healthy):
     steps = {i // (ACCUM * 8) for i in rb.quarantined}
     assert set(range(FAULT_AT, FAULT_AT + 10)) <= steps
     assert max(steps) < FAULT_AT + 20  # and a few steps of its aftermath, no more
+
+
+@pytest.mark.slow
+def test_a_replay_that_fails_leaves_the_rollback_standing_without_a_verdict():
+    """The user's replay raising (a batch without the key it reads) does not stop the run: the
+    rollback stands, says why there is no verdict, and the run ends healthy."""
+    def broken(model, micro):
+        raise KeyError("labels")
+
+    mon, model, _, said = _train(None, "weight", rollback=fh.RollbackConfig(every=100,
+                                                                             replay=broken))
+    (rb,) = mon.rollbacks
+    assert rb.replay is None and rb.replay_loss is None, rb
+    (failed,) = [m for m in said if "failed" in m]
+    assert f"replay of incident #{rb.incident}'s batch failed (KeyError: 'labels')" in failed
+    assert torch.isfinite(torch.cat([p.flatten() for p in model.parameters()])).all()
