@@ -17,6 +17,7 @@ judges the step's update (``REARM_BEFORE``) starts again before it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,6 +86,16 @@ class Analyser:
             rearm = getattr(rule, "rearm", None)  # a user's rule may not be a Rule
             if callable(rearm) and bool(getattr(rule, "REARM_BEFORE", False)) == before:
                 rearm()
+
+    def loss_start(self) -> float:
+        """The loss the run started from, as the spike rule keeps it (NaN before it is known,
+        or without that rule): what the device's skip rule judges a floor's blips by."""
+        for rule in self.rules:
+            series = getattr(rule, "series", None) if getattr(rule, "name", None) == "spike" \
+                else None
+            if isinstance(series, dict) and "loss" in series:
+                return float(series["loss"].start)
+        return math.nan
 
     def close(self) -> list[Incident]:
         """Closes the open incident at the run's end; returns the incidents it closed."""

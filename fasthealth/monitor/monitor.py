@@ -189,9 +189,8 @@ class Monitor(LongRun):
     ``fh.ActOptions(on_nonfinite, on_spike, max_grad_norm, scaler, rollback)``;
     ``fh.LogOptions(log_dir, flush_every, per_tensor_every, tensorboard, dumps,
     snapshot_max_bytes, all_ranks)``. A group passed as ``measure=``, ``detect=``, ``act=``,
-    ``log=`` or ``precursors=`` still works in this release and warns (DeprecationWarning) with
-    the keywords to write instead; an option given both ways is a ValueError, an unknown
-    keyword a TypeError.
+    ``log=`` or ``precursors=`` still works in this release and warns (DeprecationWarning);
+    an option given both ways is a ValueError, an unknown keyword a TypeError.
 
     Every argument is checked here, before anything is made or written (types, ranges and
     combinations: ``tensorboard=True`` needs ``log_dir`` and an importable tensorboard,
@@ -410,13 +409,14 @@ class Monitor(LongRun):
     # ---- flush: detect + write --------------------------------------------------------------
 
     def flush(self) -> list[Event]:
-        """Copy the pending records to the host (once), run the rules and file the events under
-        incidents (``analyser.py``), write logs and dumps (``journal.py``). Returns the new
-        events; raises NonFiniteError with ``on_nonfinite="raise"``. Writing failures are
-        recorded in ``write_errors``, never raised."""
+        """Copy the pending records to the host (once), run the rules, file the events under
+        incidents (``analyser.py``), write logs and dumps (``journal.py``); the new events.
+        NonFiniteError with ``on_nonfinite="raise"``; write failures go to ``write_errors``."""
         refuse_misuse(self, "flush")
         steps = self.record.take()
         found = self.journal.flush(steps, self._snapshots)
+        if self.skip_rule is not None:  # the floor's rule on the device (skip_rule.py)
+            self.skip_rule.set_start(self.analyser.loss_start())
         if self.rollback is not None and not self._closing:
             self.rollback.after_flush(self, steps, found)
         return found

@@ -51,6 +51,18 @@ MIN_LOG_NOISE = 0.005
 and that family raises no alarm (the detector evaluation, bench/results/detectors.json,
 digits_mlp_sgd_momentum_plateau)."""
 
+FLOOR_RISE: float = 0.1
+"""A loss spike is an alarm only when it rises at least this share of the loss the run
+started from (the median of its first values; of its recent level, when that is higher) above
+its recent median; a smaller one is a notice. At a floor the noise unit shrinks with the
+noise: a converged classifier under label smoothing (floor 0.52, from 2.3) has healthy batches
+5-20% above its median scoring 6-9 units, and a memorised small set (floor 1e-6, from 1.05)
+batches at 0.004-0.06 scoring hundreds: over 8,000 steps, 15 and 13 alarms a run that nothing
+caused, each gone the next step (evaluation/eval_long_runs.py). Those rise 1-6% of the start;
+the corpus's bad batches at their step 82% and more (garbage 0.82-1.5, mislabelled 1.7-1.9, a
+target x50 thousands: evaluation/detectors, short and long runs). The spike rule's alarms and
+the device skip rule's loss paths both need it (``rules/spike.py``, ``skip_rule.py``)."""
+
 
 def quantile(xs: list[float], q: float) -> float:
     """The ``q`` quantile of ``xs``, interpolated linearly (torch.quantile's default)."""

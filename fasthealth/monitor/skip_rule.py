@@ -13,6 +13,13 @@ is skipped when
   or
 - its gradient norm alone scores above ``grad_factor * zscore`` (5 x 6 = 30 units).
 
+The loss's two paths also need the loss to rise at least ``FLOOR_RISE`` (10%) of the loss the
+run started from above its recent median, as the host rule needs for an alarm: a blip at a
+floor (a hard batch of a converged classifier, many units of a tiny noise) is not skipped, nor
+is it taken into the window. The run's first loss is the host spike rule's, handed to the
+device once it is known (at a flush: no sync); until then, and without it, the loss's paths
+judge by the score alone.
+
 The gradient norm alone needs far more than the loss: it climbs several-fold while a healthy
 run leaves its initial plateau or warms up its learning rate, the loss falling fast, whereas a
 bad batch puts it hundreds of units out (the scores behind the factor: docs/performance.md,
@@ -39,7 +46,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, score_constants, spike_scores_t
+from .robust import (
+    FLOOR_RISE,
+    RECENT,
+    SPIKE_WINDOW,
+    SPIKE_ZSCORE,
+    WARMUP_STEPS,
+    score_constants,
+    spike_scores_t,
+)
 
 SERIES = ("loss", "grad_norm")
 GRAD_FACTOR = 5.0  # SkipConfig.grad_factor's default, also read by the host spike rule
@@ -73,6 +88,7 @@ class SkipRule:
     window holds fewer than ``warmup`` values)."""
 
     STATE = ("buf", "pos", "run")  # the rings and the run of skips; the rest is the config's
+    DERIVED = ("start", "_start")  # the host spike rule's, handed over at a flush
 
     def __init__(self, device: torch.device, config: SkipConfig | None = None) -> None:
         c = self.config = config if config is not None else SkipConfig()
@@ -82,6 +98,8 @@ class SkipRule:
         self.buf = torch.full((2, c.window), math.nan, dtype=torch.float64, device=device)
         self.pos = torch.zeros(2, dtype=torch.int64, device=device)
         self.run = torch.zeros((), dtype=torch.int64, device=device)
+        self.start = torch.full((), math.nan, dtype=torch.float64, device=device)
+        self._start = math.nan  # its value on the host: set once, not at every flush
         self.thresholds = torch.tensor([c.zscore, c.grad_factor * c.zscore],
                                        dtype=torch.float64, device=device)
         self._ring = torch.arange(c.window, device=device)
@@ -92,6 +110,13 @@ class SkipRule:
         device, no sync; as the host rules do."""
         self.buf.fill_(math.nan)
         self.run.zero_()
+
+    def set_start(self, start: float) -> None:
+        """The loss the run started from (``Analyser.loss_start``), when it is new: one fill of
+        a device scalar, no sync."""
+        if start == start and start != self._start:
+            self.start.fill_(start)
+            self._start = start
 
     def scores(self, v: torch.Tensor) -> torch.Tensor:
         """(2,) scores of ``v`` = (loss, grad norm) against the windows, NaN where unarmed."""
@@ -108,20 +133,34 @@ class SkipRule:
         v = torch.stack([loss.reshape(()), grad_norm.reshape(())]).to(self.buf.device,
                                                                       torch.float64)
         z = self.scores(v)
-        alone = (z > self.thresholds).any()  # NaN compares False: an unarmed series never skips
+        over = z > self.thresholds  # NaN compares False: an unarmed series never skips
         both = (z > self.joint * self.zscore).all()
         ok = step_ok.to(self.buf.device)
-        outlier = (alone | both) & ok
-        skip = outlier & (self.run < self.max_run)
+        outlier = (over.any() | both) & ok  # kept out of the windows, counted in the run
+        # the loss's paths need a rise that matters to the run, not only to a floor's noise
+        big = self._big(v[0])
+        skip = (over[0] & big | over[1] | both & big) & ok & (self.run < self.max_run)
+        within = self.run < self.max_run
         self.run = torch.where(outlier, self.run + 1, torch.zeros_like(self.run))
-        # the step after max_run skips in a row, still out: a new regime; the windows restart
-        # from it (else, while the median catches up, a value that dips under the threshold
-        # resets the run and the next ones are skipped again)
-        restart = outlier & ~skip
+        # the step after max_run outliers in a row, still out: a new regime; the windows
+        # restart from it (else, while the median catches up, a value that dips under the
+        # threshold resets the run and the next ones are skipped again)
+        restart = outlier & ~within
         self.buf.masked_fill_(restart, math.nan)
-        take = ok & ~skip & v.isfinite()  # (2,): per series
+        take = ok & ~(outlier & within) & v.isfinite()  # (2,): per series
         col = self.pos[:, None]
         old = self.buf.gather(1, col)[:, 0]
         self.buf.scatter_(1, col, torch.where(take, v, old)[:, None])
         self.pos = (self.pos + take.long()) % self.window
         return skip, z
+
+    def _big(self, loss: torch.Tensor) -> torch.Tensor:
+        """Whether ``loss`` rises ``FLOOR_RISE`` of the run's first loss (of its recent median,
+        when higher) above that median; true while the first loss is unknown, or for a loss
+        below 0 (as the host rule's ``small_rise``)."""
+        order = (self._ring + self.pos[0]) % self.window
+        recent = self.buf[0].gather(0, order)[-RECENT:]
+        level = torch.nanquantile(recent, 0.5)
+        small = (self.start > 0) & (level >= 0) & (
+            loss - level < FLOOR_RISE * torch.fmax(level, self.start))
+        return ~small

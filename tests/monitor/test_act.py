@@ -219,6 +219,49 @@ def test_skip_rule_ignores_nan_and_skipped_values():
     assert skip
 
 
+def test_a_blip_at_a_floor_is_not_skipped_once_the_first_loss_is_known():
+    """A classifier converged at 0.52 from 2.3, its batches within 1% of each other: a batch
+    15% above the floor scores far past the threshold but rises 3.5% of the first loss; with
+    the first loss handed over (at a flush) it is neither skipped nor taken into the window;
+    a bad batch (2.6) still is skipped. Before the first loss is known, the score alone
+    decides, as before."""
+    g = torch.Generator().manual_seed(0)
+
+    def floor(rule):
+        for _ in range(60):
+            skip, _ = rule.update(0.52 + 0.003 * torch.randn((), generator=g),
+                                  torch.tensor(1.0) + 0.01 * torch.randn((), generator=g),
+                                  torch.tensor(True))
+            assert not skip
+
+    blind, told = (SkipRule(torch.device("cpu"), SkipConfig(warmup=20)) for _ in range(2))
+    told.set_start(2.3)
+    for r in (blind, told):
+        floor(r)
+    skip, z = blind.update(torch.tensor(0.60), torch.tensor(1.0), torch.tensor(True))
+    assert skip and z[0] > 6
+    before = told.buf.clone()
+    skip, z = told.update(torch.tensor(0.60), torch.tensor(1.0), torch.tensor(True))
+    assert not skip and z[0] > 6 and torch.equal(told.buf.nan_to_num(), before.nan_to_num())
+    skip, _ = told.update(torch.tensor(2.6), torch.tensor(1.0), torch.tensor(True))
+    assert skip
+
+
+def test_the_monitor_hands_the_first_loss_to_the_device_at_a_flush():
+    m = nn.Linear(10, 1)
+    opt = torch.optim.SGD(m.parameters(), 0.01)
+    mon = fh.Monitor(m, opt, on_spike="skip", flush_every=10)
+    for t in range(12):
+        i = torch.randint(0, 4096, (32,), generator=torch.Generator().manual_seed(t))
+        loss = F.mse_loss(m(X[i]), Y[i])
+        loss.backward()
+        mon.step(loss)
+        opt.zero_grad()
+    start = mon.analyser.loss_start()
+    assert start > 0 and mon.skip_rule.start.item() == start  # the first flush, at step 10
+    mon.close()
+
+
 def test_check_path_skips_the_trainers_step():
     """Monitor.check (the callbacks' path) arms the skip of the step the trainer takes."""
     torch.manual_seed(1)

@@ -27,7 +27,14 @@ from dataclasses import dataclass
 
 from ..kinds import NOTICE
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS, SpikeWindow, WindowValues
+from ..robust import (
+    FLOOR_RISE,
+    SPIKE_WINDOW,
+    SPIKE_ZSCORE,
+    WARMUP_STEPS,
+    SpikeWindow,
+    WindowValues,
+)
 from ..skip_rule import GRAD_FACTOR, SERIES
 from .base import Context, Finding, Rule
 
@@ -57,17 +64,6 @@ much of the run (a conv autoencoder 8,000 steps long, at its 5th and 6th restart
 45x the window before, 3x and 7x its first loss; evaluation/eval_long_runs.py), while a bad
 batch at a floor goes far past where the run began. The gradient norm keeps
 ``early_grad_norm``."""
-
-
-FLOOR_RISE: float = 0.1
-"""A loss spike is an alarm only when it rises at least this share of the loss the run
-started from (the median of its first values; of its recent level, when that is higher) above
-its recent median; a smaller one is a notice. At a floor the noise unit shrinks with the
-noise: a converged classifier under label smoothing (floor 0.52, from 2.3) has healthy batches
-5-20% above its median scoring 6-9 units, and a memorised small set (floor 1e-6, from 1.05)
-batches at 0.004-0.06 scoring hundreds: over 8,000 steps, 15 and 13 alarms a run that nothing
-caused, each gone the next step (evaluation/eval_long_runs.py). Those rise 1-6% of the start;
-the bad batches of the corpus rise 60% and more (bench/results/long_runs.json)."""
 
 
 @dataclass(frozen=True)
