@@ -33,8 +33,12 @@ class LongRun:
         in that run). ``events`` then holds the state's latest events and those raised after,
         ``incidents`` every incident by id, the older ones as ``state.Forgotten`` placeholders.
         A state of another model's parameters, or one naming a class outside fasthealth, is a
-        ValueError that changes nothing (no run continued)."""
+        ValueError that changes nothing (no run continued). With ``rollback=``, the quarantine
+        is also every sample the continued run's ``rollbacks.jsonl`` quarantined: a checkpoint
+        older than a rollback still skips its samples."""
         state.load_state_dict(cast(state.Monitor, self), state_dict)
+        if self.rollback is not None:
+            self.rollback.quarantine_logged(self.run_dir)
 
     @property
     def run_id(self) -> str | None:

@@ -36,11 +36,13 @@ not yet supported under a ``process_group`` (every rank would have to take the s
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -231,6 +233,23 @@ class Rollback:
                                                              device=ids.device))
         return torch.isin(ids.to(torch.int64), self._held[1]).any().to(device,
                                                                         non_blocking=True)
+
+    def quarantine_logged(self, run_dir: Path | None) -> None:
+        """Adds to the quarantine every sample the run's ``rollbacks.jsonl`` says was
+        quarantined (a resumed run's, when it continues a run): a checkpoint older than a
+        rollback holds a state without its quarantine, and the run's log keeps it. A line
+        that cannot be read is passed over."""
+        path = run_dir / "rollbacks.jsonl" if run_dir is not None else None
+        if path is None or not path.is_file():
+            return
+        ids: set[int] = set()
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                ids.update(int(i) for i in json.loads(line).get("quarantined") or [])
+            except (ValueError, TypeError, AttributeError):
+                continue
+        if ids - set(self.quarantine):
+            self.quarantine = sorted(set(self.quarantine) | ids)
 
     @classmethod
     def build(cls, option: Any, model: torch.nn.Module, optimizer: Any, scaler: Any = None,
