@@ -237,7 +237,8 @@ def main() -> None:
     only = set(args.only.split(",")) if args.only else None
     jobs = []
     for name, fam in FAMILIES.items():
-        if (only is None or name in only) and (args.final or not fam.held_out):
+        if (only is None or name in only) and (args.final or not fam.held_out) \
+                and not fam.long:  # the long runs have their own evaluation
             jobs += [(run_healthy, name, s) for s in range(args.seeds)]
     for name in BAD_BATCH + LR_JUMPS:
         if (only is None or name in only) and (args.final or not FAULTS[name].held_out):

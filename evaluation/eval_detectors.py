@@ -382,8 +382,8 @@ def describe() -> dict:
     from families import FAMILIES
     from faults import FAULTS
 
-    return {"families": {n: {"about": f.about, "steps": f.steps, "held_out": f.held_out}
-                         for n, f in FAMILIES.items()},
+    return {"families": {n: {"about": f.about, "steps": f.steps, "held_out": f.held_out,
+                             "long": f.long} for n, f in FAMILIES.items()},
             "faults": {n: {"about": f.about, "in": f.group, "steps": f.steps,
                            "onset": f.onset, "expect": list(f.expect),
                            "max_delay": f.max_delay, "held_out": f.held_out}
