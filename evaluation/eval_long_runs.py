@@ -4,6 +4,7 @@
     python evaluation/eval_long_runs.py            # tuning part: ~10 min on 2 cores
     python evaluation/eval_long_runs.py --final    # also the held-out part, once
     python evaluation/eval_long_runs.py --cache build/detector-runs   # replay recordings
+    python evaluation/eval_long_runs.py --skips    # on_spike="skip" at floors: ~1 min
 
 Scores: for each healthy long run, its alarms (every one is false) and notices; per part, the
 alarms per 10,000 healthy steps and the runs with any; for each fault planted at 85% of an
@@ -34,6 +35,7 @@ sys.path.insert(0, str(HERE))
 import eval_detectors  # noqa: E402  (the short corpus's verdicts, provenance and saving)
 
 RESULTS = eval_detectors.RESULTS
+LONG_STEPS = 8000  # long_runs.LONG, for the skip counts
 CURVE_POINTS = 1000  # stretches of the loss curve kept per run (lowest, highest): the figure
 
 
@@ -216,6 +218,45 @@ def figure(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+FLOOR_FAMILIES = ("digits_mlp_adamw_label_smoothing", "wine_mlp_adam_dropout",
+                  "digits_100_memorised_adam")
+
+
+def _skips(args: tuple) -> dict:
+    """One healthy long run under ``on_spike="skip"``: the steps it skipped; ``blind``: with
+    the device rule never told the run's first loss (the rule before it judged a floor's
+    rise)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import runner
+    from families import FAMILIES
+
+    from fasthealth.monitor import skip_rule
+
+    name, seed, blind = args
+    if blind:
+        skip_rule.SkipRule.set_start = lambda self, start: None  # this worker process only
+    torch.manual_seed(seed)
+    out = runner.train(FAMILIES[name].build(torch.Generator().manual_seed(seed), LONG_STEPS),
+                       LONG_STEPS, options={"on_spike": "skip"})
+    skipped = [s.step for s in out["steps"] if s.values.get("spike_skip", 0) > 0]
+    return {"kind": "skips", "name": name, "seed": seed, "blind": blind, "skipped": skipped}
+
+
+def skips_at_floor(workers: int) -> dict:
+    """Healthy steps skipped by ``on_spike="skip"`` in long runs at a floor, with the device
+    rule told the run's first loss and without it (seed 0)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(n, 0, blind) for n in FLOOR_FAMILIES for blind in (True, False)]
+    # a fresh process per run: the blind variant patches the rule in its own process
+    with ProcessPoolExecutor(workers, max_tasks_per_child=1) as pool:
+        runs = list(pool.map(_skips, jobs))
+    return {n: {("without the first loss" if r["blind"] else "with it"): r["skipped"]
+                for r in runs if r["name"] == n} for n in FLOOR_FAMILIES}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,7 +268,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figure", default=str(RESULTS / "long_runs.png"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--cache", type=Path)
+    ap.add_argument("--skips", action="store_true",
+                    help="only: the healthy steps on_spike='skip' skips in long runs at a floor, "
+                    "with the device rule told the run's first loss and without it")
     args = ap.parse_args(argv)
+    if args.skips:
+        res = {"skipped": skips_at_floor(args.workers), "steps": LONG_STEPS, "seed": 0,
+               "machine": eval_detectors.provenance(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        for name, by in res["skipped"].items():
+            print(f"{name:<40}" + "  ".join(f"{k}: {len(v)}" for k, v in by.items()))
+        out = Path(args.out)
+        saved = json.loads(out.read_text()) if out.exists() else {}
+        saved["skips_at_floor"] = res
+        out.write_text(json.dumps(saved, indent=1))
+        print(f"written: {out} [skips_at_floor]")
+        return 0
     only = set(args.only.split(",")) if args.only else None
     res, runs = evaluate(args.final, args.workers, args.cache, only)
     res["machine"] = eval_detectors.provenance()
