@@ -286,9 +286,10 @@ _TINY = 1e-300  # keeps log() finite on positive values; non-positive ones turn 
 
 
 def _noise_z_t(win: torch.Tensor, v: torch.Tensor, floor: torch.Tensor,
-               qs: torch.Tensor) -> torch.Tensor:
-    """``_z`` per row of ``win`` (oldest first, NaN where empty), ``floor`` per row; ``qs``
-    holds (NOISE_QUANTILE, 0.5): the three statistics come from one sort."""
+               qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_z`` per row of ``win`` (oldest first, NaN where empty), ``floor`` per row, and each
+    row's level (the median of its last ``RECENT`` values); ``qs`` holds (NOISE_QUANTILE,
+    0.5): the three statistics come from one sort."""
     rows = win.shape[0]
     diffs = (win[:, 1:] - win[:, :-1]).abs()
     width = diffs.shape[1]
@@ -303,7 +304,7 @@ def _noise_z_t(win: torch.Tensor, v: torch.Tensor, floor: torch.Tensor,
     noise = torch.fmax(noise, floor)
     z = (v - level) / noise
     flat = torch.where(v > level, math.inf, 0.0)  # a window without noise: any rise is out
-    return torch.where(noise > 0, z, flat)
+    return torch.where(noise > 0, z, flat), level
 
 
 def score_constants(series: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,16 +318,18 @@ def score_constants(series: int, device: torch.device) -> tuple[torch.Tensor, to
 
 
 def spike_scores_t(win: torch.Tensor, v: torch.Tensor,
-                   constants: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   constants: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``spike_score`` for each row of ``win`` ((series, window) float64, oldest first, NaN
     where empty) against the value of ``v`` (series,): the smaller of the linear and log
-    scores where the log scale applies (as ``spike_scores`` says), else the linear one. No
-    host sync; the window must hold at least ``RECENT`` slots; ``constants`` from
-    ``score_constants``."""
+    scores where the log scale applies (as ``spike_scores`` says), else the linear one; and
+    each row's recent median (its level on the linear scale). No host sync; the window must
+    hold at least ``RECENT`` slots; ``constants`` from ``score_constants``."""
     floor, qs = constants
     # rows: linear, then log scale, where a 0 is a gap (NaN) as in spike_scores
     logs = torch.where(win > 0, win.clamp_min(_TINY).log(), math.nan)
     both = torch.cat([win, logs])
-    lin, log = _noise_z_t(both, torch.cat([v, v.clamp_min(_TINY).log()]), floor, qs).chunk(2)
+    z, level = _noise_z_t(both, torch.cat([v, v.clamp_min(_TINY).log()]), floor, qs)
+    lin, log = z.chunk(2)
     usable = ((win >= 0) | win.isnan()).all(1) & (v > 0) & ~log.isnan()
-    return torch.where(usable, torch.minimum(lin, log), lin)
+    return torch.where(usable, torch.minimum(lin, log), lin), level[:win.shape[0]]

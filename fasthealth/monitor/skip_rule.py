@@ -48,7 +48,6 @@ import torch
 
 from .robust import (
     FLOOR_RISE,
-    RECENT,
     SPIKE_WINDOW,
     SPIKE_ZSCORE,
     WARMUP_STEPS,
@@ -120,11 +119,15 @@ class SkipRule:
 
     def scores(self, v: torch.Tensor) -> torch.Tensor:
         """(2,) scores of ``v`` = (loss, grad norm) against the windows, NaN where unarmed."""
+        return self._scores(v)[0]
+
+    def _scores(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scores`` and the windows' recent medians."""
         order = (self._ring[None, :] + self.pos[:, None]) % self.window
         win = self.buf.gather(1, order)  # oldest first; unfilled slots (NaN) come first
-        z = spike_scores_t(win, v, self._constants)
+        z, level = spike_scores_t(win, v, self._constants)
         armed = (~win.isnan()).sum(1) >= self.warmup
-        return torch.where(armed & v.isfinite(), z, math.nan)
+        return torch.where(armed & v.isfinite(), z, math.nan), level
 
     def update(self, loss: torch.Tensor, grad_norm: torch.Tensor, step_ok: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,13 +135,13 @@ class SkipRule:
         into the windows unless it is skipped."""
         v = torch.stack([loss.reshape(()), grad_norm.reshape(())]).to(self.buf.device,
                                                                       torch.float64)
-        z = self.scores(v)
+        z, level = self._scores(v)
         over = z > self.thresholds  # NaN compares False: an unarmed series never skips
         both = (z > self.joint * self.zscore).all()
         ok = step_ok.to(self.buf.device)
         outlier = (over.any() | both) & ok  # kept out of the windows, counted in the run
         # the loss's paths need a rise that matters to the run, not only to a floor's noise
-        big = self._big(v[0])
+        big = self._big(v[0], level[0])
         skip = (over[0] & big | over[1] | both & big) & ok & (self.run < self.max_run)
         within = self.run < self.max_run
         self.run = torch.where(outlier, self.run + 1, torch.zeros_like(self.run))
@@ -154,13 +157,10 @@ class SkipRule:
         self.pos = (self.pos + take.long()) % self.window
         return skip, z
 
-    def _big(self, loss: torch.Tensor) -> torch.Tensor:
-        """Whether ``loss`` rises ``FLOOR_RISE`` of the run's first loss (of its recent median,
-        when higher) above that median; true while the first loss is unknown, or for a loss
-        below 0 (as the host rule's ``small_rise``)."""
-        order = (self._ring + self.pos[0]) % self.window
-        recent = self.buf[0].gather(0, order)[-RECENT:]
-        level = torch.nanquantile(recent, 0.5)
+    def _big(self, loss: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+        """Whether ``loss`` rises ``FLOOR_RISE`` of the run's first loss (of ``level``, its
+        recent median, when higher) above ``level``; true while the first loss is unknown, or
+        for a loss below 0 (as the host rule's ``small_rise``)."""
         small = (self.start > 0) & (level >= 0) & (
             loss - level < FLOOR_RISE * torch.fmax(level, self.start))
         return ~small
