@@ -205,6 +205,41 @@ def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_t
     assert abs(_last20(losses) - level) <= gap, (_last20(losses), level, gap)
 
 
+def pl_stream(root, bad, rollback=None, seed: int = 0):
+    """Lightning over ``Stream`` (read once, in order), the module logging as it trains."""
+    from fasthealth.integrations.lightning import HealthCallback as PLHealth
+
+    health, losses = PLHealth(rollback=rollback, flush_every=10), Losses()
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(root),
+                         callbacks=[health, losses])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the rollback's: asserted on below
+        trainer.fit(LoggingCounter(), torch.utils.data.DataLoader(Stream(bad, seed),
+                                                                   batch_size=8))
+    return health.monitor, losses.losses
+
+
+@pytest.mark.slow
+def test_lightning_a_run_of_bad_batches_is_rolled_back_replayed_and_quarantined(tmp_path):
+    """The corrupt shard of steps 150-159 through Lightning: rolled back to before it, the
+    incident's batch replayed through ``training_step`` on the restored state is still bad
+    (the data), its samples quarantined, the run ends within the seed gap of its twin (after
+    as many trained steps), and the replay logged nothing."""
+    mon, losses = pl_stream(tmp_path / "rolled", CORRUPT, rollback=fh.RollbackConfig(every=20))
+    (rb,) = mon.rollbacks
+    assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
+    inc = next(i for i in mon.incidents if i.id == rb.incident)
+    assert rb.quarantined == list(range(inc.start * 8, (inc.end + 1) * 8)), (rb, inc)
+    assert set(rb.quarantined) <= set(CORRUPT) and len(rb.quarantined) >= 64
+    trained = STEPS - (rb.step - rb.to_step)
+    level = _last20(pl_stream(tmp_path / "healthy", range(0))[1][:trained])
+    gap = max(abs(_last20(pl_stream(tmp_path / f"seed{k}", range(0), seed=k)[1][:trained])
+                  - level) for k in (1, 2))
+    assert abs(_last20(losses) - level) <= gap, (_last20(losses), level, gap)
+
+
 class CountingWithIds(Counting):
     """``Counting`` with each sample's index as its ``sample_ids`` column."""
 
