@@ -271,12 +271,13 @@ class Spike(Rule[SpikeConfig]):
                    "window": len(ser.values), "threshold": self.config.zscore}
         share = ser.small_rise(value)
         if share is not None:  # a blip at a floor: many units of a tiny noise, little loss
+            of = (f"the loss the run started from ({ser.start:.4g})" if ser.start >= median
+                  else "that median")
             return Finding(
                 KIND[ser.key],
                 f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
-                f"{median:.4g}{ratio}, a rise of {share:.1%} of the loss the run started from "
-                f"({ser.start:.4g}): a blip at the loss's floor, a notice (an alarm from "
-                f"{FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
+                f"{median:.4g}{ratio}, a rise of {share:.1%} of {of}: a blip at the loss's "
+                f"floor, a notice (an alarm from {FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
                 {**details, "rise_share": share, "start": ser.start}, severity=NOTICE)
         return Finding(
             KIND[ser.key],
