@@ -1,8 +1,8 @@
 """Verdicts over long runs: the Monitor's defaults on runs 8,000-30,000 steps long
 (``evaluation/detectors/long_runs.py``), healthy and with faults planted late.
 
-    python evaluation/eval_long_runs.py            # tuning part: ~10 min on 2 cores
-    python evaluation/eval_long_runs.py --final    # also the held-out part, once
+    python evaluation/eval_long_runs.py            # tuning part: ~20 min on 2 cores
+    python evaluation/eval_long_runs.py --final    # also the held-out part, once: ~25 min
     python evaluation/eval_long_runs.py --cache build/detector-runs   # replay recordings
     python evaluation/eval_long_runs.py --skips    # on_spike="skip" at floors: ~1 min
 
