@@ -2,9 +2,12 @@
 computed again the trainer's way, so that after a rollback the incident's batch is run again
 on the older state and its verdict says data or state (``RollbackConfig.replay``).
 
-- Hugging Face: the model's own loss (``model(**inputs).loss``, the inputs the Trainer handed
-  ``training_step``, on the model's device, keys the model's ``forward`` does not take left
-  out); with gradient accumulation the batch is the list of micro-batches, their mean.
+- Hugging Face: the Trainer's own ``compute_loss(model, inputs)`` (public, documented for
+  overriding: its label smoothing, its ``compute_loss_func``, a subclass's loss), on the
+  inputs the Trainer handed ``training_step`` moved to the model's device; without a Trainer
+  (the callback called by something else), the model's own loss (``model(**inputs).loss``,
+  keys its ``forward`` does not take left out). With gradient accumulation the batch is the
+  list of micro-batches: their mean.
 - Lightning: the module's ``training_step`` (its loss, or the ``"loss"`` of the dict it
   returns) with ``self.log`` and ``self.log_dict`` silenced for the call, so that nothing the
   run logs changes; under manual optimization none (its ``training_step`` steps the optimizer).
@@ -61,9 +64,9 @@ def _loss_of(out: Any, where: str) -> torch.Tensor:
     return loss.detach().float().reshape(-1).mean()
 
 
-def hf_replay(accumulation: int) -> Replay:
-    """``model(**inputs).loss`` of the step's inputs (their mean over ``accumulation``
-    micro-batches)."""
+def hf_replay(accumulation: int, trainer: Any = None) -> Replay:
+    """The step's loss again (the mean over ``accumulation`` micro-batches): the Trainer's
+    ``compute_loss``, or without ``trainer`` the model's own loss."""
     def replay(model: Any, batch: Any) -> torch.Tensor:
         device = next(model.parameters()).device
         params = inspect.signature(model.forward).parameters
@@ -74,8 +77,10 @@ def hf_replay(accumulation: int) -> Replay:
                 raise ValueError("fasthealth: the Trainer's inputs are not a mapping: no "
                                  "replay (give RollbackConfig(replay=...))")
             kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()
-                      if takes_any or k in params}
-            losses.append(_loss_of(model(**kwargs), "the model"))
+                      if trainer is not None or takes_any or k in params}
+            out = trainer.compute_loss(model, kwargs) if trainer is not None else model(**kwargs)
+            losses.append(_loss_of(out, "the Trainer's compute_loss" if trainer is not None
+                                   else "the model"))
         return torch.stack(losses).mean()
     return replay
 

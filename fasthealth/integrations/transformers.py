@@ -107,15 +107,15 @@ class HealthCallback(TrainerCallback):
         options = log_dir_option(dict(self.options), self.log_dir, args.output_dir)
         # the Trainer's scheduler: the rules take its warm restarts as a new start
         options = with_default(options, "scheduler", kwargs.get("lr_scheduler"))
-        # after a rollback, the incident's batch run again the model's way (replay.py)
-        options = with_replay(options, hf_replay(args.gradient_accumulation_steps))
+        bound, self._bound = self._bound, None
+        trainer = self.trainer = bound[0] if bound is not None else None
+        # after a rollback, the incident's batch run again the Trainer's way (replay.py)
+        options = with_replay(options, hf_replay(args.gradient_accumulation_steps, trainer))
         scaler = getattr(optimizer, "scaler", None)
         monitor = Monitor(model, optimizer, scaler=scaler, **options)
         monitor.on_alarm(log_incident)
         self.monitor, self._open, self._warned = monitor, True, False
         self.guard = SaveGuard(monitor)
-        bound, self._bound = self._bound, None
-        trainer = self.trainer = bound[0] if bound is not None else None
         folder = (adapter.checkpoint_folder(*bound) if bound is not None
                   else _resume_guess(args, state))
         if folder is not None:  # before the first step: the rules go on where they were

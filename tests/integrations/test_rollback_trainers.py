@@ -80,6 +80,18 @@ class Stream(torch.utils.data.IterableDataset):
 CORRUPT = range(AT * 8, (AT + 10) * 8)  # the samples of steps 150-159
 
 
+def _shard_rolled_back(mon):
+    """The one rollback of a run through the corrupt shard, and its incident: back to before
+    step 150, the replay saying the batch is bad, the samples of the incident's steps (its
+    first event to its last), all of the shard, quarantined."""
+    (rb,) = mon.rollbacks
+    assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
+    inc = next(i for i in mon.incidents if i.id == rb.incident)
+    assert rb.quarantined == list(range(inc.start * 8, (inc.end + 1) * 8)), (rb, inc)
+    assert set(rb.quarantined) <= set(CORRUPT) and len(rb.quarantined) >= 64
+    return rb, inc
+
+
 def hf_stream(out, bad, rollback=None, seed=0, resume=None):
     health = HealthCallback(rollback=rollback, flush_every=10)
     trainer = Trainer(tiny_gpt2(), hf_args(out, max_steps=STEPS, seed=seed, save_steps=20,
@@ -105,12 +117,7 @@ def test_hf_a_run_of_bad_batches_is_rolled_back_quarantined_and_skipped_after_a_
     gap = max(abs(_end(hf_stream(tmp_path / f"seed{k}", range(0), seed=k)[1]) - level)
               for k in (1, 2))
     mon, losses = hf_stream(tmp_path / "rolled", CORRUPT, rollback=fh.RollbackConfig(every=20))
-    (rb,) = mon.rollbacks
-    assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
-    inc = next(i for i in mon.incidents if i.id == rb.incident)
-    # the samples of the incident's steps, from its first event to its last
-    assert rb.quarantined == list(range(inc.start * 8, (inc.end + 1) * 8)), (rb, inc)
-    assert set(rb.quarantined) <= set(CORRUPT) and len(rb.quarantined) >= 64
+    rb, inc = _shard_rolled_back(mon)
     assert abs(_end(losses) - level) <= gap, (_end(losses), level, gap)
     saved = sorted(int(d.name.split("-")[1]) for d in (tmp_path / "rolled").glob("checkpoint-*"))
     assert 140 in saved and not [t for t in saved if AT <= t <= rb.step]
@@ -206,7 +213,8 @@ def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_t
 
 
 def pl_stream(root, bad, rollback=None, seed: int = 0):
-    """Lightning over ``Stream`` (read once, in order), the module logging as it trains."""
+    """Lightning over ``Stream`` (read once, in order): the Monitor, the losses, the module
+    (which counts its ``self.log`` calls)."""
     from fasthealth.integrations.lightning import HealthCallback as PLHealth
 
     health, losses = PLHealth(rollback=rollback, flush_every=10), Losses()
@@ -216,9 +224,9 @@ def pl_stream(root, bad, rollback=None, seed: int = 0):
                          callbacks=[health, losses])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the rollback's: asserted on below
-        trainer.fit(LoggingCounter(), torch.utils.data.DataLoader(Stream(bad, seed),
-                                                                   batch_size=8))
-    return health.monitor, losses.losses
+        module = LoggingCounter()
+        trainer.fit(module, torch.utils.data.DataLoader(Stream(bad, seed), batch_size=8))
+    return health.monitor, losses.losses, module
 
 
 @pytest.mark.slow
@@ -227,12 +235,10 @@ def test_lightning_a_run_of_bad_batches_is_rolled_back_replayed_and_quarantined(
     incident's batch replayed through ``training_step`` on the restored state is still bad
     (the data), its samples quarantined, the run ends within the seed gap of its twin (after
     as many trained steps), and the replay logged nothing."""
-    mon, losses = pl_stream(tmp_path / "rolled", CORRUPT, rollback=fh.RollbackConfig(every=20))
-    (rb,) = mon.rollbacks
-    assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
-    inc = next(i for i in mon.incidents if i.id == rb.incident)
-    assert rb.quarantined == list(range(inc.start * 8, (inc.end + 1) * 8)), (rb, inc)
-    assert set(rb.quarantined) <= set(CORRUPT) and len(rb.quarantined) >= 64
+    mon, losses, module = pl_stream(tmp_path / "rolled", CORRUPT,
+                                    rollback=fh.RollbackConfig(every=20))
+    rb, _ = _shard_rolled_back(mon)
+    assert module.logged == STEPS  # one a step: the replay logged nothing
     trained = STEPS - (rb.step - rb.to_step)
     level = _last20(pl_stream(tmp_path / "healthy", range(0))[1][:trained])
     gap = max(abs(_last20(pl_stream(tmp_path / f"seed{k}", range(0), seed=k)[1][:trained])
@@ -371,11 +377,11 @@ def test_lightning_a_resumed_run_skips_the_batches_holding_quarantined_samples(t
     _skipped_where_held(health.monitor, given, moved.moved)
 
 
-def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own():
+def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own(tmp_path):
     """``with_replay`` fills in the replay only where rollback is on and names none; the
-    Hugging Face replay is the model's own loss over the step's micro-batches, keys its
-    forward does not take (a ``sample_ids`` column) left out; Lightning under manual
-    optimization gets none."""
+    Hugging Face replay is the Trainer's compute_loss (its label smoothing) over the step's
+    micro-batches, or without a Trainer the model's own loss, keys its forward does not take
+    (a ``sample_ids`` column) left out; Lightning under manual optimization gets none."""
     from fasthealth.integrations.replay import hf_replay, lightning_replay, with_replay
 
     def mine(model, batch):
@@ -399,6 +405,14 @@ def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own():
         want = [float(model(input_ids=b["input_ids"], labels=b["labels"]).loss) for b in micro]
         assert float(hf_replay(2)(model, micro)) == pytest.approx(sum(want) / 2)
         assert float(hf_replay(1)(model, micro[0])) == pytest.approx(want[0])
+        # with the Trainer: its compute_loss, label smoothing included (the model's own loss
+        # is unsmoothed), and the inputs left as they were
+        trainer = Trainer(model, hf_args(tmp_path, label_smoothing_factor=0.2,
+                                         remove_unused_columns=False))
+        smoothed = float(trainer.compute_loss(model, dict(micro[0])))
+        assert abs(smoothed - want[0]) > 1e-3
+        assert float(hf_replay(1, trainer)(model, micro[0])) == pytest.approx(smoothed)
+        assert "labels" in micro[0]
 
     class Manual(Counter):
         def __init__(self):
