@@ -101,47 +101,89 @@ def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group:
 
 
 class NonFiniteOrigin:
-    """A DDP communication hook that notes whether this rank's own gradients held NaN/Inf
-    before the all-reduce spreads them to every rank, then all-reduces each bucket as DDP's
-    default hook does. ``take()`` gives the flag of the buckets since the last take (a 0-dim
-    bool tensor on the device, no sync; None when no bucket was reduced) and resets it; the
-    Monitor passes it to the step's collectives, which name the lowest such rank."""
+    """Notes whether this rank's own gradients held NaN/Inf before the data-parallel reduction
+    spreads them to every rank: under DDP a communication hook (then each bucket all-reduced as
+    DDP's default hook does), under FSDP2/HSDP a reduce-scatter that looks at its input (then
+    reduce-scatters as FSDP2's default does). ``take()`` gives the flag of the reductions since
+    the last take (a 0-dim bool tensor on the device, no sync; None when none ran) and resets
+    it; the Monitor passes it to the step's collectives, which name the lowest such rank."""
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
         self.flag: torch.Tensor | None = None
 
     def note(self, buffer: torch.Tensor) -> None:
-        """One bucket's flat gradients, before the all-reduce: NaN/Inf in any of them."""
+        """One bucket's flat gradients, before the reduction: NaN/Inf in any of them."""
         bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))  # no copy
         self.flag = bad if self.flag is None else self.flag | bad
 
     def take(self) -> torch.Tensor | None:
         flag, self.flag = self.flag, None
+        if flag is not None and flag.is_cuda:
+            # FSDP2 notes on its reduce-scatter stream; the flag is read on this one
+            flag.record_stream(torch.cuda.current_stream(flag.device))
         return flag
 
     @classmethod
     def attach(cls, model: Any, process_group: Any) -> NonFiniteOrigin | None:
-        """The hook registered on ``model`` when it is a DistributedDataParallel with no
-        communication hook of its own (DDP takes one); None otherwise."""
-        ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-        if ddp is None or not isinstance(model, ddp):
-            return None
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (  # DDP only
-            allreduce_hook,
-        )
-
+        """Watching ``model``'s reduction: a DistributedDataParallel with no communication
+        hook of its own, or a model whose FSDP2 modules reduce-scatter with FSDP2's default
+        (each one that does gets the watching reduce-scatter; a module with a custom one keeps
+        it). None where neither holds."""
         origin = cls(process_group)
+        ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+        if ddp is not None and isinstance(model, ddp):
+            return origin if _hook_ddp(model, origin) else None
+        return origin if _watch_fsdp2(model, origin) else None
 
-        def fasthealth_nonfinite_origin(state, bucket):
-            # unannotated: DDP takes a hook whose bucket is annotated dist.GradBucket or not
-            # at all, and this module's annotations are strings
-            origin.note(bucket.buffer())
-            return allreduce_hook(state, bucket)
 
+def _hook_ddp(model: Any, origin: NonFiniteOrigin) -> bool:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (  # DDP only
+        allreduce_hook,
+    )
+
+    def fasthealth_nonfinite_origin(state, bucket):
+        # unannotated: DDP takes a hook whose bucket is annotated dist.GradBucket or not
+        # at all, and this module's annotations are strings
+        origin.note(bucket.buffer())
+        return allreduce_hook(state, bucket)
+
+    try:
+        # DDP's own group (its data-parallel group), whatever the Monitor's
+        model.register_comm_hook(model.process_group, fasthealth_nonfinite_origin)
+    except RuntimeError:  # the model has a communication hook already: not replaced
+        return False
+    return True
+
+
+def _watch_fsdp2(model: Any, origin: NonFiniteOrigin) -> bool:
+    """FSDP2's reduce-scatter input is this rank's own unsharded gradients (accumulated over
+    the micro-batches without sync): each module's default reduce-scatter is swapped for one
+    that notes it first. The watching one is a ``DefaultReduceScatter``, so FSDP2's own
+    switches (symmetric memory, the process group's allocator) still replace it."""
+    try:  # FSDP2's comm classes and the default's type live in private modules
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError:  # a torch without FSDP2's custom comms
+        return False
+
+    class _Watching(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                     group: Any, op: Any, async_op: bool = False) -> Any:
+            origin.note(input_tensor)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    watched = False
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+        if not groups or any(type(getattr(g, "_reduce_scatter_comm", None))
+                             is not DefaultReduceScatter for g in groups):
+            continue  # a custom reduce-scatter (the user's), or FSDP2's layout changed
         try:
-            # DDP's own group (its data-parallel group), whatever the Monitor's
-            model.register_comm_hook(model.process_group, fasthealth_nonfinite_origin)
-        except RuntimeError:  # the model has a communication hook already: not replaced
-            return None
-        return origin
+            module.set_custom_reduce_scatter(_Watching())
+        except ValueError:  # several parameter groups (a per-parameter mesh)
+            continue
+        watched = True
+    return watched

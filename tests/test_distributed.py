@@ -275,7 +275,7 @@ def _nan_origin(rank, world):
     ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
     assert [e.step for e in ev] == [2], [(e.step, e.kind) for e in mon.events]
     assert ev[0].details["origin_rank"] == world - 1, ev[0].details
-    assert f"made on rank {world - 1} before the all-reduce" in ev[0].message
+    assert f"made on rank {world - 1} before the gradients were reduced" in ev[0].message
 
 
 def _rollback(rank, world):
@@ -317,6 +317,43 @@ def _rollback(rank, world):
     assert max(losses[-20:]) < losses[270] * 1.5, (losses[270], losses[-20:])
 
 
+def _fsdp_nan_origin(rank, world, hsdp=False):
+    """FSDP2 (each Linear and the root sharded), or HSDP (2 replicas x 2 shards): a NaN made on
+    one rank's batch reaches every rank's shards through the reduce-scatter; the Monitor's
+    watching reduce-scatter saw it in that rank's own unsharded gradients first, and every
+    rank's event names it. Two micro-batches per step, the first without gradient sync: the
+    NaN is in the first, so it is seen in the accumulated gradients at the second."""
+    model = make_model()
+    mesh = None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=4)
+    assert mon._origin is not None
+    bad = world - 2
+    for step in range(4):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = batch(rank + 10 * micro)
+            if step == 2 and micro == 0 and rank == bad:
+                x[0, 0] = float("nan")
+            model.set_requires_gradient_sync(micro == 1)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+        obs = mon.step(loss)
+        assert bool(obs.skip) == (step == 2), (rank, step)
+    mon.close()
+    ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
+    assert [e.step for e in ev] == [2], [(e.step, e.kind) for e in mon.events]
+    assert ev[0].details["origin_rank"] == bad, ev[0].details
+    assert f"made on rank {bad} before the gradients were reduced" in ev[0].message
+
+
 def _hsdp_weights(rank, world):
     """HSDP (2 replicas x 2 shards): a bit flipped in one rank's shard of a weight leaves the
     reduced gradients alike, and the comparison of the parameters across the replicate
@@ -352,7 +389,8 @@ def _worker(rank, world, init_file, scenario, done_dir):
         {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
          "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
          "nan_origin": _nan_origin, "rollback": _rollback,
-         "hsdp_weights": _hsdp_weights}[scenario](rank, world)
+         "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin,
+         "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
         dist.barrier()
         open(os.path.join(done_dir, f"rank-{rank}"), "w").close()  # every check passed
     finally:
@@ -393,6 +431,13 @@ def test_fsdp2(world):
 @pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
 def test_hsdp_weights_compared_across_the_replicate_dimension():
     run(4, "hsdp_weights")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_nan_named_with_its_rank_under_fsdp2(layout):
+    run(4, f"{layout}_nan_origin")
 
 
 @pytest.mark.slow

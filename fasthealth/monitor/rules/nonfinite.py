@@ -45,10 +45,10 @@ class NonFiniteGrad(Rule[NoConfig]):
         action = " (step skipped)" if skipped(s) else ""
         origin = v.get("nonfinite_origin_rank", math.nan)
         made = ""
-        if math.isfinite(origin):  # under DDP: where it was made, before the all-reduce
+        if math.isfinite(origin):  # under DDP/FSDP2: where it was made, before the reduction
             others = int(v.get("nonfinite_origins", 1)) - 1
-            made = (f", made on rank {int(origin)}" + (f" and {others} other rank(s)" if others
-                                                      else "") + " before the all-reduce")
+            also = f" and {others} other rank(s)" if others else ""
+            made = f", made on rank {int(origin)}{also} before the gradients were reduced"
         return [Finding("nonfinite_grad",
                         f"{int(v['nan_count'])} NaN and {int(v['inf_count'])} Inf gradient "
                         f"values in {len(bad)} tensor(s): {listed(bad)}{made}{action}. Check "
