@@ -67,6 +67,103 @@ def test_range_thresholds_as_the_reference(gbackend):
     check_multi(raw, cpu, f"{gbackend} range_dtype=float64", range_dtype=torch.float64)
 
 
+def _nccl_worker(rank, world, init_file):
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.cuda.set_device(rank)
+        m = torch.nn.Linear(64, 32).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
+        ddp(torch.randn(8, 64, device="cuda")).sum().backward()
+        fh.check_grads(ddp, process_group=dist.group.WORLD)  # the first call: the sets
+        torch.cuda.set_sync_debug_mode("error")  # then two all-reduces and no host sync
+        try:
+            s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        local = fh.check_grads(m)
+        assert s.raw.device.type == "cuda"
+        torch.testing.assert_close(s.total.norm, local.total.norm)
+        assert s.total.numel.item() == local.total.numel.item() and s.ok
+        m.weight.grad[0, 0] = float("nan")
+        assert not fh.check_grads(ddp, process_group=dist.group.WORLD).ok
+        _nccl_capture(ddp, m, dist.group.WORLD)
+        _nccl_nan_origin(rank, world, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_capture(ddp, m, group):
+    """check_grads(process_group=) captured in a CUDA graph (its two all-reduces included) and
+    replayed on new gradients: each replay's totals are those of an eager call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as PyTorch's recipe has it
+        for p in m.parameters():
+            p.grad.normal_()
+        fh.check_grads(ddp, process_group=group)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fh.check_grads(ddp, process_group=group)
+    for k in range(3):
+        for p in m.parameters():
+            p.grad.normal_(std=k + 1.0)
+        if k == 2:
+            m.weight.grad[1, 1] = float("inf")
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fh.check_grads(m)
+        torch.testing.assert_close(captured.total.norm, want.total.norm)
+        assert captured.total.inf_count.item() == want.total.inf_count.item() == (k == 2)
+        assert bool(captured.all_finite.item()) == (k != 2)
+
+
+def _nccl_nan_origin(rank, world, group):
+    """A Monitor given the DDP model on NCCL: a NaN made in the last rank's batch is named with
+    its rank (the communication hook's flag rides in the step's all-reduces)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 32).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    mon = fh.Monitor(ddp, opt, process_group=group, flush_every=3)
+    assert mon._origin is not None
+    for step in range(3):
+        opt.zero_grad()
+        x = torch.randn(8, 64, device="cuda")
+        if step == 1 and rank == world - 1:
+            x[0, 0] = float("nan")
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        mon.step(loss)
+    mon.close()
+    ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
+    assert [e.step for e in ev] == [1], [(e.step, e.kind) for e in mon.events]
+    assert ev[0].details["origin_rank"] == world - 1, ev[0].details
+
+
+def test_nccl_path():
+    """The NCCL path on every GPU of the machine (one rank per GPU; world size 1 on a single
+    GPU still runs the NCCL all-reduces on device tensors, and the all-gather of a group's first
+    call): no host sync after the first call, the call captured in a CUDA graph and replayed,
+    and a NaN named with the rank that made it."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    fd, init_file = tempfile.mkstemp(prefix="fh-nccl-")
+    os.close(fd)
+    os.unlink(init_file)
+    world = torch.cuda.device_count()
+    mp.spawn(_nccl_worker, args=(world, init_file), nprocs=world, join=True)
+
+
 def test_triton_capture_with_a_tensor_count_never_seen():
     """Triton's kernels do not depend on the plan: after one eager call with a single float32
     tensor, a capture with 37 never-seen tensors (another item range, tensor count and scratch
@@ -499,51 +596,6 @@ def test_monitor_fused_adamw_on_gpu_skips_without_sync():
     assert obs.skip.item()
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
     mon.close()
-
-
-def _nccl_worker(rank, world, init_file):
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        torch.cuda.set_device(rank)
-        m = torch.nn.Linear(64, 32).cuda()
-        ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
-        ddp(torch.randn(8, 64, device="cuda")).sum().backward()
-        fh.check_grads(ddp, process_group=dist.group.WORLD)  # the first call: the sets
-        torch.cuda.set_sync_debug_mode("error")  # then two all-reduces and no host sync
-        try:
-            s = fh.check_grads(ddp, process_group=dist.group.WORLD)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        local = fh.check_grads(m)
-        assert s.raw.device.type == "cuda"
-        torch.testing.assert_close(s.total.norm, local.total.norm)
-        assert s.total.numel.item() == local.total.numel.item() and s.ok
-        m.weight.grad[0, 0] = float("nan")
-        assert not fh.check_grads(ddp, process_group=dist.group.WORLD).ok
-    finally:
-        dist.destroy_process_group()
-
-
-def test_nccl_path():
-    """The NCCL path on every GPU of the machine (one rank per GPU; world size 1 on a single
-    GPU still runs the NCCL all-reduces on device tensors, and the all-gather of a group's first
-call), with no host sync after the first call."""
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    if not dist.is_nccl_available():
-        pytest.skip("this torch has no NCCL")
-    fd, init_file = tempfile.mkstemp(prefix="fh-nccl-")
-    os.close(fd)
-    os.unlink(init_file)
-    world = torch.cuda.device_count()
-    mp.spawn(_nccl_worker, args=(world, init_file), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
