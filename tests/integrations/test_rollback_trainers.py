@@ -1,10 +1,13 @@
-"""Rolling back in process through the trainers (``rollback=``, docs/spec.md section 6): a
-weight corrupted to NaN between two steps of a Hugging Face Trainer or Lightning run breaks
-every later step; the callbacks' ``rollback=`` restores the weights, the optimizer and the
-scheduler of the last snapshot before it, and the run ends where its healthy twin does (within
-the seed gap), in the same process. The callbacks replay the incident's batch on the restored
-state the trainer's way (the model's own loss; ``training_step``, its logging silenced): the
-batch is fine there, so the state was bad, not the data."""
+"""Rolling back in process through the trainers (``rollback=``, docs/spec.md section 6), with
+faults planted for real in a Hugging Face Trainer or Lightning run: a weight corrupted to NaN
+between two steps (every later step broken), a learning-rate burst of three steps (the batches
+are fine, the state they meet is not: the loss stays hurt long after), and a run of bad
+batches (a corrupt shard). The callbacks' ``rollback=`` restores the weights, the optimizer and
+the scheduler of the last snapshot before the fault, and the run ends where its healthy twin
+does (within the seed gap), in the same process. The callbacks replay the incident's batch on
+the restored state the trainer's way (the Trainer's ``compute_loss``; ``training_step``, its
+logging silenced): fine there for the first two (the state was bad), still bad for the shard
+(the data)."""
 
 from __future__ import annotations
 
@@ -25,30 +28,53 @@ from fasthealth.integrations.transformers import HealthCallback  # noqa: E402
 STEPS, AT = 300, 150
 
 
-def hf_run(out, poison: bool, rollback=None, seed: int = 0):
+class Burst(TrainerCallback):
+    """The learning rate ``factor`` times the scheduler's for the ``n`` steps from ``at`` (the
+    scheduler sets it again after each step)."""
+
+    def __init__(self, at, n=3, factor=300.0):
+        self.at, self.n, self.factor = at, n, factor
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kw):
+        if self.at <= state.global_step < self.at + self.n:
+            for group in optimizer.param_groups:
+                group["lr"] *= self.factor
+
+
+def hf_run(out, fault=None, rollback=None, seed: int = 0):
+    """A Trainer run of ``STEPS`` steps; ``fault``: "nan" (a NaN weight from step ``AT``) or
+    "burst" (``Burst(AT)``)."""
     health = HealthCallback(rollback=rollback, flush_every=10)
+    planted = {None: [], "nan": [Poison(AT)], "burst": [Burst(AT)]}[fault]
     trainer = Trainer(tiny_gpt2(), hf_args(out, max_steps=STEPS, seed=seed,
                                            save_total_limit=None),
-                      train_dataset=Counting(), callbacks=[health] + (
-                          [Poison(AT)] if poison else []))
-    with pytest.warns(RuntimeWarning, match="rolled back") if poison and rollback else \
+                      train_dataset=Counting(), callbacks=[health, *planted])
+    with pytest.warns(RuntimeWarning, match="rolled back") if fault and rollback else \
             contextlib.nullcontext():
         trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     return health.monitor, trainer, losses
 
 
-@pytest.mark.slow
-def test_hf_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp_path):
-    left, _, _ = hf_run(tmp_path / "broken", poison=True)
-    (inc,) = left.incidents  # left alone: broken to the end (HF logs its NaN losses as 0)
-    assert (inc.start, inc.end, inc.recovered) == (AT, STEPS - 1, False), inc
-    twin, _, healthy = hf_run(tmp_path / "healthy", poison=False, rollback=True)
+@pytest.fixture(scope="module")
+def hf_twin(tmp_path_factory):
+    """The healthy twin's final loss level and the seed gap (the largest distance of two other
+    seeds' levels from it); the twin, with rollback on, never rolls back."""
+    tmp = tmp_path_factory.mktemp("hf-twin")
+    twin, _, healthy = hf_run(tmp / "healthy", rollback=True)
     assert not twin.rollbacks and not [i for i in twin.incidents if i.severity == "alarm"]
     level = _end(healthy)
-    gap = max(abs(_end(hf_run(tmp_path / f"seed{k}", poison=False, seed=k)[2]) - level)
-              for k in (1, 2))
-    mon, trainer, losses = hf_run(tmp_path / "rolled", poison=True,
+    return level, max(abs(_end(hf_run(tmp / f"seed{k}", seed=k)[2]) - level) for k in (1, 2))
+
+
+@pytest.mark.slow
+def test_hf_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp_path,
+                                                                              hf_twin):
+    left, _, _ = hf_run(tmp_path / "broken", "nan")
+    (inc,) = left.incidents  # left alone: broken to the end (HF logs its NaN losses as 0)
+    assert (inc.start, inc.end, inc.recovered) == (AT, STEPS - 1, False), inc
+    level, gap = hf_twin
+    mon, trainer, losses = hf_run(tmp_path / "rolled", "nan",
                                   rollback=fh.RollbackConfig(every=20))
     (rb,) = mon.rollbacks
     assert rb.to_step < AT <= rb.step < AT + 10, rb
@@ -56,6 +82,27 @@ def test_hf_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp
     assert abs(_end(losses) - level) <= gap, (_end(losses), level, gap)
     inc = next(i for i in mon.incidents if i.id == rb.incident)
     assert inc.severity == "alarm" and not inc.open and inc.recovered, inc
+    assert trainer.state.global_step == STEPS
+
+
+@pytest.mark.slow
+def test_hf_a_learning_rate_burst_is_rolled_back_and_told_from_the_data(tmp_path, hf_twin):
+    """Three steps at 300 times the rate: left alone the loss ends more than ten seed gaps
+    above the twin's; rolled back to before the burst, the incident's batch replayed on the
+    restored state is fine (the state, not the data: nothing quarantined), and the run ends
+    within the seed gap of its twin, at most a snapshot interval and a flush lost."""
+    level, gap = hf_twin
+    _, _, left = hf_run(tmp_path / "burst", "burst")
+    assert _end(left) - level > 10 * gap, (_end(left), level, gap)
+    mon, trainer, losses = hf_run(tmp_path / "rolled", "burst",
+                                  rollback=fh.RollbackConfig(every=20))
+    (rb,) = mon.rollbacks
+    assert rb.to_step < AT <= rb.step < AT + 10 and rb.step - rb.to_step <= 20 + 10, rb
+    assert rb.replay == "state" and rb.replay_loss < 1.2 * rb.level, rb
+    assert rb.quarantined == [], rb
+    inc = next(i for i in mon.incidents if i.id == rb.incident)
+    assert inc.cause == "learning_rate" and inc.recovered and not inc.open, inc
+    assert abs(_end(losses) - level) <= gap, (_end(losses), level, gap)
     assert trainer.state.global_step == STEPS
 
 
@@ -171,30 +218,71 @@ class LoggingCounter(Counter):
         super().log(*args, **kwargs)
 
 
-def pl_fit(root, poison: bool, rollback=None, seed: int = 0):
+class BurstPL(pl.Callback):
+    """Lightning's ``Burst``: the rate ``factor`` times for the ``n`` steps from ``at``, put
+    back after each (the module's AdamW has a constant rate)."""
+
+    def __init__(self, at, n=3, factor=300.0):
+        self.at, self.n, self.factor, self.saved = at, n, factor, None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.at <= trainer.global_step < self.at + self.n:
+            groups = trainer.optimizers[0].param_groups
+            self.saved = [g["lr"] for g in groups]
+            for g in groups:
+                g["lr"] *= self.factor
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.saved is not None:
+            for g, lr in zip(trainer.optimizers[0].param_groups, self.saved):
+                g["lr"] = lr
+            self.saved = None
+
+
+def pl_fit(root, fault=None, rollback=None, seed: int = 0):
+    """A Lightning run of ``STEPS`` steps; ``fault``: "nan" or "burst", as ``hf_run``'s."""
     from fasthealth.integrations.lightning import HealthCallback as PLHealth
 
     health, losses = PLHealth(rollback=rollback, flush_every=10), Losses()
+    planted = {None: [], "nan": [PoisonPL(AT)], "burst": [BurstPL(AT)]}[fault]
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, default_root_dir=str(root),
-                         callbacks=[health, losses] + ([PoisonPL(AT)] if poison else []))
+                         callbacks=[health, losses, *planted])
     loader = torch.utils.data.DataLoader(Counting(), batch_size=8, shuffle=True,
                                          generator=torch.Generator().manual_seed(seed))
-    with pytest.warns(RuntimeWarning, match="rolled back") if poison and rollback else \
+    with pytest.warns(RuntimeWarning, match="rolled back") if fault and rollback else \
             contextlib.nullcontext():
         trainer.fit(LoggingCounter(), loader)
     return health.monitor, trainer, losses.losses
 
 
+@pytest.fixture(scope="module")
+def pl_twin(tmp_path_factory):
+    """The healthy twin's losses (it never rolls back, rollback on) and two other seeds'."""
+    tmp = tmp_path_factory.mktemp("pl-twin")
+    twin, _, healthy = pl_fit(tmp / "healthy", rollback=True)
+    assert not twin.rollbacks and not [i for i in twin.incidents if i.severity == "alarm"]
+    return healthy, [pl_fit(tmp / f"seed{k}", seed=k)[2] for k in (1, 2)]
+
+
+def _within_the_seed_gap(losses, rb, twin) -> None:
+    """At a constant rate the loss still falls at the end: the run that lost ``rb``'s steps
+    is compared with its twin after as many trained steps, within the seed gap there."""
+    healthy, seeds = twin
+    trained = STEPS - (rb.step - rb.to_step)
+    level = _last20(healthy[:trained])
+    gap = max(abs(_last20(other[:trained]) - level) for other in seeds)
+    assert abs(_last20(losses) - level) <= gap, (_last20(losses), level, gap)
+
+
 @pytest.mark.slow
-def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp_path):
-    left, _, _ = pl_fit(tmp_path / "broken", poison=True)
+def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_twin(tmp_path,
+                                                                                     pl_twin):
+    left, _, _ = pl_fit(tmp_path / "broken", "nan")
     (inc,) = left.incidents
     assert (inc.start, inc.recovered) == (AT, False), inc
-    twin, _, healthy = pl_fit(tmp_path / "healthy", poison=False, rollback=True)
-    assert not twin.rollbacks and not [i for i in twin.incidents if i.severity == "alarm"]
-    mon, trainer, losses = pl_fit(tmp_path / "rolled", poison=True,
+    mon, trainer, losses = pl_fit(tmp_path / "rolled", "nan",
                                   rollback=fh.RollbackConfig(every=20))
     (rb,) = mon.rollbacks
     assert rb.to_step < AT <= rb.step < AT + 10, rb
@@ -203,13 +291,28 @@ def test_lightning_a_nan_weight_is_rolled_back_and_the_run_ends_as_its_healthy_t
     inc = next(i for i in mon.incidents if i.id == rb.incident)
     assert inc.severity == "alarm" and not inc.open and inc.recovered, inc
     assert trainer.global_step == STEPS
-    # at a constant rate the loss still falls at the end: the run that lost `lost` steps is
-    # compared with its twin after as many trained steps, within the seed gap there
-    trained = STEPS - (rb.step - rb.to_step)
-    level = _last20(healthy[:trained])
-    gap = max(abs(_last20(pl_fit(tmp_path / f"seed{k}", poison=False, seed=k)[2][:trained])
-                  - level) for k in (1, 2))
-    assert abs(_last20(losses) - level) <= gap, (_last20(losses), level, gap)
+    _within_the_seed_gap(losses, rb, pl_twin)
+
+
+@pytest.mark.slow
+def test_lightning_a_learning_rate_burst_is_rolled_back_and_told_from_the_data(tmp_path,
+                                                                               pl_twin):
+    """``test_hf_a_learning_rate_burst_...`` through Lightning: the burst left alone keeps the
+    loss far above the twin's; rolled back, replayed through ``training_step`` ("state", nothing
+    quarantined), the run ends within the seed gap of its twin."""
+    healthy, seeds = pl_twin
+    _, _, left = pl_fit(tmp_path / "burst", "burst")
+    gap = max(abs(_last20(other) - _last20(healthy)) for other in seeds)
+    assert _last20(left) - _last20(healthy) > 10 * gap, (_last20(left), _last20(healthy), gap)
+    mon, trainer, losses = pl_fit(tmp_path / "rolled", "burst",
+                                  rollback=fh.RollbackConfig(every=20))
+    (rb,) = mon.rollbacks
+    assert rb.to_step < AT <= rb.step < AT + 10 and rb.step - rb.to_step <= 20 + 10, rb
+    assert rb.replay == "state" and rb.replay_loss < 1.2 * rb.level, rb
+    assert rb.quarantined == [] and trainer.lightning_module.logged == STEPS, rb
+    inc = next(i for i in mon.incidents if i.id == rb.incident)
+    assert inc.cause == "learning_rate" and inc.recovered and not inc.open, inc
+    _within_the_seed_gap(losses, rb, pl_twin)
 
 
 def pl_stream(root, bad, rollback=None, seed: int = 0):
