@@ -139,15 +139,40 @@ def _shard_rolled_back(mon):
     return rb, inc
 
 
-def hf_stream(out, bad, rollback=None, seed=0, resume=None):
+def hf_stream(out, bad, rollback=None, seed=0, resume=None, **args):
+    """The Trainer over ``Stream`` (its ``bad`` samples corrupt); ``args``: more of its
+    arguments (gradient accumulation, label smoothing)."""
     health = HealthCallback(rollback=rollback, flush_every=10)
+    per_step = 8 * args.get("gradient_accumulation_steps", 1)
     trainer = Trainer(tiny_gpt2(), hf_args(out, max_steps=STEPS, seed=seed, save_steps=20,
-                                           save_total_limit=None, remove_unused_columns=False),
-                      train_dataset=Stream(bad, seed), callbacks=[health])
+                                           save_total_limit=None, remove_unused_columns=False,
+                                           **args),
+                      train_dataset=Stream(bad, seed, n=STEPS * per_step), callbacks=[health])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the rollback's: asserted on below
         trainer.train(resume_from_checkpoint=resume)
     return health.monitor, [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate, smoothing", [(2, 0.0), (1, 0.1), (2, 0.1)])
+def test_hf_the_replay_is_the_trainers_own_loss(tmp_path, accumulate, smoothing):
+    """With gradient accumulation (the replay averages the step's micro-batches) and the
+    Trainer's label smoothing (a loss the model does not compute, whose floor is far above
+    0): the corrupt shard's incident is rolled back and its batch, replayed through the
+    Trainer's compute_loss on the restored state, is judged bad (the data), its samples
+    quarantined."""
+    per_step = 8 * accumulate
+    bad = range(AT * per_step, (AT + 10) * per_step)
+    mon, _ = hf_stream(tmp_path, bad, rollback=fh.RollbackConfig(every=20),
+                       gradient_accumulation_steps=accumulate, label_smoothing_factor=smoothing)
+    (rb,) = mon.rollbacks
+    assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
+    assert rb.replay_loss > 2 * rb.level, rb
+    inc = next(i for i in mon.incidents if i.id == rb.incident)
+    assert rb.quarantined == list(range(inc.start * per_step, (inc.end + 1) * per_step)), (
+        rb, inc)
+    assert set(rb.quarantined) <= set(bad), rb
 
 
 @pytest.mark.slow
