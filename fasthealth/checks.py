@@ -171,6 +171,7 @@ def grads_stats(
         s.replica_mismatch = check["replica_mismatch"]
         s.replica_mismatch_mask = check["replica_mismatch_mask"]
         s.replica_named = check["replica_named"]
+        s.replica_odd = check["replica_odd"]
         s.loss_mean = check["loss_mean"]
         s.origin_rank, s.origin_count = check["origin_rank"], check["origin_count"]
         s.skip_any = check["skip_any"]

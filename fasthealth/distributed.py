@@ -34,7 +34,10 @@ numbers each (one set under DDP).
   the rest of their set (the smaller side; both sides when they are as many, so every member
   of a set of two; every member not on either side when a set holds three or more versions),
   and ``replica_named`` names those on a side of one (the usual case of one bad rank), at any
-  world size. Every rank's extremes and NaN/Inf flag count, so a bad replica's NaN is seen.
+  world size. Several ranks that differ alike are named by one extra step, only when asked
+  and needed: each rank knows whether it is one of them (``replica_odd``), and
+  ``flagged_ranks`` all-gathers that flag, a byte per rank. Every rank's extremes and NaN/Inf
+  flag count, so a bad replica's NaN is seen.
 - A rank whose input is bad still joins both collectives, with an error flag, and raises after
   them: no rank waits for another's error; the others get a total of NaN with ``all_finite``
   False.
@@ -197,8 +200,9 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     replica check: ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named``,
     ``loss_mean``, the mean of every rank's ``extra_loss``, and ``origin_rank`` and
     ``origin_count``: the lowest rank whose ``origin`` flag was set (its own gradients held
-    NaN/Inf before the data-parallel reduction; NaN for none) and how many were, and
-    ``skip_any``: whether any rank's ``extra_skip`` is set)."""
+    NaN/Inf before the data-parallel reduction; NaN for none) and how many were,
+    ``skip_any``: whether any rank's ``extra_skip`` is set, and ``replica_odd``: whether this
+    rank is one that ``replica_mismatch`` counts, for ``flagged_ranks``)."""
     check_group(process_group)
     views = [local_view(g) for g in grads]
     local = [v for v, _ in views]
@@ -238,6 +242,7 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
                                        -top[M_ORIGIN_LOW])
     check["origin_count"] = add[S_ORIGINS]
     check["skip_any"] = top[M_SKIP] > 0
+    check["replica_odd"] = part.odd(top, add)
     return torch.cat([table[:-1], total[None]]), check
 
 
@@ -264,6 +269,13 @@ class _Part:
             # the set's representative: the member with the most NaN/Inf, lowest rank on ties
             self.key = (self.pl[COL["nan_count"]] + self.pl[COL["inf_count"]]) * RANKS + (
                 RANKS - 1 - rank)
+
+    def odd(self, top: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+        """Whether this rank is one ``verdict`` counts as differing from its set (0 or 1)."""
+        if self.table is None or self.slot is None:
+            return torch.zeros((), dtype=torch.float64, device=self.dev)
+        at, base = M_HEAD + 3 * self.slot, S_HEAD + 4 * self.slot
+        return odd_member(self.h, top[at], -top[at + 1], add[base], add[base + 1])
 
     def maxima(self) -> torch.Tensor:
         top = torch.full((M_HEAD + 3 * self.sets,), _NEG, dtype=torch.float64, device=self.dev)
@@ -394,8 +406,10 @@ def verdict(slots: torch.Tensor, sides: torch.Tensor, sizes: tuple[int, ...],
     if size is None:  # on the device once: no copy from the host in the step
         size = _SIZES.setdefault((sizes, dev), torch.tensor(sizes, dtype=torch.float64,
                                                             device=dev))
-    differ = slots[:, 0] != -slots[:, 1]
     n_hi, n_lo = sides[:, 0], sides[:, 1]
+    # a set none of whose members reported (their tensors changed since the sets were found:
+    # each is a set of its own now) has nothing to compare
+    differ = (slots[:, 0] != -slots[:, 1]) & (n_hi + n_lo > 0)
     hi_odd = differ & (n_hi <= n_lo)
     lo_odd = differ & (n_lo <= n_hi)
     others = torch.where(differ, size - n_hi - n_lo, 0.0)
@@ -407,3 +421,26 @@ def verdict(slots: torch.Tensor, sides: torch.Tensor, sizes: tuple[int, ...],
     mask = torch.where(low.isnan(), 0.0, torch.exp2(low.nan_to_num(0.0))).sum()
     return {"replica_mismatch": count, "replica_mismatch_mask": mask, "replica_named": named}
 
+
+
+def odd_member(h: torch.Tensor, high: torch.Tensor, low: torch.Tensor, n_hi: torch.Tensor,
+               n_lo: torch.Tensor) -> torch.Tensor:
+    """Whether the member of fingerprint ``h`` is one that ``verdict`` counts in its set of
+    fingerprints ``high`` and ``low``, held by ``n_hi`` and ``n_lo`` members (0 or 1)."""
+    differ = high != low
+    on_hi, on_lo = h == high, h == low
+    return (differ & ((on_hi & (n_hi <= n_lo)) | (on_lo & (n_lo <= n_hi)) | ~(on_hi | on_lo))
+            ).double()
+
+
+def flagged_ranks(flag: bool, process_group: Any) -> list[int]:
+    """The ranks of ``process_group`` whose ``flag`` is set: one all-gather of a byte per rank
+    (131 kB at 131,072 ranks), a collective that every rank of the group must call. The
+    cheap extra step that names replicas differing alike (``replica_odd``), rarely needed."""
+    check_group(process_group)
+    world = dist.get_world_size(process_group)
+    dev = comm_device(process_group, _default_device(process_group))
+    out = torch.empty(world, dtype=torch.uint8, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, torch.tensor([int(flag)], dtype=torch.uint8, device=dev), group=process_group)
+    return torch.nonzero(out).flatten().tolist()

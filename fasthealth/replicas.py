@@ -16,6 +16,7 @@ from .distributed import (
     comm_device,
     fingerprint,
     local_view,
+    odd_member,
     replica_set,
     row_fingerprint,
     verdict,
@@ -65,15 +66,16 @@ def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group:
     """Whether the replicas of each set hold the same tensors (``param_checksums`` of the same
     parameters on every member), by two all-reduces: a MAX of each set's fingerprint (high,
     -low) and of each tensor's checksum in its set's row; a SUM of each set's sides
-    (``verdict``). Returns ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named`` as
-    ``global_table``'s check, and ``tensors``: per tensor whether its replicas differ in any
-    set. Per tensor only where every rank holds as many (one set of every rank, or DTensor
-    shards: ``kind`` "shards"); else ``tensors`` is None."""
+    (``verdict``). Returns ``replica_mismatch``, ``replica_mismatch_mask``, ``replica_named``,
+    ``replica_odd`` as ``global_table``'s check, and ``tensors``: per tensor whether its
+    replicas differ in any set. Per tensor only where every rank holds as many (one set of
+    every rank, or DTensor shards: ``kind`` "shards"); else ``tensors`` is None."""
     check_group(process_group)
     slot, _, sizes = replica_set(process_group, replica_group, key, kind)
     dev, k = checksums.device, len(sizes)
     if not k:  # no two ranks hold the same tensors (the same on every rank: no collective)
-        return {**verdict(torch.zeros(0, 2), torch.zeros(0, 4), sizes, dev), "tensors": None}
+        return {**verdict(torch.zeros(0, 2), torch.zeros(0, 4), sizes, dev), "tensors": None,
+                "replica_odd": torch.zeros((), dtype=torch.float64, device=dev)}
     comm = comm_device(process_group, dev)
     alike = kind == "shards" or (k == 1 and sizes[0] == dist.get_world_size(process_group))
     n = checksums.numel() if alike else 0
@@ -93,8 +95,11 @@ def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group:
         add[4 * slot:4 * slot + 4] = torch.cat([on, on * float(dist.get_rank(process_group))])
     add = add.to(comm)
     dist.all_reduce(add, op=dist.ReduceOp.SUM, group=process_group)
-    out: dict[str, torch.Tensor | None] = dict(verdict(top[:2 * k].view(k, 2),
-                                                        add.to(dev).view(k, 4), sizes, dev))
+    sides = add.to(dev).view(k, 4)
+    out: dict[str, torch.Tensor | None] = dict(verdict(top[:2 * k].view(k, 2), sides, sizes,
+                                                        dev))
+    out["replica_odd"] = torch.zeros((), dtype=torch.float64, device=dev) if slot is None else \
+        odd_member(h, top[2 * slot], -top[2 * slot + 1], sides[slot, 0], sides[slot, 1])
     rows = top[2 * k:].view(k, 2, n) if n and k else None
     out["tensors"] = (rows[:, 0] != -rows[:, 1]).any(0) if rows is not None else None
     return out

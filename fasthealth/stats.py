@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .distributed import flagged_ranks
 from .ops.layout import COL, COUNT_FIELDS, FIELDS, TABLE_WIDTH, range_thresholds
 
 _FIELD_DOCS = {
@@ -227,6 +228,7 @@ class MultiTensorStats:
         self.replica_mismatch: torch.Tensor | None = None
         self.replica_mismatch_mask: torch.Tensor | None = None
         self.replica_named: torch.Tensor | None = None
+        self.replica_odd: torch.Tensor | None = None  # this rank is one of them (0 or 1)
         self.loss_mean: torch.Tensor | None = None  # with a process group: the ranks' mean loss
         # with a process group and fasthealth's DDP hook: the lowest rank whose own gradients
         # held NaN/Inf before the all-reduce (NaN: none), and how many did
@@ -316,15 +318,22 @@ class MultiTensorStats:
         }
         return {"total": total, "per_tensor": per, "missing": list(self.missing)}
 
-    def mismatched_ranks(self) -> list[int]:
+    def mismatched_ranks(self, process_group: Any = None) -> list[int]:
         """The ranks whose replicas disagree with the rest of their set, at any world size
         (one host copy): each set's odd one out, or both of a set of two; empty without a
         process group. Where several ranks of a set disagree alike, ``replica_mismatch``
-        counts them and they are not named."""
+        counts them; given the ``process_group`` of the check, they are named too, by one
+        all-gather of a byte per rank when some are not named otherwise: a collective, so
+        every rank of the group must call it then (the count and the named ranks, on which
+        that depends, are the same on every rank)."""
         if self.replica_named is None:
             return [] if self.replica_mismatch_mask is None else decode_ranks(
                 float(self.replica_mismatch_mask))
-        return sorted(int(r) for r in self.replica_named.tolist() if r == r)
+        named = sorted(int(r) for r in self.replica_named.tolist() if r == r)
+        if process_group is None or self.replica_odd is None or self.replica_mismatch is None \
+                or float(self.replica_mismatch) <= len(named):
+            return named
+        return flagged_ranks(bool(self.replica_odd), process_group)
 
     def nonfinite(self) -> list[str]:
         """Names of the tensors holding NaN or Inf, in input order (one host copy)."""

@@ -178,6 +178,49 @@ def _monitor_divergence(rank, world):
     assert ev[0].details["ranks"] == ([world - 1] if world > 2 else [0, 1])
 
 
+def _alike(rank, world):
+    """Two of five replicas going astray alike (ranks 2 and 4): not named by the reductions
+    (a side of two), named by the extra all-gather: ``mismatched_ranks(group)`` on every
+    rank, and the Monitor's ``replica_divergence`` events, for the gradients at their step
+    and for the parameters at the flush that compares them."""
+    odd = rank in (2, 4)
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    x, y = batch(rank)
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    if odd:
+        model[2].weight.grad[0, 0] += 1.0
+    s = fh.check_grads(model, process_group=dist.group.WORLD)
+    assert s.replica_mismatch.item() == 2 and s.mismatched_ranks() == []
+    assert s.mismatched_ranks(dist.group.WORLD) == [2, 4]
+    assert s.replica_odd.item() == odd
+
+    for where in ("gradients", "parameters"):
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=3)
+        for step in range(6):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            if odd and step == 3 and where == "gradients":
+                model[2].weight.grad[0, 0] += 1.0
+            mon.step(torch.tensor(1.0))
+            if odd and step == 4 and where == "parameters":
+                with torch.no_grad():
+                    model[4].bias[0] += 1.0
+        mon.close()
+        ev = [e for e in mon.events if e.kind == "replica_divergence"]
+        assert [(e.step, e.details["ranks"], e.details["count"]) for e in ev] == [
+            (3 if where == "gradients" else 5, [2, 4], 2)], (where, [
+                (e.step, e.kind, e.details) for e in mon.events])
+        assert "ranks 2 and 4" in ev[0].message or "2, 4" in ev[0].message, ev[0].message
+    # the DDP wrapper's names ("module.0.weight") were not those of the group's first call:
+    # each rank is a set of its own, and no set is reported astray (all five were, before)
+    s = fh.check_grads(ddp, process_group=dist.group.WORLD)
+    assert s.replica_mismatch.item() == 0 and s.mismatched_ranks(dist.group.WORLD) == []
+
+
 def _fsdp(rank, world):
     model = make_model()
     for layer in (model[0], model[2], model[4]):
@@ -357,7 +400,8 @@ def _fsdp_nan_origin(rank, world, hsdp=False):
 def _hsdp_weights(rank, world):
     """HSDP (2 replicas x 2 shards): a bit flipped in one rank's shard of a weight leaves the
     reduced gradients alike, and the comparison of the parameters across the replicate
-    dimension, at the flush, names the tensor and the two ranks that hold that shard."""
+    dimension, at the flush, names the tensor and the two ranks that hold that shard (a set of
+    two that disagrees: both named, by the extra all-gather)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -378,7 +422,7 @@ def _hsdp_weights(rank, world):
     ev = [e for e in mon.events if e.kind == "replica_divergence"]
     assert [(e.step, e.details["tensor"], e.details["count"]) for e in ev] == \
         [(5, "2.weight", 2)], [(e.step, e.kind, e.details) for e in mon.events]
-    assert ev[0].details["ranks"] == [1]  # rank 3's replica of that shard (the lower named)
+    assert ev[0].details["ranks"] == [1, 3]  # that shard's two replicas: which one is bad?
 
 
 def _worker(rank, world, init_file, scenario, done_dir):
@@ -389,7 +433,7 @@ def _worker(rank, world, init_file, scenario, done_dir):
         {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
          "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
          "nan_origin": _nan_origin, "rollback": _rollback,
-         "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin,
+         "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin, "alike": _alike,
          "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
         dist.barrier()
         open(os.path.join(done_dir, f"rank-{rank}"), "w").close()  # every check passed
@@ -431,6 +475,11 @@ def test_fsdp2(world):
 @pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
 def test_hsdp_weights_compared_across_the_replicate_dimension():
     run(4, "hsdp_weights")
+
+
+@pytest.mark.slow
+def test_several_ranks_differing_alike_are_named():
+    run(5, "alike")
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ from .rollback import Rollback
 from .rules import Context, Rule
 from .rules import build as build_rules
 from .runs import writer_root
-from .scans import Scans
+from .scans import AlikeRanks, Scans
 from .schedule import ScheduleSource, ScheduleView
 from .skip_rule import SkipConfig, SkipRule
 
@@ -129,6 +129,7 @@ def _step_inputs(mon: Monitor, model: torch.nn.Module, process_group: Any) -> No
     mon._tensors, mon._all = [p for _, p in mon.params], list(range(len(mon.params)))
     mon._origin = None if process_group is None else NonFiniteOrigin.attach(model,
                                                                             process_group)
+    mon._alike = AlikeRanks(process_group)
 
 
 def _gradients(mon: Monitor) -> tuple[list[torch.Tensor], list[int], list[str]]:
@@ -165,6 +166,8 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
         if stats.replica_named is not None and stats.replica_named.numel():
             named = stats.replica_named.to(mon.device).nan_to_num(math.inf).min()
             scalars["replica_mismatch_rank"] = torch.where(named.isinf(), math.nan, named)
+        if stats.replica_odd is not None:
+            scalars["replica_odd"] = stats.replica_odd.to(mon.device, torch.float64)
     if stats.origin_count is not None and stats.origin_rank is not None:  # under DDP
         scalars["nonfinite_origin_rank"] = stats.origin_rank.to(mon.device, torch.float64)
         scalars["nonfinite_origins"] = stats.origin_count.to(mon.device, torch.float64)
@@ -202,6 +205,7 @@ class Monitor(LongRun):
     _tensors: list[torch.Tensor]  # _step_inputs: the parameters, their indices, the DDP hook
     _all: list[int]
     _origin: NonFiniteOrigin | None
+    _alike: AlikeRanks
     journal: Journal  # the flushes' analysis and writing (journal.py)
 
     def __init__(
@@ -409,11 +413,10 @@ class Monitor(LongRun):
     # ---- flush: detect + write --------------------------------------------------------------
 
     def flush(self) -> list[Event]:
-        """Copy the pending records to the host (once), run the rules, file the events under
-        incidents (``analyser.py``), write logs and dumps (``journal.py``); the new events.
-        NonFiniteError with ``on_nonfinite="raise"``; write failures go to ``write_errors``."""
+        """Rules, incidents, logs and dumps for the pending records (one host copy): the new
+        events. NonFiniteError with ``on_nonfinite="raise"``; failed writes: write_errors."""
         refuse_misuse(self, "flush")
-        steps = self.record.take()
+        steps = self._alike.name(self.record.take(), self._closing)  # scans.py
         found = self.journal.flush(steps, self._snapshots)
         if self.skip_rule is not None:  # the floor's rule on the device (skip_rule.py)
             self.skip_rule.set_start(self.analyser.loss_start())

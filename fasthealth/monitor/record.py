@@ -57,6 +57,9 @@ class StepHost:
     """The weight scan's per-tensor table, at a scan (``weight_corruption``)."""
     batch_key: Any = None
     """A hashable key of the step's sample ids, when ``repeated_batch`` runs."""
+    alike: dict[str, list[int]] | None = None
+    """Under a process group, at the first step of a spell of replicas that differ, when
+    several do: every rank that differs, by the count's field (``scans.AlikeRanks``)."""
 
 
 @dataclass(frozen=True)

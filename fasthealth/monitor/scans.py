@@ -7,12 +7,15 @@ for the batch it was given.
   the table stays on the device until the flush (``rules/weight_corruption.py`` reads it).
 - ``ids_key``: the sample ids a step was given, hashed on the host (no sync: ids are CPU
   tensors or lists); None for ids on an accelerator, which are fingerprinted instead.
+- ``AlikeRanks``: under a process group, at a flush, names every rank of replicas that differ
+  alike (one all-gather of a byte per rank, only where a spell of them begins).
 - ``fingerprint``: a float64 0-dim tensor on the device that is the same for the same batch and
   differs for another with high probability (``rules/repeated_batch.py`` compares them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import Any
@@ -20,8 +23,10 @@ from typing import Any
 import torch
 
 from ..checks import multi_tensor_stats
+from ..distributed import flagged_ranks
 from ..ops.layout import COL
 from ..replicas import compare_replicas, param_checksums, replica_key
+from .record import StepRecord
 
 SAMPLE = 1 << 16  # elements of a tensor the position-weighted sum reads (strided), at most
 
@@ -180,6 +185,8 @@ class Scans:
             out["weight_replica_mismatch"] = count
         if named is not None and named.numel():
             out["weight_replica_rank"] = _lowest(named)
+        if check["replica_odd"] is not None:
+            out["weight_replica_odd"] = check["replica_odd"]
         if differ is not None and differ.numel():
             at = torch.arange(differ.numel(), device=self.device, dtype=torch.float64)
             out["weight_replica_tensor"] = _lowest(torch.where(differ, at, math.nan))
@@ -190,3 +197,38 @@ def _lowest(x: torch.Tensor) -> torch.Tensor:
     """The smallest of ``x`` leaving NaN out; NaN when all are."""
     low = x.nan_to_num(math.inf).min()
     return torch.where(torch.isinf(low), math.nan, low)
+
+
+class AlikeRanks:
+    """Names the ranks whose replicas differ, when several do, at the steps where
+    ``replica_divergence`` reports them: the first of a spell (the gradients' count above 0
+    after a step where it was not; the parameters' after a comparison that found none) with a
+    count above 1 (one rank is named by the reductions themselves). There, at the flush, one
+    all-gather of each rank's own flag (``replica_odd``, ``weight_replica_odd``): a byte per
+    rank, on every rank alike, since the counts are all-reduced. The ranks go into the step's
+    ``StepHost.alike``. Nothing without a process group, nor at the Monitor's close (a rank
+    that closes on an error must not leave the others waiting in a collective)."""
+
+    FIELDS = (("replica_mismatch", "replica_odd", True),
+              ("weight_replica_mismatch", "weight_replica_odd", False))
+
+    def __init__(self, process_group: Any) -> None:
+        self.group = process_group
+        self.before = {count: math.nan for count, _, _ in self.FIELDS}
+
+    def name(self, steps: list[StepRecord], closing: bool = False) -> list[StepRecord]:
+        if self.group is None or closing:
+            return steps
+        out = []
+        for s in steps:
+            alike: dict[str, list[int]] = {}
+            for count, odd, every_step in self.FIELDS:
+                v = s.values.get(count, math.nan)
+                if v != v and not every_step:  # the parameters: compared at flushes only
+                    continue
+                if v > 1 and not self.before[count] > 0:
+                    alike[count] = flagged_ranks(s.values.get(odd, 0.0) > 0, self.group)
+                self.before[count] = v
+            out.append(dataclasses.replace(s, host=dataclasses.replace(s.host, alike=alike))
+                       if alike else s)
+        return out

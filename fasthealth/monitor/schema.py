@@ -47,13 +47,18 @@ FIELDS: tuple[Field, ...] = (
           "with a process_group"),
     Field("replica_mismatch_rank", FLOAT, "the lowest rank named among them, at any world "
           "size (NaN: none named)", "with a process_group"),
+    Field("replica_odd", MAYBE_FLAG, "this rank is one of those (its own, not the same on "
+          "every rank)", "with a process_group"),
     Field("nonfinite_origin_rank", FLOAT, "the lowest rank whose own gradients held NaN/Inf "
-          "before DDP's all-reduce (NaN: none)", "with a process_group and a DDP model"),
+          "before they were reduced (NaN: none)", "with a process_group and a DDP or FSDP2 "
+          "model"),
     Field("nonfinite_origins", COUNT, "how many ranks' own gradients did",
-          "with a process_group and a DDP model"),
+          "with a process_group and a DDP or FSDP2 model"),
     Field("weight_replica_mismatch", COUNT, "ranks whose parameters differ from their "
           "replicas' after the step", "with a process_group, once per flush"),
     Field("weight_replica_rank", FLOAT, "the lowest rank named among them (NaN: none named)",
+          "with a process_group, once per flush"),
+    Field("weight_replica_odd", MAYBE_FLAG, "this rank is one of those (its own)",
           "with a process_group, once per flush"),
     Field("weight_replica_tensor", FLOAT, "the index of the first parameter whose replicas "
           "differ (NaN: not known)", "with a process_group under DDP, once per flush"),

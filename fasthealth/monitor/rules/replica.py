@@ -41,7 +41,7 @@ class ReplicaDivergence(Rule[NoConfig]):
         if int(self.active) & 1:
             return []
         self.active = int(self.active) | 1
-        ranks = _named(s, "replica_mismatch_mask", "replica_mismatch_rank")
+        ranks = _named(s, "replica_mismatch", "replica_mismatch_mask", "replica_mismatch_rank")
         named = (f": ranks {listed(map(str, ranks))}" if ranks else
                  " (several ranks of a set disagree alike: counted, not named)")
         return [Finding(
@@ -52,12 +52,13 @@ class ReplicaDivergence(Rule[NoConfig]):
             "rank)", {"ranks": ranks, "count": int(count)})]
 
     def _weights(self, s: StepRecord, count: int) -> list[Finding]:
-        ranks = _named(s, None, "weight_replica_rank")
+        ranks = _named(s, "weight_replica_mismatch", None, "weight_replica_rank")
         at = s.values.get("weight_replica_tensor", math.nan)
         names = self.ctx.names if self.ctx is not None else []
         tensor = names[int(at)] if math.isfinite(at) and int(at) < len(names) else None
         where = f" first in {tensor}" if tensor else ""
         who = (f"rank {ranks[0]}" if ranks and count == 1 else
+               f"ranks {listed(map(str, ranks))}" if ranks and len(ranks) >= count else
                f"{count} ranks (rank {ranks[0]} among them)" if ranks else f"{count} rank(s)")
         return [Finding(
             "replica_divergence",
@@ -68,8 +69,11 @@ class ReplicaDivergence(Rule[NoConfig]):
                                          "what": "parameters"})]
 
 
-def _named(s: StepRecord, mask: str | None, lowest: str) -> list[int]:
-    """The ranks a record names: those of the bit mask (below 52), else the lowest named."""
+def _named(s: StepRecord, count: str, mask: str | None, lowest: str) -> list[int]:
+    """The ranks a record names: every one, where several differ alike and the flush named
+    them (``StepHost.alike``); else those of the bit mask (below 52), else the lowest named."""
+    if s.host.alike and count in s.host.alike:
+        return s.host.alike[count]
     ranks = decode_ranks(s.values.get(mask, math.nan)) if mask else []
     low = s.values.get(lowest, math.nan)
     if not ranks and math.isfinite(low):
