@@ -63,6 +63,26 @@ the corpus's bad batches at their step 82% and more (garbage 0.82-1.5, mislabell
 target x50 thousands: evaluation/detectors, short and long runs). The spike rule's alarms and
 the device skip rule's loss paths both need it (``rules/spike.py``, ``skip_rule.py``)."""
 
+TAIL_STEPS: int = 2000
+"""Scored losses after which a loss spike is also judged against the run's own tail: a run
+this long has shown what its healthy batches reach (``TAIL_RATE``, ``TAIL_MARGIN``)."""
+
+TAIL_RATE: float = 1e-3
+"""The run's tail: the score its losses have exceeded once per this many scored steps (the
+k-th largest score so far, k = steps x this), the current one left out."""
+
+TAIL_MARGIN: float = 2.0
+"""A loss spike scoring less than this many times the run's tail is a notice: the run's own
+batches reach that far a few times per thousand steps (heavy-tailed noise, dropout at a
+floor), and a fault to catch stands beyond them. On the long runs' tuning part
+(evaluation/eval_long_runs.py) the only healthy alarms, two outlier batches of a regression
+with heavy-tailed noise, scored 1.27x and 1.30x their run's tail; of the faults planted late
+that spike the loss, a garbage batch scored 5.1x and the others 17x to millions, but for
+weights growing in a family unstable by then (0.7-0.9x: caught by its other rules). 0: off."""
+
+TAIL_KEEP: int = 64
+"""Largest scores kept (the tail's k is at most this: past 64,000 steps, the 64th largest)."""
+
 
 def quantile(xs: list[float], q: float) -> float:
     """The ``q`` quantile of ``xs``, interpolated linearly (torch.quantile's default)."""

@@ -2,52 +2,52 @@
 section 11): ``Monitor.state_dict()`` and ``Monitor.load_state_dict(sd)``.
 
 What a run's verdicts depend on lives in a handful of host objects: each rule's windows
-(``rules/``), the device skip rule's rings (``skip_rule.py``), the incident tracker with its
-open incident (``incidents.py``), the schedule's view of the learning rate (``schedule.py``),
-the step counter and the run id. The state is those objects' fields, encoded as plain
-containers (dicts, lists, numbers, strings) and CPU tensors, so that ``torch.load(...,
-weights_only=True)`` reads it without running code. What is not state stays out: the rules'
-configs (a resumed Monitor's options decide them; a rule whose config changed starts cold, with
-a warning), references to the model, the optimizer and the precursor probe's copies of the
-weights (the probe copies them again at its next due step), the batches kept for the dump.
+(``rules/``), the device skip rule's rings (``skip_rule.py``), the incident tracker with its open
+incident (``incidents.py``), the schedule's view of the learning rate (``schedule.py``), the step
+counter and the run id. The state is those objects' fields, encoded as plain containers (dicts,
+lists, numbers, strings) and CPU tensors, so that ``torch.load(..., weights_only=True)`` reads it
+without running code. What is not state stays out: the rules' configs (a resumed Monitor's options
+decide them; a rule whose config changed starts cold, with a warning), references to the model, the
+optimizer and the precursor probe's copies of the weights (the probe copies them again at its next
+due step), the batches kept for the dump.
 
-The state stays small however long and noisy the run (events.jsonl and incidents.jsonl hold
-the whole history): of the events it keeps the last ``EVENTS_KEPT`` (256) and the open
-incident's (the first of each kind, on which its later repeats are counted), of the incidents
-the last ``INCIDENTS_KEPT`` (64, the open one among them). After ``load_state_dict``,
-``mon.events`` holds those kept events followed by the ones the resumed run raises, and
-``mon.incidents`` holds every incident in its place (an incident's ``id`` is its index), those
-before the kept ones as ``Forgotten`` placeholders (their id only, closed). Nothing a rule or
-the tracker decides on is lost: the tracker counts repeats on the open incident's events and
-numbers new incidents from the count, so a resumed run raises the same events and incidents
-after the stop as the run uninterrupted.
+The state stays small however long and noisy the run (events.jsonl and incidents.jsonl hold the
+whole history): of the events it keeps the last ``EVENTS_KEPT`` (256) and the open incident's (the
+first of each kind, on which its later repeats are counted), of the incidents the last
+``INCIDENTS_KEPT`` (64, the open one among them). After ``load_state_dict``, ``mon.events`` holds
+those kept events followed by the ones the resumed run raises, and ``mon.incidents`` holds every
+incident in its place (an incident's ``id`` is its index), those before the kept ones as
+``Forgotten`` placeholders (their id only, closed). Nothing a rule or the tracker decides on is
+lost: the tracker counts repeats on the open incident's events and numbers new incidents from the
+count, so a resumed run raises the same events and incidents after the stop as the run
+uninterrupted.
 
 State by name: each stateful class lists its state fields in ``STATE`` (a rule's windows and
-counters, the tracker's incidents, the skip rule's rings; ``Rule.STATE`` says what belongs
-there), and only those are saved and restored, into the objects the resumed Monitor made from
-its own options. What a class makes from its state to be fast (a window's values kept sorted,
-a cached check) it lists in ``DERIVED``: never saved, rebuilt when the state is set (a
-property's setter; ``__setstate__`` for a part a migrated state makes whole). With
-``rollback=`` the rollbacks' history, the quarantine and the budget's counts are state; the
-snapshots are not (copies of the model). A record (``Event``, ``Incident``) is saved by its
-dataclass fields. An
-object becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same
-object twice becomes a reference to its ``id``: an incident's events are the Monitor's
-events), a deque, tuple, set or dict a tagged list. Decoding makes records only of classes
-defined in fasthealth's own modules, and restores a part of a rule (a spike rule's series)
-into the part the resumed rule has; anything else in a state is refused with the path to it.
-A user's rule (``DetectOptions(detectors=...)``) of its own class keeps its state through its
-own ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a warning)
+counters, the tracker's incidents, the skip rule's rings; ``Rule.STATE`` says what belongs there),
+and only those are saved and restored, into the objects the resumed Monitor made from its own
+options. What a class makes from its state to be fast (a window's values kept sorted, a cached
+check) it lists in ``DERIVED``: never saved, rebuilt when the state is set (a property's setter;
+``__setstate__`` for a part a migrated state makes whole). With ``rollback=`` the rollbacks'
+history, the quarantine and the budget's counts are state; the snapshots are not (copies of the
+model). A record (``Event``, ``Incident``) is saved by its dataclass fields. An object becomes
+``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same object twice
+becomes a reference to its ``id``: an incident's events are the Monitor's events), a deque, tuple,
+set or dict a tagged list. Decoding makes records only of classes defined in fasthealth's own
+modules, and restores a part of a rule (a spike rule's series) into the part the resumed rule has;
+anything else in a state is refused with the path to it. A user's rule
+(``DetectOptions(detectors=...)``) of its own class keeps its state through its own
+``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a warning)
 otherwise.
 
 Versions: a state says its ``format`` (``FORMAT``). Format 1 (fasthealth 0.1.0 before state by
-name) saved every attribute of these objects; it is migrated: the listed fields are taken, the
-rest (settings the resumed Monitor makes from its options) dropped, and a component that lacks
-a listed field starts cold, with a warning that names it. A format this fasthealth does not
-know, or a component whose fields differ from its list in a state of this format, is refused
-with a StateError before anything is applied: never half-loaded. A rule resumes warm only
-under the settings it was saved with (its config); a config saved before some of its fields
-became named constants (``retired.py``) is read as it was then.
+name) saved every attribute of these objects; it is migrated: the listed fields are taken, the rest
+(settings the resumed Monitor makes from its options) dropped, and a component that lacks a listed
+field starts cold, with a warning that names it. A format this fasthealth does not know, or a
+component whose fields differ from its list in a state of this format (but for fields added since:
+``STATE_ADDED`` makes them from the saved ones), is refused with a StateError before anything is
+applied: never half-loaded. A rule resumes warm only under the settings it was saved with (its
+config); a config saved before some of its fields became named constants (``retired.py``) is read
+as it was then.
 """
 
 from __future__ import annotations
@@ -234,10 +234,9 @@ class _Decoder:
 
 
 def _into(old: Any, new: Any, path: str, apply: bool) -> Any:
-    """``new`` as the value that replaces ``old``: a part restored into ``old`` (the part the
-    resumed component made), a dict of parts key by key, a tensor on ``old``'s device (the skip
-    rule's rings live on the model's device). ``apply=False`` only checks that it fits, and
-    raises StateError where it does not."""
+    """``new`` as the value that replaces ``old``: a part restored into ``old`` (the resumed
+    component's), a dict of parts key by key, a tensor on ``old``'s device (the skip rule's
+    rings). ``apply=False`` only checks that it fits, and raises StateError where it does not."""
     if isinstance(new, _Part):
         if not isinstance(old, new.cls):
             raise StateError(f"fasthealth: the state has a {new.cls.__qualname__} at {path} "
@@ -265,10 +264,12 @@ def _restore(target: Any, fields: dict[str, Any], path: str, apply: bool = True)
 
 
 def _check(target: Any, fields: dict[str, Any], fmt: int, path: str) -> dict[str, Any] | None:
-    """The fields of ``fields`` to restore into ``target``: exactly its ``STATE``. In a state
-    of this format other names are a refusal; in a migrated one the listed fields are taken
-    and the rest dropped, and a missing one makes the component start cold (None)."""
-    names = list(_fields(target))
+    """The fields to restore into ``target``: exactly its ``STATE`` (those added since made by
+    ``STATE_ADDED``). In a state of this format other names are a refusal; in a migrated one the
+    listed fields are taken, the rest dropped, and a missing one makes it start cold (None)."""
+    names, added = list(_fields(target)), getattr(type(target), "STATE_ADDED", {})
+    if fmt == FORMAT and set(fields) < set(names) <= set(fields) | set(added):
+        fields = {**fields, **{k: added[k](fields) for k in names if k not in fields}}
     if fmt == FORMAT:
         if set(fields) != set(names):
             raise StateError(
@@ -288,8 +289,7 @@ def _rule_key(rule: Any, i: int) -> str:
 def _canonical(v: Any, retired: dict[str, list[tuple[int, str, Any]]] | None = None) -> Any:
     """``v`` with its sets sorted and dataclasses spelled field by field: a config's repr that
     does not depend on the process (a frozenset's order follows the hash seed, which differs
-    between the process that saved a state and the one that loads it). With ``retired``
-    (``retired.RETIRED``), spelled as before those fields left the configs."""
+    between two processes). With ``retired``, spelled as before those fields left the configs."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         name = type(v).__qualname__
         fields = [(f.name, _canonical(getattr(v, f.name), retired))

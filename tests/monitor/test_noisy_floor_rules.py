@@ -1,7 +1,8 @@
 """The spike rule's paths for noisy and quiet floors (fasthealth/monitor/rules/spike.py): a value
 far beyond its window's largest at a noisy loss floor, a blip at a quiet floor (a notice) and a
-bad batch there (an alarm), and the first steps after a warm restart; and the stall rule's
-matrices-only evidence (rules/stall.py)."""
+bad batch there (an alarm), a long run's heavy-tailed noise (a spike within its own tail: a
+notice), and the first steps after a warm restart; and the stall rule's matrices-only evidence
+(rules/stall.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import random
 
 import torch
 
+import fasthealth as fh
 from fasthealth.monitor.record import StepHost, StepRecord
 from fasthealth.monitor.rules import Context
-from fasthealth.monitor.rules.spike import FLOOR_RISE, Spike
+from fasthealth.monitor.rules.spike import FLOOR_RISE, TAIL_MARGIN, TAIL_STEPS, Spike
 from fasthealth.monitor.rules.stall import Stall
 
 
@@ -74,6 +76,87 @@ def test_at_a_quiet_floor_a_blip_is_a_notice_and_a_bad_batch_an_alarm():
     old["values"] = ser.values
     ser.__setstate__(old)
     assert ser.start == 2.3
+
+
+def _heavy_tailed(n, seed=0):
+    """A regression at its noise floor with heavy-tailed label noise: losses around 0.1, each
+    batch's the sum of four squared Student's t draws (6 degrees of freedom): now and then a
+    batch scores past 6 noise units, a few times per thousand steps."""
+    rng = random.Random(seed)
+
+    def t6():
+        return rng.gauss(0, 1) / math.sqrt(sum(rng.gauss(0, 1) ** 2 for _ in range(6)) / 6)
+
+    return [1.0] * 5 + [0.1 + 0.002 * sum(t6() ** 2 for _ in range(4)) for _ in range(n - 5)]
+
+
+def test_a_long_runs_own_tail_makes_its_heavy_tailed_batches_notices():
+    """Over thousands of steps a heavy-tailed floor shows spikes past 6 units a few times per
+    thousand steps; once the run has shown ``TAIL_STEPS`` scored losses, a spike within
+    ``TAIL_MARGIN`` times its own tail (the score it exceeded once per thousand steps) is a
+    notice, while a bad batch far beyond it is still an alarm. Before that many steps the tail
+    plays no part (every run of the short corpus and the trainer set is shorter)."""
+    losses = _heavy_tailed(12_000)
+    rule = Spike()
+    ser = rule.series["loss"]
+    early, late = [], []  # loss spikes before the tail counts, and after
+    for t, v in enumerate(losses):
+        counts = ser.scored >= TAIL_STEPS
+        for f in rule.observe(_step(t, v)):
+            if f.kind == "loss_spike":
+                (late if counts else early).append(f)
+    assert ser.tail() > 6
+    assert [f for f in early if f.severity is None], "before, such spikes were alarms"
+    assert late and all(f.severity == "notice" for f in late), [
+        f.message for f in late if f.severity is None]
+    tail = [f for f in late if "rise_share" not in f.details]  # not a blip at the floor
+    assert tail and all("heavy tails" in f.message and f.details["zscore"] < TAIL_MARGIN
+                        * f.details["tail"] for f in tail)
+    (bad,) = rule.observe(_step(len(losses), 5.0))  # a target x50, say
+    assert bad.severity is None and bad.details["zscore"] > TAIL_MARGIN * ser.tail()
+
+
+def _strip(v, fields):
+    """A Monitor state with ``fields`` taken out of every spike series: as saved before them."""
+    if isinstance(v, dict):
+        if str(v.get("cls", "")).endswith(":_Series"):
+            v["state"] = {k: x for k, x in v["state"].items() if k not in fields}
+        for x in v.values():
+            _strip(x, fields)
+    elif isinstance(v, list):
+        for x in v:
+            _strip(x, fields)
+    return v
+
+
+def test_the_runs_tail_is_state_and_a_state_saved_before_it_resumes():
+    """The tail's scores are in the Monitor's state; a state saved before the tail (and the
+    run's first loss) were kept loads, its series taking them from the saved fields."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = fh.Monitor(model, opt, flush_every=10)
+    for _ in range(40):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        mon.step(loss)
+        opt.step()
+        opt.zero_grad()
+    mon.flush()
+    ser = next(r for r in mon.detectors if isinstance(r, Spike)).series["loss"]
+    assert ser.scored > 0 and ser.top
+
+    def resumed(sd):
+        again = fh.Monitor(model, opt, flush_every=10)
+        again.load_state_dict(sd)
+        return next(r for r in again.detectors if isinstance(r, Spike)).series["loss"]
+
+    warm = resumed(mon.state_dict())
+    assert (warm.scored, warm.top, warm.start) == (ser.scored, ser.top, ser.start)
+    old = resumed(_strip(mon.state_dict(), {"scored", "top", "start"}))
+    assert (old.scored, old.top, old.start) == (0, [], ser.start)
+    assert old.values == ser.values  # warm: its window kept
+    mon.close()
 
 
 def test_after_a_restart_the_early_ratio_is_against_the_level_before_it():

@@ -21,9 +21,12 @@ threshold), the device's scores make the finding.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..kinds import NOTICE
 from ..record import StepRecord
@@ -31,6 +34,10 @@ from ..robust import (
     FLOOR_RISE,
     SPIKE_WINDOW,
     SPIKE_ZSCORE,
+    TAIL_KEEP,
+    TAIL_MARGIN,
+    TAIL_RATE,
+    TAIL_STEPS,
     WARMUP_STEPS,
     SpikeWindow,
     WindowValues,
@@ -104,8 +111,14 @@ class _Series:
     """One watched series: its window of finite, non-spike values, its first values, and its
     run of spikes."""
 
-    STATE = ("values", "first", "start", "run", "restarted", "before")  # the rest: config's
+    STATE = ("values", "first", "start", "run", "restarted", "before", "scored",
+             "top")  # the rest: config's
     DERIVED = ("window",)  # made from ``values`` (``values`` reads and sets it)
+    # fields added since the state's format: from a state saved before them (state.py)
+    STATE_ADDED: dict[str, Callable[[dict], Any]] = {
+        "start": lambda f: (statistics.median(f["first"]) if f.get("first")
+                            and not f.get("restarted") else math.nan),
+        "scored": lambda f: 0, "top": lambda f: []}
 
     def __init__(self, key: str, window: int, early_ratio: float, first: int):
         self.key, self.label, self.early_ratio, self.n_first = key, LABEL[key], early_ratio, first
@@ -115,6 +128,8 @@ class _Series:
         self.run = 0
         self.restarted = False  # the window started again at a warm restart (Spike.rearm)
         self.before = math.inf  # then: the largest value of the window before the restart
+        self.scored = 0  # the loss's scores so far, and the largest of them, ascending
+        self.top: list[float] = []
 
     values = WindowValues("window")  # the window's values, oldest first
 
@@ -123,6 +138,8 @@ class _Series:
         values among them): the window rebuilt from them."""
         state = dict(state)
         values = state.pop("values")
+        state.setdefault("scored", 0)  # a state saved before the run's tail was kept
+        state.setdefault("top", [])
         if "start" not in state:  # a state saved before the start was kept
             first = state.get("first") or []
             state["start"] = (statistics.median(first) if first and not state.get("restarted")
@@ -150,6 +167,25 @@ class _Series:
         level = statistics.median(self.values)
         share = (value - level) / max(level, self.start)
         return share if level >= 0 and share < FLOOR_RISE else None
+
+    def tail(self) -> float | None:
+        """The run's tail (``TAIL_RATE``): the score its losses exceeded once per thousand
+        scored steps so far; None before ``TAIL_STEPS`` of them."""
+        if self.scored < TAIL_STEPS or not self.top:
+            return None
+        k = min(max(1, int(self.scored * TAIL_RATE)), len(self.top))
+        return self.top[-k]
+
+    def note_score(self, z: float) -> None:
+        """Counts a scored loss among the run's, after it was judged."""
+        if z != z:
+            return
+        self.scored += 1
+        if len(self.top) < TAIL_KEEP:
+            bisect.insort(self.top, z)
+        elif z > self.top[0]:
+            self.top.pop(0)
+            bisect.insort(self.top, z)
 
     def early(self, value: float) -> float | None:
         """value / the largest of its first values, when that exceeds ``early_ratio``. The
@@ -241,6 +277,8 @@ class Spike(Rule[SpikeConfig]):
             beyond = big and lin > c.zscore
             if ser.settle(v, z > c.zscore or beyond, c.max_run):
                 found.append(self._spike(ser, v, max(z, lin) if beyond and not decided else z))
+            if key == "loss":
+                ser.note_score(z)
         return found
 
     def _device_skips(self, s: StepRecord, found: list[Finding]) -> list[Finding]:
@@ -279,6 +317,16 @@ class Spike(Rule[SpikeConfig]):
                 f"{median:.4g}{ratio}, a rise of {share:.1%} of {of}: a blip at the loss's "
                 f"floor, a notice (an alarm from {FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
                 {**details, "rise_share": share, "start": ser.start}, severity=NOTICE)
+        tail = ser.tail() if ser.key == "loss" else None
+        if tail is not None and z < TAIL_MARGIN * tail:  # as far as this run's batches go
+            return Finding(
+                KIND[ser.key],
+                f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
+                f"{median:.4g}{ratio}, within {TAIL_MARGIN:g}x of what this run's own losses "
+                f"reach once per {1 / TAIL_RATE:,.0f} steps ({tail:.1f} units over "
+                f"{ser.scored:,} steps): its noise has heavy tails, a notice. "
+                f"{ADVICE[ser.key]}", {**details, "tail": tail, "scored": ser.scored},
+                severity=NOTICE)
         return Finding(
             KIND[ser.key],
             f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
