@@ -315,10 +315,15 @@ def _nan_origin(rank, world):
         obs = mon.step(loss)
         assert bool(obs.skip) == (step == 2), (rank, step)
     mon.close()
+    _origin_named(mon, 2, world - 1)
+
+
+def _origin_named(mon, step, rank):
+    """The Monitor's one ``nonfinite_grad`` event is at ``step`` and names ``rank``."""
     ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
-    assert [e.step for e in ev] == [2], [(e.step, e.kind) for e in mon.events]
-    assert ev[0].details["origin_rank"] == world - 1, ev[0].details
-    assert f"made on rank {world - 1} before the gradients were reduced" in ev[0].message
+    assert [e.step for e in ev] == [step], [(e.step, e.kind) for e in mon.events]
+    assert ev[0].details["origin_rank"] == rank, ev[0].details
+    assert f"made on rank {rank} before the gradients were reduced" in ev[0].message
 
 
 def _rollback(rank, world):
@@ -391,10 +396,7 @@ def _fsdp_nan_origin(rank, world, hsdp=False):
         obs = mon.step(loss)
         assert bool(obs.skip) == (step == 2), (rank, step)
     mon.close()
-    ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
-    assert [e.step for e in ev] == [2], [(e.step, e.kind) for e in mon.events]
-    assert ev[0].details["origin_rank"] == bad, ev[0].details
-    assert f"made on rank {bad} before the gradients were reduced" in ev[0].message
+    _origin_named(mon, 2, bad)
 
 
 def _hsdp_weights(rank, world):
