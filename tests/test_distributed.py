@@ -7,14 +7,10 @@ hand-written tensor parallelism with `replica_group=False`; replicas that disagr
 and named (a `replica_divergence` event); a bad input on one rank raises there and leaves no rank
 waiting."""
 
-import os
-import tempfile
-from datetime import timedelta
-
 import pytest
+import ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tolerances import check_row, mean_abs_finite
 
 import fasthealth as fh
@@ -427,37 +423,16 @@ def _hsdp_weights(rank, world):
     assert ev[0].details["ranks"] == [1, 3]  # that shard's two replicas: which one is bad?
 
 
-def _worker(rank, world, init_file, scenario, done_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
-        {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
-         "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
-         "nan_origin": _nan_origin, "rollback": _rollback,
-         "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin, "alike": _alike,
-         "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
-        dist.barrier()
-        open(os.path.join(done_dir, f"rank-{rank}"), "w").close()  # every check passed
-    finally:
-        dist.destroy_process_group()
+def _scenario(rank, world, scenario):
+    {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
+     "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
+     "nan_origin": _nan_origin, "rollback": _rollback,
+     "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin, "alike": _alike,
+     "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
 
 
 def run(world, scenario):
-    fd, init_file = tempfile.mkstemp(prefix="fh-dist-")
-    os.close(fd)
-    os.unlink(init_file)
-    with tempfile.TemporaryDirectory(prefix="fh-dist-done-") as done_dir:
-        try:
-            mp.spawn(_worker, args=(world, init_file, scenario, done_dir), nprocs=world,
-                     join=True)
-        except mp.ProcessExitedException as exc:
-            # Gloo's threads sometimes abort a process as it exits, on a loaded machine
-            # ("terminate called without an active exception"), after the scenario's checks
-            # and the barrier: that is not this scenario's failure. Anything before it is.
-            done = set(os.listdir(done_dir))
-            if exc.signal_name != "SIGABRT" or done != {f"rank-{r}" for r in range(world)}:
-                raise
+    ranks.spawn(_scenario, world, scenario)
 
 
 @pytest.mark.slow

@@ -67,32 +67,27 @@ def test_range_thresholds_as_the_reference(gbackend):
     check_multi(raw, cpu, f"{gbackend} range_dtype=float64", range_dtype=torch.float64)
 
 
-def _nccl_worker(rank, world, init_file):
+def _nccl_worker(rank, world):
     import torch.distributed as dist
 
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    torch.cuda.set_device(rank)
+    m = torch.nn.Linear(64, 32).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
+    ddp(torch.randn(8, 64, device="cuda")).sum().backward()
+    fh.check_grads(ddp, process_group=dist.group.WORLD)  # the first call: the sets
+    torch.cuda.set_sync_debug_mode("error")  # then two all-reduces and no host sync
     try:
-        torch.cuda.set_device(rank)
-        m = torch.nn.Linear(64, 32).cuda()
-        ddp = torch.nn.parallel.DistributedDataParallel(m, device_ids=[rank])
-        ddp(torch.randn(8, 64, device="cuda")).sum().backward()
-        fh.check_grads(ddp, process_group=dist.group.WORLD)  # the first call: the sets
-        torch.cuda.set_sync_debug_mode("error")  # then two all-reduces and no host sync
-        try:
-            s = fh.check_grads(ddp, process_group=dist.group.WORLD)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        local = fh.check_grads(m)
-        assert s.raw.device.type == "cuda"
-        torch.testing.assert_close(s.total.norm, local.total.norm)
-        assert s.total.numel.item() == local.total.numel.item() and s.ok
-        m.weight.grad[0, 0] = float("nan")
-        assert not fh.check_grads(ddp, process_group=dist.group.WORLD).ok
-        _nccl_capture(ddp, m, dist.group.WORLD)
-        _nccl_nan_origin(rank, world, dist.group.WORLD)
+        s = fh.check_grads(ddp, process_group=dist.group.WORLD)
     finally:
-        dist.destroy_process_group()
+        torch.cuda.set_sync_debug_mode(0)
+    local = fh.check_grads(m)
+    assert s.raw.device.type == "cuda"
+    torch.testing.assert_close(s.total.norm, local.total.norm)
+    assert s.total.numel.item() == local.total.numel.item() and s.ok
+    m.weight.grad[0, 0] = float("nan")
+    assert not fh.check_grads(ddp, process_group=dist.group.WORLD).ok
+    _nccl_capture(ddp, m, dist.group.WORLD)
+    _nccl_nan_origin(rank, world, dist.group.WORLD)
 
 
 def _nccl_capture(ddp, m, group):
@@ -149,19 +144,12 @@ def test_nccl_path():
     GPU still runs the NCCL all-reduces on device tensors, and the all-gather of a group's first
     call): no host sync after the first call, the call captured in a CUDA graph and replayed,
     and a NaN named with the rank that made it."""
-    import os
-    import tempfile
-
+    import ranks
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     if not dist.is_nccl_available():
         pytest.skip("this torch has no NCCL")
-    fd, init_file = tempfile.mkstemp(prefix="fh-nccl-")
-    os.close(fd)
-    os.unlink(init_file)
-    world = torch.cuda.device_count()
-    mp.spawn(_nccl_worker, args=(world, init_file), nprocs=world, join=True)
+    ranks.spawn(_nccl_worker, torch.cuda.device_count(), backend="nccl")
 
 
 def test_triton_capture_with_a_tensor_count_never_seen():
