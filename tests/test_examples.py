@@ -23,13 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_example(args: list[str], prefix: str) -> str:
+# Gloo's threads sometimes abort a process as it exits, on a loaded machine, after the script's
+# last collective (tests/ranks.py): torchrun then exits 1 and names the signal
+GLOO_EXIT_ABORT = ("terminate called without an active exception", "(exitcode: -6)")
+
+
+def run_example(args: list[str], prefix: str, gloo: bool = False) -> str:
     """Runs ``python ARGS`` from the repository root; returns the line that starts with
-    ``prefix``, after checking the exit status."""
+    ``prefix``, after checking the exit status (under ``gloo``, an abort as a rank exits after
+    that line, printed once every rank's results were gathered, is not the script's failure)."""
     p = subprocess.run([sys.executable, *args], cwd=EXAMPLES.parent, capture_output=True,
                        text=True, timeout=300)
-    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     lines = [s for s in p.stdout.splitlines() if s.startswith(prefix)]
+    aborted_on_exit = gloo and len(lines) == 1 and all(m in p.stderr for m in GLOO_EXIT_ABORT)
+    assert p.returncode == 0 or aborted_on_exit, \
+        f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert len(lines) == 1, f"no single {prefix!r} line in:\n{p.stdout[-3000:]}"
     return lines[0]
 
@@ -60,7 +68,7 @@ def test_lightning_loop():
 def test_ddp_torchrun():
     line = run_example(["-m", "torch.distributed.run", "--nproc_per_node=2",
                         f"--master_port={free_port()}", str(EXAMPLES / "ddp_torchrun.py")],
-                       "ddp_torchrun:")
+                       "ddp_torchrun:", gloo=True)
     assert re.fullmatch(
         r"ddp_torchrun: 2 ranks, skipped steps \[\[12\], \[12\]\], replicas equal=True, "
         rf"last grad norm {NUM}", line), line
