@@ -78,7 +78,11 @@ floor), and a fault to catch stands beyond them. On the long runs' tuning part
 (evaluation/eval_long_runs.py) the only healthy alarms, two outlier batches of a regression
 with heavy-tailed noise, scored 1.27x and 1.30x their run's tail; of the faults planted late
 that spike the loss, a garbage batch scored 5.1x and the others 17x to millions, but for
-weights growing in a family unstable by then (0.7-0.9x: caught by its other rules). 0: off."""
+weights growing in a family unstable by then (0.7-0.9x: caught by its other rules). The
+score is the smaller of the two scales', the one the tail is made of; a spike found by the
+spike rule's ``above_max`` path alone is a notice by it only when the loss stayed below the loss
+the run started from (a set memorised under dropout: a missed sample 0.1-0.26 from 2e-4, 1.3x
+the tail on the log scale). 0: off."""
 
 TAIL_KEEP: int = 64
 """Largest scores kept (the tail's k is at most this: past 64,000 steps, the 64th largest)."""

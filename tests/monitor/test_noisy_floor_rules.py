@@ -184,3 +184,37 @@ def test_stall_counts_only_matrices_as_vanished():
 
     assert run([1.0, 1e-9, 1.0]) == []
     assert run([1.0, 1e-9, 1e-9]) == ["stall"]
+
+
+def _memorised(n, seed=0):
+    """A small set memorised under dropout: from 0.65, losses log-uniform over 1e-5..3e-3 (a
+    confident net whose dropout masks now and then cost a sample more)."""
+    rng = random.Random(seed)
+    return [0.65] * 5 + [math.exp(rng.uniform(math.log(1e-5), math.log(3e-3)))
+                         for _ in range(n - 5)]
+
+
+def test_at_a_memorised_floor_a_miss_within_the_runs_tail_is_a_notice_and_a_bad_batch_not():
+    """At a floor spanning decades the log scale's unit is wide, and the ``above_max`` path
+    judges a loss many times the window's largest by the linear scale alone: one sample missed
+    under dropout (0.15: 50x the largest) is a spike there. Once the run has a tail, such a
+    spike within ``TAIL_MARGIN`` times it on the scale the tail is measured on is a notice when
+    the loss stayed below where the run started; a batch of wrong labels (above the
+    start: 0.67, 3.0) is an alarm whatever its log score; before the tail counts, both are
+    alarms."""
+    losses = _memorised(4000)
+    rule = Spike()
+    early = [f for f in rule.observe(_step(1000, 0.15)) if f.kind == "loss_spike"] \
+        if _kinds(rule, losses[:1000]) == [] else None
+    assert early and early[0].severity is None  # no tail yet: an alarm
+    rule = Spike()
+    assert not [k for k in _kinds(rule, losses) if k[1] == "loss_spike"]
+    ser = rule.series["loss"]
+    assert ser.tail() is not None
+    (miss,) = rule.observe(_step(4000, 0.15))
+    assert miss.severity == "notice", miss.message
+    assert miss.details["zscore"] > TAIL_MARGIN * miss.details["tail"]  # the linear score
+    assert "on the log scale" in miss.message and "started from, 0.65" in miss.message
+    for t, v in enumerate((0.67, 3.0)):  # 0.67: within twice the tail on the log scale too
+        (bad,) = rule.observe(_step(4001 + t, v))
+        assert bad.severity is None, bad.message

@@ -7,6 +7,9 @@ linear one). Before the windows are armed, a loss above ``early_loss`` or a grad
 ``early_grad_norm`` times their first values (a learning rate far too high from the start).
 ``max_run`` spikes in a row are a new level, taken in. A loss spike that rises less than
 ``FLOOR_RISE`` of the loss the run started from is a notice, not an alarm: a blip at a floor.
+Once a run has scored ``TAIL_STEPS`` losses, so is one within ``TAIL_MARGIN`` times the run's
+own tail, on the smaller scale (the tail's): for the ``above_max`` path only when the loss
+stayed below where the run started.
 
 Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
 where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
@@ -276,7 +279,8 @@ class Spike(Rule[SpikeConfig]):
                 lin = ser.window.scores(v)[0]
             beyond = big and lin > c.zscore
             if ser.settle(v, z > c.zscore or beyond, c.max_run):
-                found.append(self._spike(ser, v, max(z, lin) if beyond and not decided else z))
+                found.append(self._spike(ser, v, max(z, lin) if beyond and not decided else z,
+                                         z))
             if key == "loss":
                 ser.note_score(z)
         return found
@@ -302,7 +306,9 @@ class Spike(Rule[SpikeConfig]):
             "fh.replay)",
             {"value": value, "zscore": z[key], "zscores": z, "skipped": True, "rule": "device"})]
 
-    def _spike(self, ser: _Series, value: float, z: float) -> Finding:
+    def _spike(self, ser: _Series, value: float, z: float, scored: float) -> Finding:
+        """The finding for a spike of ``value`` at score ``z`` (the linear score where the
+        ``above_max`` path found it); ``scored``: the score the run's tail is made of."""
         median = statistics.median(ser.values)
         ratio = f" ({value / median:.3g}x)" if median > 0 else ""
         details = {"value": value, "zscore": z, "window_median": median,
@@ -318,12 +324,18 @@ class Spike(Rule[SpikeConfig]):
                 f"floor, a notice (an alarm from {FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
                 {**details, "rise_share": share, "start": ser.start}, severity=NOTICE)
         tail = ser.tail() if ser.key == "loss" else None
-        if tail is not None and z < TAIL_MARGIN * tail:  # as far as this run's batches go
+        # as far as this run's batches go, on the scale its tail is measured on; a spike found
+        # by the above_max path only when the loss also stayed below where the run started
+        if tail is not None and scored < TAIL_MARGIN * tail and (
+                scored > self.config.zscore or value - median < ser.start):
+            both = "" if scored == z else (
+                f" ({scored:.1f} on the log scale; it stayed below the loss the run started "
+                f"from, {ser.start:.4g})")
             return Finding(
                 KIND[ser.key],
                 f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
-                f"{median:.4g}{ratio}, within {TAIL_MARGIN:g}x of what this run's own losses "
-                f"reach once per {1 / TAIL_RATE:,.0f} steps ({tail:.1f} units over "
+                f"{median:.4g}{ratio}{both}, within {TAIL_MARGIN:g}x of what this run's own "
+                f"losses reach once per {1 / TAIL_RATE:,.0f} steps ({tail:.1f} units over "
                 f"{ser.scored:,} steps): its noise has heavy tails, a notice. "
                 f"{ADVICE[ser.key]}", {**details, "tail": tail, "scored": ser.scored},
                 severity=NOTICE)
