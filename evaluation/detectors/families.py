@@ -345,8 +345,8 @@ def wine_mlp_wsd_label_smoothing(g, steps):
 
 
 @family(8000, "breast cancer, MLP with dropout 0.2, Adam, step decay x0.5 every 1000, "
-        "batch 32: a plateau after each decay (held out until its alarms were seen, in "
-        "long_runs.json's run-tail_final; tuning since)", long=True)
+        "batch 32: a plateau after each decay (held out until its alarms were seen in the long "
+        "runs of 2026-12-06, code 49e20e7; tuning since)", long=True)
 def cancer_mlp_adam_dropout_step_plateaus(g, steps):
     m = models.mlp([30, 64, 64, 1], nn.ReLU, dropout=0.2)
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
