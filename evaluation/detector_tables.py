@@ -1,7 +1,7 @@
 """The Markdown tables of docs/performance.md ("Detector accuracy") from
-bench/results/detectors.json, side by side for the labels given (the last one is "now").
+bench/results/detectors.json, side by side for the entries given (the last one is "now").
 
-    python evaluation/detector_tables.py LABEL [LABEL ...]   # e.g. before current
+    python evaluation/detector_tables.py KEY [KEY ...]   # e.g. "2026-12-01 67eb661"
 
 Nothing is measured here: the figures are read from the file that eval_detectors.py wrote.
 """
@@ -138,13 +138,14 @@ def held_out(results: dict, label: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("labels", nargs="+", help="labels of detectors.json, oldest first")
+    ap.add_argument("labels", nargs="+", metavar="KEY",
+                    help="keys of detectors.json (date and commit), oldest first")
     ap.add_argument("--file", default=str(RESULTS / "detectors.json"))
     args = ap.parse_args(argv)
     results = json.loads(Path(args.file).read_text())
     missing = [x for x in args.labels if x not in results]
     if missing:
-        ap.error(f"no such label in {args.file}: {', '.join(missing)} "
+        ap.error(f"no such entry in {args.file}: {', '.join(missing)} "
                  f"(it has: {', '.join(k for k in results if k not in ('corpus',))})")
     for part in (summary(results, args.labels), families(results, args.labels),
                  faults(results, args.labels), held_out(results, args.labels[-1])):
