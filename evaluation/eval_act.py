@@ -226,7 +226,8 @@ def main() -> None:
     ap.add_argument("--final", action="store_true", help="also the held-out families/faults")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--only", help="comma-separated family/fault names")
-    ap.add_argument("--label", default="current")
+    ap.add_argument("--label", help="key of the results in --out (default: the date and the "
+                    "commit measured)")
     ap.add_argument("--out", default=str(RESULTS / "act.json"))
     ap.add_argument("--series", help="also write every run's per-step values to this file")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
@@ -256,6 +257,13 @@ def main() -> None:
     print_tables(summary)
     path = Path(args.out)
     doc = json.loads(path.read_text()) if path.exists() else {}
+    if not args.label:
+        import subprocess  # only for the default key
+
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=HERE, text=True,
+                                capture_output=True).stdout.strip() or "no commit"
+        args.label = (f"{time.strftime('%Y-%m-%d', time.gmtime())} {commit}"
+                      f"{' with held out' if args.final else ''}")
     doc[args.label] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
                        or platform.machine(), "cpus": os.cpu_count(), "seeds": args.seeds,
                        "final": args.final, "seconds": round(time.time() - t0),

@@ -414,6 +414,18 @@ def provenance() -> dict:
     return out
 
 
+def results_key(label: str | None, final: bool, machine: dict) -> str:
+    """The key of a run's results in its file: ``label`` when given, else the date and the
+    commit of the code measured ("+" when the monitor's files differed from it); " with held
+    out" when the held-out part was scored."""
+    if label:
+        return label
+    commit = (machine.get("commit") or "no commit")[:7]
+    key = f"{time.strftime('%Y-%m-%d', time.gmtime())} {commit}"
+    key += "+" if machine.get("monitor_modified") else ""
+    return key + (" with held out" if final else "")
+
+
 def save(path: Path, label: str, res: dict) -> None:
     out = json.loads(path.read_text()) if path.exists() else {}
     if "calibration" in out:  # the first corpus's file: kept as it was
@@ -432,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run and score the held-out families and faults")
     ap.add_argument("--seeds", type=int, help="seeds per family (default 6; --quick 1)")
     ap.add_argument("--only", help="comma-separated family/fault names (tuning ones)")
-    ap.add_argument("--label", default="current", help="key of the results in --out")
+    ap.add_argument("--label", help="key of the results in --out (default: the date and the "
+                    "commit measured)")
     ap.add_argument("--note", help="a line kept with the results (what was measured)")
     ap.add_argument("--out", default=str(RESULTS / "detectors.json"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
@@ -449,8 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.note:
         res["note"] = args.note
     print(table(res))
-    save(Path(args.out), args.label + ("_final" if args.final else ""), res)
-    print(f"written: {args.out} [{args.label + ('_final' if args.final else '')}]")
+    key = results_key(args.label, args.final, res["machine"])
+    save(Path(args.out), key, res)
+    print(f"written: {args.out} [{key}]")
     return 0
 
 

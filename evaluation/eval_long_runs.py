@@ -189,6 +189,9 @@ def figure(runs: list[dict], path: Path) -> None:
                    key=lambda r: (r["long_held_out"], r["key"], r["seed"]))
     shown = [r for r in shown if r["seed"] == min(x["seed"] for x in shown
                                                  if x["key"] == r["key"])]
+    if not shown:  # faults alone (--only): no healthy run to draw
+        print("no healthy long run: no figure")
+        return
     cols = 5
     rows = math.ceil(len(shown) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 2.1 * rows), squeeze=False)
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--final", action="store_true", help="also the held-out long runs")
     ap.add_argument("--only", help="comma-separated family/fault names")
-    ap.add_argument("--label", default="current")
+    ap.add_argument("--label", help="key of the results in --out (default: the date and the "
+                    "commit measured)")
     ap.add_argument("--note")
     ap.add_argument("--out", default=str(RESULTS / "long_runs.json"))
     ap.add_argument("--figure", default=str(RESULTS / "long_runs.png"))
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.note:
         res["note"] = args.note
     print(table(res))
-    label = args.label + ("_final" if args.final else "")
+    label = eval_detectors.results_key(args.label, args.final, res["machine"])
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.exists() else {}
     saved[label] = res

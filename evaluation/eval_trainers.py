@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", help="comma-separated fault names")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seeds", type=int, help="healthy seeds per family")
-    ap.add_argument("--label", default="current", help="key of the results in --out")
+    ap.add_argument("--label", help="key of the results in --out (default: the date and the "
+                    "commit measured; --redraw needs it)")
     ap.add_argument("--note", help="a line kept with the results")
     ap.add_argument("--out", default=str(RESULTS / "trainers.json"))
     ap.add_argument("--figure", default=str(RESULTS / "trainers.png"))
@@ -266,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redraw", action="store_true",
                     help="only draw --figure again from --out's --label (no training)")
     a = ap.parse_args(argv)
+    if a.redraw and not a.label:
+        ap.error("--redraw draws the entry of --label: give it")
     if a.redraw:
         stored = json.loads(Path(a.out).read_text())[a.label]
         figure.draw(stored["runs"], a.figure, title=f"{a.label} ({', '.join(stored['splits'])}"
@@ -304,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                    for k in splits},
         "runs": res["runs"], "log_checks": res["log_checks"],
     }
+    a.label = a.label or (f"{time.strftime('%Y-%m-%d', time.gmtime())} "
+                          f"{(result['commit'] or 'no commit')[:7]}"
+                          f"{' with held out' if a.final else ''}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(out.read_text()) if out.exists() else {}

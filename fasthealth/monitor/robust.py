@@ -79,10 +79,18 @@ floor), and a fault to catch stands beyond them. On the long runs' tuning part
 with heavy-tailed noise, scored 1.27x and 1.30x their run's tail; of the faults planted late
 that spike the loss, a garbage batch scored 5.1x and the others 17x to millions, but for
 weights growing in a family unstable by then (0.7-0.9x: caught by its other rules). The
-score is the smaller of the two scales', the one the tail is made of; a spike found by the
-spike rule's ``above_max`` path alone is a notice by it only when the loss stayed below the loss
-the run started from (a set memorised under dropout: a missed sample 0.1-0.26 from 2e-4, 1.3x
-the tail on the log scale). 0: off."""
+score is the smaller of the two scales', the one the tail is made of, also for a spike the
+spike rule's ``above_max`` path found (a set memorised under dropout: a missed sample 0.1-0.26
+from 2e-4 scores 17-31x the tail on the linear scale, 1.3x on the log one); and the spike must
+rise less than ``TAIL_RISE``. 0: off."""
+
+TAIL_RISE: float = 0.5
+"""A loss spike within the run's tail is a notice only when it rose less than this share of
+the loss the run started from above its recent median. Heavy-tailed healthy batches rose 42%
+at most (a regression's outlier batches, 4.5x its median) and a sample missed under dropout at
+a memorised floor 40% (0.26 from 2e-4, start 0.65); in a run that had grown unstable
+(RMSprop at a floor, its own tail 8.8 units), weights starting to explode rose 87% in the
+step the rule must catch them at (evaluation/eval_long_runs.py's tuning part)."""
 
 TAIL_KEEP: int = 64
 """Largest scores kept (the tail's k is at most this: past 64,000 steps, the 64th largest)."""

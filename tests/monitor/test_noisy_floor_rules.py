@@ -14,7 +14,7 @@ import torch
 import fasthealth as fh
 from fasthealth.monitor.record import StepHost, StepRecord
 from fasthealth.monitor.rules import Context
-from fasthealth.monitor.rules.spike import FLOOR_RISE, TAIL_MARGIN, TAIL_STEPS, Spike
+from fasthealth.monitor.rules.spike import FLOOR_RISE, TAIL_MARGIN, TAIL_RISE, TAIL_STEPS, Spike
 from fasthealth.monitor.rules.stall import Stall
 
 
@@ -199,9 +199,9 @@ def test_at_a_memorised_floor_a_miss_within_the_runs_tail_is_a_notice_and_a_bad_
     judges a loss many times the window's largest by the linear scale alone: one sample missed
     under dropout (0.15: 50x the largest) is a spike there. Once the run has a tail, such a
     spike within ``TAIL_MARGIN`` times it on the scale the tail is measured on is a notice when
-    the loss stayed below where the run started; a batch of wrong labels (above the
-    start: 0.67, 3.0) is an alarm whatever its log score; before the tail counts, both are
-    alarms."""
+    it rose less than ``TAIL_RISE`` of the loss the run started from; a batch of wrong labels
+    rising more (0.4, 3.0) is an alarm whatever its log score; before the tail counts, the
+    miss is an alarm too."""
     losses = _memorised(4000)
     rule = Spike()
     early = [f for f in rule.observe(_step(1000, 0.15)) if f.kind == "loss_spike"] \
@@ -214,7 +214,8 @@ def test_at_a_memorised_floor_a_miss_within_the_runs_tail_is_a_notice_and_a_bad_
     (miss,) = rule.observe(_step(4000, 0.15))
     assert miss.severity == "notice", miss.message
     assert miss.details["zscore"] > TAIL_MARGIN * miss.details["tail"]  # the linear score
-    assert "on the log scale" in miss.message and "started from, 0.65" in miss.message
-    for t, v in enumerate((0.67, 3.0)):  # 0.67: within twice the tail on the log scale too
+    assert "on the log scale" in miss.message and "the run started from (0.65)" in miss.message
+    assert 0.4 - miss.details["window_median"] > TAIL_RISE * 0.65
+    for t, v in enumerate((0.4, 3.0)):  # 0.4: within twice the tail on the log scale too
         (bad,) = rule.observe(_step(4001 + t, v))
         assert bad.severity is None, bad.message

@@ -8,8 +8,8 @@ linear one). Before the windows are armed, a loss above ``early_loss`` or a grad
 ``max_run`` spikes in a row are a new level, taken in. A loss spike that rises less than
 ``FLOOR_RISE`` of the loss the run started from is a notice, not an alarm: a blip at a floor.
 Once a run has scored ``TAIL_STEPS`` losses, so is one within ``TAIL_MARGIN`` times the run's
-own tail, on the smaller scale (the tail's): for the ``above_max`` path only when the loss
-stayed below where the run started.
+own tail, on the smaller scale (the tail's), when it rose less than ``TAIL_RISE`` of the loss
+the run started from.
 
 Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
 where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
@@ -40,6 +40,7 @@ from ..robust import (
     TAIL_KEEP,
     TAIL_MARGIN,
     TAIL_RATE,
+    TAIL_RISE,
     TAIL_STEPS,
     WARMUP_STEPS,
     SpikeWindow,
@@ -324,19 +325,18 @@ class Spike(Rule[SpikeConfig]):
                 f"floor, a notice (an alarm from {FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
                 {**details, "rise_share": share, "start": ser.start}, severity=NOTICE)
         tail = ser.tail() if ser.key == "loss" else None
-        # as far as this run's batches go, on the scale its tail is measured on; a spike found
-        # by the above_max path only when the loss also stayed below where the run started
-        if tail is not None and scored < TAIL_MARGIN * tail and (
-                scored > self.config.zscore or value - median < ser.start):
-            both = "" if scored == z else (
-                f" ({scored:.1f} on the log scale; it stayed below the loss the run started "
-                f"from, {ser.start:.4g})")
+        # as far as this run's batches go, on the scale its tail is measured on, and a rise
+        # small beside the loss the run started from
+        if tail is not None and scored < TAIL_MARGIN * tail and \
+                value - median < TAIL_RISE * ser.start:
+            both = "" if scored == z else f" ({scored:.1f} on the log scale)"
             return Finding(
                 KIND[ser.key],
                 f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
                 f"{median:.4g}{ratio}{both}, within {TAIL_MARGIN:g}x of what this run's own "
                 f"losses reach once per {1 / TAIL_RATE:,.0f} steps ({tail:.1f} units over "
-                f"{ser.scored:,} steps): its noise has heavy tails, a notice. "
+                f"{ser.scored:,} steps), and it rose less than {TAIL_RISE:.0%} of the loss "
+                f"the run started from ({ser.start:.4g}): its noise has heavy tails, a notice. "
                 f"{ADVICE[ser.key]}", {**details, "tail": tail, "scored": ser.scored},
                 severity=NOTICE)
         return Finding(
