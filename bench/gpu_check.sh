@@ -32,20 +32,28 @@
 #                                  side; a per-test limit fails that test only; one stuck past
 #                                  it ends its process and the tests after it run again
 #                                                                               -> tests.txt
+#   rollback      90 / 30   ~40 s  bench/bench_rollback.py --device cuda: what in-process
+#                                  rollback's snapshots cost training (GPT-2 small built on the
+#                                  GPU, about 170 training steps: 20 at a time, with and
+#                                  without a snapshot; needs transformers); its record goes
+#                                  into h200.json too
+#                                                                 -> rollback.txt, rollback.json
 #   finish        30 / 10   ~5 s   the goals and h200.png
-# The last recorded run took 381 s with the prebuilt (bench/results/h200.json's steps). A step
-# gets at most its own limit, and never more than the deadline leaves after the needs of every
-# step still to come: one that overruns cannot starve the ones after it, and finish always has
-# its time. At its limit a step gets SIGINT (pytest still prints its summary, the benchmark
-# stops between writes), then SIGKILL 10 s later.
-# Written under $OUT (8 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
-# h200.json h200.png; h200.json is copied into bench/results/ too.
+# The last recorded run took 381 s with the prebuilt (bench/results/h200.json's steps), before
+# the rollback step was added. A step gets at most its own limit, and never more than the
+# deadline leaves after the needs of every step still to come: one that overruns cannot starve
+# the ones after it, and finish always has its time. At its limit a step gets SIGINT (pytest
+# still prints its summary, the benchmark stops between writes), then SIGKILL 10 s later.
+# Written under $OUT (10 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
+# rollback.txt rollback.json (when that step ends well) h200.json h200.png; h200.json is copied
+# into bench/results/ too.
 #
 # Knobs, for the dry run here (bench/tests/test_gpu_check.py) and for reruns:
-#   DEADLINE=S              the whole run's time budget in seconds (420)
+#   DEADLINE=S              the whole run's time budget in seconds (480)
 #   FASTHEALTH_GPU_DRY=1    no GPU needed: no build, both backends assumed, the benchmark with
-#                           fake timings (bench_gpu.py --fake), a fake selftest record; the
-#                           tests run for real (tests/ops/test_gpu.py skips itself without CUDA)
+#                           fake timings (bench_gpu.py --fake), a fake selftest record and
+#                           a fake rollback record (bench_rollback.py --fake); the tests run
+#                           for real (tests/ops/test_gpu.py skips itself without CUDA)
 #   FORCE_FAIL=a,b          these steps fail at once; FORCE_HANG=a,b: they hang to their limit
 #   FASTHEALTH_GPU_LIMITS=name=S,...   a step's own limit
 #   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/ops/test_gpu.py)
@@ -64,7 +72,7 @@ set -uo pipefail
 OUT=${OUT:-build/gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-DEADLINE=${DEADLINE:-420}
+DEADLINE=${DEADLINE:-480}
 DRY=${FASTHEALTH_GPU_DRY:-}
 QUICK=
 [ "${1:-}" = --quick ] && QUICK=--quick
@@ -99,6 +107,7 @@ plan bench-cuda 120 30
 plan bench-triton 80 20
 plan selftest 90 30
 plan tests 130 30
+plan rollback 90 30
 plan finish 30 10
 DONE[build-cpu]=1  # nothing kept for it unless the CUDA build fails
 
@@ -249,7 +258,7 @@ finish_up() {
   {
     echo
     echo "== total $(elapsed) s of ${DEADLINE} s"
-    for f in env build bench selftest tests; do
+    for f in env build bench selftest tests rollback; do
       [ -f "$OUT/$f.txt" ] || continue
       echo; echo "== tail of $f.txt"; tail -25 "$OUT/$f.txt"
     done
@@ -405,6 +414,15 @@ for ((i = 0; i < ${#which[@]}; i += 2)); do
   [ -f "$WORK/tests-${which[i]}.txt" ] && cat "$WORK/tests-${which[i]}.txt" >> "$OUT/tests.txt"
 done
 grep -h "^== .* did not end" "$WORK"/tests-*.txt >> "$SUMMARY" 2>/dev/null
+
+# what rollback's snapshots cost training on the GPU: the steps with a snapshot against the same
+# steps without (their copies to pinned host memory overlap the steps that follow); no earlier
+# run's record is left for the attach to find when this one writes none
+rm -f "$OUT/rollback.json"
+step rollback "$OUT/rollback.txt" "$PY" bench/bench_rollback.py --device cuda --repeats 3 \
+  --out "$OUT/rollback.json" $fake
+"$PY" bench/gpu_results.py "${results[@]}" attach rollback "$OUT/rollback.json" \
+  >> "$SUMMARY" 2>&1
 
 step finish "$OUT/bench.txt" "$PY" bench/gpu_results.py "${results[@]}" finish \
   --plot "$OUT/h200.png"

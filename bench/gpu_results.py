@@ -11,6 +11,8 @@ is broken. One JSON object:
   goals     the GPU goals read off the rows, recomputed at every write; a goal whose rows are
             missing says so (met: null)
   selftest  `fasthealth selftest --json`'s record
+  rollback  bench/bench_rollback.py --device cuda's record: what rollback's snapshots cost
+            training on the GPU
   steps     the device script's steps: status, seconds, limit, exit status, and a note where
             the script gave one (why a step failed or was not run)
   prebuilt  the manifest of the prebuilt extension, when the device script loaded it
@@ -22,6 +24,7 @@ killed mid-write) sees the old file or the new one, never half of one.
 
     python bench/gpu_results.py --results R.json [--copy C.json] steps STEPS.tsv [--deadline S]
     python bench/gpu_results.py --results R.json attach selftest SELFTEST.json
+    python bench/gpu_results.py --results R.json attach rollback ROLLBACK.json
     python bench/gpu_results.py --results R.json finish [--plot R.png]
 """
 
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--deadline", type=int)
     st.add_argument("--elapsed", type=int)
     st.add_argument("--dry", action="store_true")
-    at = sub.add_parser("attach", help="a JSON file as one section (the selftest record)")
+    at = sub.add_parser("attach", help="a JSON file as one section (the selftest record, "
+                                          "the rollback benchmark's)")
     at.add_argument("name")
     at.add_argument("file", type=Path)
     fi = sub.add_parser("finish", help="goals, and the plot")

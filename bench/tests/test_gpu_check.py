@@ -5,8 +5,9 @@ refused, with the build run instead, when it does not. Also the per-test limit p
 (tests/per_test_limit.py) and the results file's merges (bench/gpu_results.py).
 
 The dry run (FASTHEALTH_GPU_DRY=1) builds nothing, assumes both GPU backends, benchmarks with
-fake timings (bench_gpu.py --fake: the same case loop and writes) and runs the GPU tests for
-real (they skip themselves without CUDA). Each dry run is marked ``device_script``
+fake timings (bench_gpu.py --fake: the same case loop and writes), records a fake rollback
+cost (bench_rollback.py --fake) and runs the GPU tests for real (they skip themselves without
+CUDA). Each dry run is marked ``device_script``
 (``make test-eval`` runs them, ``make test`` and ``make test-fast`` not): the matrix of forced
 failures and hangs takes 6-8 minutes on 2 cores.
 """
@@ -26,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 STEPS = ["env", "build-cuda", "backends", "bench-cuda", "bench-triton", "selftest", "tests",
-         "finish"]
+         "rollback", "finish"]
 FUSED_ROWS = 2 + 7  # cuda, triton and the baselines (bench_gpu.BASELINES)
 N_CASES = 13  # bench_gpu.cases(False): 8 healthy, 5 holding NaN/Inf
 
@@ -99,6 +100,14 @@ def written(out):
     return got
 
 
+def assert_fake_rollback(doc, out):
+    """The rollback step's record, in h200.json and as its own file: the dry run's fake one,
+    with the GPU fields."""
+    own = json.loads((out / "rollback.json").read_text())
+    assert doc["rollback"] == own and own["fake"] is True and own["device"] == "cuda"
+    assert own["snapshot_overlap_s"] > 0 and set(own["share_of_training"]) == {"100", "500"}
+
+
 def cases_of(doc, provider):
     return {(r["case"], r["dtype"]) for r in doc["rows"] if r["provider"] == provider}
 
@@ -127,10 +136,12 @@ def test_dry_run_every_step_ok(tmp_path):
     assert cases_of(doc, "cuda") == cases_of(doc, "read_sum") == written(out)["bench-cuda"]
     assert cases_of(doc, "triton") == written(out)["bench-triton"]
     assert doc["selftest"] == {"key": "dry run", "results": {}}
+    assert_fake_rollback(doc, out)
+    assert "bench_rollback.py --device cuda --repeats 3" in (out / "rollback.txt").read_text()
     assert doc["run"]["dry_run"] and doc["goals"] and (out / "h200.png").exists()
     assert sorted(f.name for f in out.iterdir()) == [
-        "bench.txt", "build.txt", "env.txt", "h200.json", "h200.png", "selftest.txt",
-        "summary.txt", "tests.txt"]
+        "bench.txt", "build.txt", "env.txt", "h200.json", "h200.png", "rollback.json",
+        "rollback.txt", "selftest.txt", "summary.txt", "tests.txt"]
     tests = (out / "tests.txt").read_text()
     # one process per backend; tests/ops/test_gpu.py skips itself here, with its reason
     assert "== tests, backend cuda, process 1" in tests
@@ -150,6 +161,10 @@ def test_dry_run_with_a_step_forced_to_fail(tmp_path, step):
     assert_every_written_case_is_there(doc, wrote)
     if step == "build-cuda":
         assert got["build-cpu"] == "ok"
+    if step == "rollback":  # no record of its own: the section says it is missing
+        assert "missing" in doc["rollback"] and not (out / "rollback.json").exists()
+    else:
+        assert_fake_rollback(doc, out)
     if step == "backends":  # no GPU backend found: the baselines alone, the tests of neither
         assert {r["provider"] for r in doc["rows"]} == {
             "foreach_norm", "total_norm_isfinite", "clip_grad_norm", "foreach_isfinite",
@@ -197,6 +212,7 @@ def test_dry_run_with_no_time_left_still_writes_the_file(tmp_path):
     got = steps(doc)
     assert got.pop("finish") == "ok"
     assert set(got.values()) == {"SKIPPED"} and doc["rows"] == []
+    assert "missing" in doc["rollback"] and not (out / "rollback.json").exists()
     assert "SKIPPED" in (out / "summary.txt").read_text()
 
 
@@ -376,7 +392,8 @@ def test_dry_run_without_a_working_python_still_writes_the_file(tmp_path):
     p, out, doc = dry_run(tmp_path, PYTHON="false")
     got = steps(doc)
     assert p.returncode == 1 and doc["rows"] == [] and "did not write" in doc["error"]
-    assert got["env"] == got["bench-cuda"] == got["tests"] == "FAILED" and len(got) == 8
+    assert got["env"] == got["bench-cuda"] == got["tests"] == got["rollback"] == "FAILED"
+    assert len(got) == len(STEPS)
     assert doc["steps"][1]["note"].startswith("(no prebuilt library in ")  # the awk's JSON
 
 
