@@ -2,7 +2,7 @@
 of the training time at the snapshot interval, on the CPU or on a GPU.
 
 GPT-2 small written from its config (transformers' ``GPT2Config()``: 12 layers, 768 wide, 124M
-parameters, nothing fetched), AdamW with its state made by one step. Timed, ``--repeats``
+parameters, nothing fetched; without transformers, the same shapes in plain torch), AdamW with its state made by one step. Timed, ``--repeats``
 times each, the median: one training step (batch ``--batch`` x ``--seq`` tokens, forward,
 backward, ``optimizer.step``); a snapshot as the Monitor takes it (``Rollback._take``: the
 model's and the optimizer's state dicts copied to host memory); a restore
@@ -73,6 +73,7 @@ def result(args: argparse.Namespace, machine: str, m: dict) -> dict:
         "machine": machine,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "repeats": args.repeats,
+        "model": m.get("model", "transformers' GPT2LMHeadModel(GPT2Config())"),
         "parameters": m["parameters"],
         "snapshot_bytes": m["snapshot_bytes"],
         "step_s": m["step_s"],
@@ -115,14 +116,48 @@ def fake(args: argparse.Namespace) -> tuple[str, dict]:
     return f"fake (dry run, no GPU), torch {torch_version}", m
 
 
+def _gpt2_small_in_torch():
+    """GPT-2 small's shapes in plain torch (124M parameters: 12 pre-LN blocks 768 wide, 12
+    heads, a 3,072 MLP, 50,257 tokens, 1,024 positions, the head tied to the embedding), for a
+    machine without transformers; called as GPT2LMHeadModel is (``input_ids``, ``labels``)."""
+    import types
+
+    import torch
+    from torch import nn
+
+    class Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(50257, 768), nn.Embedding(1024, 768)
+            block = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.1, activation="gelu",
+                                               batch_first=True, norm_first=True)
+            self.h = nn.TransformerEncoder(block, 12, enable_nested_tensor=False)
+            self.ln_f = nn.LayerNorm(768)
+
+        def forward(self, input_ids, labels):
+            n = input_ids.shape[1]
+            x = self.wte(input_ids) + self.wpe(torch.arange(n, device=input_ids.device))
+            mask = nn.Transformer.generate_square_subsequent_mask(n, device=input_ids.device)
+            logits = self.ln_f(self.h(x, mask=mask, is_causal=True)) @ self.wte.weight.T
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                               labels[:, 1:].flatten())
+            return types.SimpleNamespace(loss=loss)
+
+    return Small()
+
+
 def measure(args: argparse.Namespace) -> tuple[str, dict]:
     import torch
 
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError as exc:
-        raise SystemExit("bench_rollback: needs transformers (pip install transformers): "
-                         f"{exc}") from None
+
+        def gpt2_small() -> torch.nn.Module:
+            return GPT2LMHeadModel(GPT2Config())
+        written = "transformers' GPT2LMHeadModel(GPT2Config())"
+    except ImportError:  # a GPU machine without transformers: the same shapes in plain torch
+        gpt2_small = _gpt2_small_in_torch
+        written = "GPT-2 small's shapes in plain torch (transformers is not installed)"
 
     import fasthealth as fh
     from fasthealth.monitor.rollback import Rollback
@@ -133,7 +168,7 @@ def measure(args: argparse.Namespace) -> tuple[str, dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config()).to(args.device)
+    model = gpt2_small().to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 50257, (args.batch, args.seq)).to(args.device)
 
@@ -199,6 +234,7 @@ def measure(args: argparse.Namespace) -> tuple[str, dict]:
         machine = f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     else:
         machine = f"{platform.machine()}, {args.threads} thread(s), torch {torch.__version__}"
+    m["model"] = written
     m["parameters"] = sum(p.numel() for p in model.parameters())
     m["snapshot_bytes"] = snap.nbytes
     return machine, m
