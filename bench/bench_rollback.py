@@ -5,11 +5,11 @@ GPT-2 small written from its config (transformers' ``GPT2Config()``: 12 layers, 
 parameters, nothing fetched; without transformers, the same shapes in plain torch), AdamW with
 its state made by one step. Timed, ``--repeats`` times each, the median: one training step
 (batch ``--batch`` x ``--seq`` tokens, forward, backward, ``optimizer.step``); a snapshot as
-the Monitor takes it (``Rollback._take``: the model's and the optimizer's state dicts copied
-to host memory); a restore (``Rollback._restore``: both loaded back in place); the pass over the weights and the
-optimizer's state for NaN/Inf that comes before each snapshot. Reported: the snapshot's bytes,
-the times, and the pass and the snapshot's share of the training time between two snapshots
-(``every`` steps), which is what the snapshots cost a run.
+the Monitor takes it (``Rollback._take``: the model's and the optimizer's state dicts copied to
+host memory); a restore (``Rollback._restore``: both loaded back in place); the pass over the
+weights and the optimizer's state for NaN/Inf that comes before each snapshot. Reported: the
+snapshot's bytes, the times, and the pass and the snapshot's share of the training time between
+two snapshots (``every`` steps), which is what the snapshots cost a run.
 
 On a GPU (``--device cuda``: the model and the batch there) each timing has a synchronize
 before and after it, and the snapshot's copies go to pinned host memory without waiting, so
