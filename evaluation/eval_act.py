@@ -34,6 +34,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path.insert(0, str(HERE / "detectors"))
+sys.path.insert(0, str(HERE))
+
+import eval_detectors  # noqa: E402  (the results' key and the code's provenance)
 
 BAD_BATCH = ("garbage_batch", "mislabelled_batch", "target_x50_batch", "garbage_batch_words")
 LR_JUMPS = ("lr_jump_x25_cnn", "lr_jump_x25_transformer", "lr_jump_x25_word_transformer")
@@ -257,14 +260,11 @@ def main() -> None:
     print_tables(summary)
     path = Path(args.out)
     doc = json.loads(path.read_text()) if path.exists() else {}
-    if not args.label:
-        import subprocess  # only for the default key
-
-        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=HERE, text=True,
-                                capture_output=True).stdout.strip() or "no commit"
-        args.label = (f"{time.strftime('%Y-%m-%d', time.gmtime())} {commit}"
-                      f"{' with held out' if args.final else ''}")
-    doc[args.label] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
+    machine = eval_detectors.provenance()
+    args.label = eval_detectors.results_key(args.label, args.final, machine.get("commit"),
+                                            bool(machine.get("monitor_modified")))
+    doc[args.label] = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": machine.get("commit"),
+                       "machine": platform.processor()
                        or platform.machine(), "cpus": os.cpu_count(), "seeds": args.seeds,
                        "final": args.final, "seconds": round(time.time() - t0),
                        "summary": summary,

@@ -414,16 +414,15 @@ def provenance() -> dict:
     return out
 
 
-def results_key(label: str | None, final: bool, machine: dict) -> str:
-    """The key of a run's results in its file: ``label`` when given, else the date and the
-    commit of the code measured ("+" when the monitor's files differed from it); " with held
-    out" when the held-out part was scored."""
+def results_key(label: str | None, final: bool, commit: str | None,
+                modified: bool = False) -> str:
+    """The key of a run's results in its file (every evaluation script's): ``label`` when
+    given, else the date and the commit of the code measured ("+" when the monitor's files
+    differed from it); " with held out" when the held-out part was scored."""
     if label:
         return label
-    commit = (machine.get("commit") or "no commit")[:7]
-    key = f"{time.strftime('%Y-%m-%d', time.gmtime())} {commit}"
-    key += "+" if machine.get("monitor_modified") else ""
-    return key + (" with held out" if final else "")
+    key = f"{time.strftime('%Y-%m-%d', time.gmtime())} {(commit or 'no commit')[:7]}"
+    return key + ("+" if modified else "") + (" with held out" if final else "")
 
 
 def save(path: Path, label: str, res: dict) -> None:
@@ -462,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.note:
         res["note"] = args.note
     print(table(res))
-    key = results_key(args.label, args.final, res["machine"])
+    key = results_key(args.label, args.final, res["machine"].get("commit"),
+                      bool(res["machine"].get("monitor_modified")))
     save(Path(args.out), key, res)
     print(f"written: {args.out} [{key}]")
     return 0

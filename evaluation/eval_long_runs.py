@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.note:
         res["note"] = args.note
     print(table(res))
-    label = eval_detectors.results_key(args.label, args.final, res["machine"])
+    label = eval_detectors.results_key(args.label, args.final, res["machine"].get("commit"),
+                                       bool(res["machine"].get("monitor_modified")))
     out = Path(args.out)
     saved = json.loads(out.read_text()) if out.exists() else {}
     saved[label] = res

@@ -49,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "bench" / "results"  # the recorded figures the docs cite
 sys.path.insert(0, str(HERE))
 
+import eval_detectors  # noqa: E402  (the results' key)
 from trainers import corpus, faults, figure  # noqa: E402
 from trainers.runner import FAMILIES, log_check, run  # noqa: E402
 
@@ -307,9 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                    for k in splits},
         "runs": res["runs"], "log_checks": res["log_checks"],
     }
-    a.label = a.label or (f"{time.strftime('%Y-%m-%d', time.gmtime())} "
-                          f"{(result['commit'] or 'no commit')[:7]}"
-                          f"{' with held out' if a.final else ''}")
+    a.label = eval_detectors.results_key(a.label, a.final, result["commit"])
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(out.read_text()) if out.exists() else {}

@@ -204,9 +204,9 @@ def test_at_a_memorised_floor_a_miss_within_the_runs_tail_is_a_notice_and_a_bad_
     miss is an alarm too."""
     losses = _memorised(4000)
     rule = Spike()
-    early = [f for f in rule.observe(_step(1000, 0.15)) if f.kind == "loss_spike"] \
-        if _kinds(rule, losses[:1000]) == [] else None
-    assert early and early[0].severity is None  # no tail yet: an alarm
+    assert _kinds(rule, losses[:1000]) == []
+    (early,) = rule.observe(_step(1000, 0.15))
+    assert early.kind == "loss_spike" and early.severity is None  # no tail yet: an alarm
     rule = Spike()
     assert not [k for k in _kinds(rule, losses) if k[1] == "loss_spike"]
     ser = rule.series["loss"]
