@@ -39,15 +39,15 @@ anything else in a state is refused with the path to it. A user's rule
 ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a warning)
 otherwise.
 
-Versions: a state says its ``format`` (``FORMAT``). Format 1 (fasthealth 0.1.0 before state by
-name) saved every attribute of these objects; it is migrated: the listed fields are taken, the rest
-(settings the resumed Monitor makes from its options) dropped, and a component that lacks a listed
-field starts cold, with a warning that names it. A format this fasthealth does not know, or a
-component whose fields differ from its list in a state of this format (but for fields added since:
-``STATE_ADDED`` makes them from the saved ones), is refused with a StateError before anything is
-applied: never half-loaded. A rule resumes warm only under the settings it was saved with (its
-config); a config saved before some of its fields became named constants (``retired.py``) is read
-as it was then.
+Versions: a state says its ``format`` (``FORMAT``). Fields added to a list since a state was
+saved are made from the saved ones (``STATE_ADDED``), in any format. Format 1 (fasthealth 0.1.0
+before state by name) saved every attribute of these objects; it is migrated: the listed fields
+are taken, the rest (settings the resumed Monitor makes from its options) dropped, and a component
+that lacks a listed field starts cold, with a warning that names it. A format this fasthealth
+does not know, or a component whose fields differ from its list in a state of this format, is
+refused with a StateError before anything is applied: never half-loaded. A rule resumes warm
+only under the settings it was saved with (its config); a config saved before some of its fields
+became named constants (``retired.py``) is read as it was then.
 """
 
 from __future__ import annotations
@@ -264,12 +264,13 @@ def _restore(target: Any, fields: dict[str, Any], path: str, apply: bool = True)
 
 
 def _check(target: Any, fields: dict[str, Any], fmt: int, path: str) -> dict[str, Any] | None:
-    """The fields to restore into ``target``: exactly its ``STATE`` (those added since made by
-    ``STATE_ADDED``). In a state of this format other names are a refusal; in a migrated one the
-    listed fields are taken, the rest dropped, and a missing one makes it start cold (None)."""
+    """The fields to restore into ``target``: exactly its ``STATE``, those added since made by
+    ``STATE_ADDED``. In a state of this format other names are a refusal; in a migrated one the
+    listed fields are taken, the rest dropped, and another missing one makes it start cold."""
     names, added = list(_fields(target)), getattr(type(target), "STATE_ADDED", {})
-    if fmt == FORMAT and set(fields) < set(names) <= set(fields) | set(added):
-        fields = {**fields, **{k: added[k](fields) for k in names if k not in fields}}
+    missing = [k for k in names if k not in fields]
+    if missing and set(missing) <= set(added) and (fmt != FORMAT or set(fields) <= set(names)):
+        fields = {**fields, **{k: added[k](fields) for k in missing}}
     if fmt == FORMAT:
         if set(fields) != set(names):
             raise StateError(
@@ -277,9 +278,7 @@ def _check(target: Any, fields: dict[str, Any], fmt: int, path: str) -> dict[str
                 f"fasthealth's has {sorted(names)}: a state of another release of format "
                 f"{FORMAT}? refused")
         return fields
-    if any(k not in fields for k in names):
-        return None
-    return {k: fields[k] for k in names}
+    return None if any(k not in fields for k in names) else {k: fields[k] for k in names}
 
 
 def _rule_key(rule: Any, i: int) -> str:

@@ -293,6 +293,36 @@ def test_a_fitted_batch_is_no_vanishing_gradient():
     assert run(0.0) == [(42, "vanishing_grad")]
 
 
+def test_a_loss_of_exactly_0_at_a_fitted_floor_is_no_vanishing_gradient():
+    """At a memorised floor float32 rounds some batches' loss to exactly 0 and their gradients
+    to rounding noise, a thousand times below the fitted batches' and more in some tensors than
+    others: neither the global rule nor the per-tensor one alarms. A loss that falls to 0 from a
+    normal level is masked out: the global rule alarms at once. One masked at the fitted floor
+    alarms, in both rules, once the floor's last fitted loss is ``FLOOR_STEPS`` behind."""
+    from fasthealth.monitor.record import StepHost, StepRecord
+    from fasthealth.monitor.rules.vanishing import FLOOR_STEPS
+
+    def run(losses):
+        both = (rules.Vanishing(), rules.TensorNorm(ctx=Context(names=["a.w", "b.w"])))
+        found = []
+        for t, loss in enumerate(losses):
+            per = [1.0, 1.0] if loss > 1e-3 else [1e-2, 1e-2] if loss > 0 else [1e-12, 5e-5]
+            values = dict(loss=loss, loss_finite=1.0, grads_finite=1.0, skipped=0.0,
+                          loss_scale=math.nan, nan_count=0.0, inf_count=0.0,
+                          grad_norm=math.hypot(*per), optimizer_nonfinite=math.nan)
+            s = StepRecord(t, values, per, [0.0, 0.0], StepHost(t))
+            found += [(t, r.name, f.kind) for r in both for f in r.observe(s)]
+        return found
+
+    normal, fitted = [2.3] * 40, [1e-6] * 100
+    at_floor = [0.0 if t % 20 < 3 else 1e-6 for t in range(300)]  # three zeros in a row
+    assert run(normal + fitted + at_floor) == []
+    assert run(normal + [0.0] * 10) == [(42, "vanishing", "vanishing_grad")]
+    masked = len(normal + fitted) + FLOOR_STEPS + 2  # the third step past the floor's reach
+    assert run(normal + fitted + [0.0] * (FLOOR_STEPS + 10)) == [
+        (masked, "vanishing", "vanishing_grad"), (masked, "tensor_norm", "vanishing_grad")]
+
+
 def test_optimizer_state_nonfinite():
     def plant(step, batch, model, opt):
         if step == 40:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import warnings
 from pathlib import Path
 
 import nanogpt  # noqa: E402  (tests/ is on sys.path)
@@ -216,4 +217,34 @@ def test_a_part_with_other_fields_is_refused_before_anything_is_applied():
     with pytest.raises(StateError, match=r"series\['loss'\] has the fields"):
         mon.load_state_dict(sd)
     assert mon.analyser.tracker.incidents == [] and mon._next_step == 0
+    mon.close()
+
+
+def test_a_state_saved_before_a_rule_listed_new_fields_resumes_it_warm():
+    """The vanishing rules' fitted floor (``first_losses``, ``last_fitted``) came after format 2:
+    a state without them resumes both rules warm, their other fields as saved, the new ones
+    made by ``STATE_ADDED``; any other missing field is still a refusal."""
+    sd = _state()
+    old = copy.deepcopy(sd)
+    dropped = {"vanishing": ["last_fitted"], "tensor_norm": ["first_losses", "last_fitted"]}
+    for key, saved in old["rules"].items():
+        fields = saved["fields"]
+        for name in dropped.get(key.split(":")[1], []):
+            i = fields["k"].index(name)
+            del fields["k"][i], fields["v"][i]
+    mon = _fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rule starts cold
+        mon.load_state_dict(old)
+    rules = {r.name: r for r in mon.detectors}
+    assert rules["vanishing"].last_fitted is None and rules["tensor_norm"].first_losses == []
+    assert rules["vanishing"].first_losses and rules["tensor_norm"].seen.min() >= 20
+    mon.close()
+    key = next(k for k in sd["rules"] if k.endswith(":vanishing"))
+    fields = sd["rules"][key]["fields"]
+    i = fields["k"].index("low")
+    del fields["k"][i], fields["v"][i]
+    mon = _fresh()
+    with pytest.raises(StateError, match="vanishing.* has the fields"):
+        mon.load_state_dict(sd)
     mon.close()

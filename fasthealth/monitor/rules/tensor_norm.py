@@ -2,18 +2,23 @@
 ``patience`` steps (``vanishing_grad``: dead ReLUs, saturated sigmoids), or jumps above
 ``explode`` times it (``exploding_grad``). The level is an exponential average (``ALPHA``) of
 the log norm, armed after ``warmup`` steps; collapsed and exploded steps stay out of it. When
-every tensor collapses at once the global rule (``vanishing.py``) speaks."""
+every tensor collapses at once the global rule (``vanishing.py``) speaks. A step whose loss is
+exactly 0 at a fitted floor (``vanishing.FitFloor``) is passed over: its gradients are float32's
+rounding noise."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..record import StepRecord
 from ..robust import WARMUP_STEPS
 from .base import Context, Finding, Rule, listed
+from .vanishing import FitFloor
 
 ALPHA: float = 0.05
 """Weight of a new log norm in the level: a memory of ~20 steps."""
@@ -33,11 +38,15 @@ class TensorNormConfig:
     """Steps of a tensor before its level is trusted (``warmup_steps``)."""
 
 
-class TensorNorm(Rule[TensorNormConfig]):
+class TensorNorm(FitFloor, Rule[TensorNormConfig]):
     name = "tensor_norm"
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig
-    STATE = ("level", "seen", "low", "reported_low", "reported_high")
+    STATE = ("level", "seen", "low", "reported_low", "reported_high", "first_losses",
+             "last_fitted")
+    # added since the state's format (state.py): a resumed rule gathers its first losses anew
+    STATE_ADDED: dict[str, Callable[[dict], Any]] = {
+        "first_losses": lambda f: [], "last_fitted": lambda f: None}
     DERIVED = ("_settled",)  # a cache of a check of the state (_steady)
     REARM = True
 
@@ -51,9 +60,14 @@ class TensorNorm(Rule[TensorNormConfig]):
         self.reported_low = torch.zeros(n, dtype=torch.bool)
         self.reported_high = torch.zeros(n, dtype=torch.bool)
         self._settled: tuple[torch.Tensor, ...] = ()  # see _steady
+        self.first_losses = []
+        self.last_fitted = None
 
     def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
+        loss = s.values["loss"]
+        if self.note_loss(s.step, loss, c.warmup) and loss == 0:
+            return []  # a fitted batch rounded to 0: its gradients are rounding noise
         if not s.values["grads_finite"] or not s.per_norm:
             return []
         norm = torch.tensor(s.per_norm, dtype=torch.float64)

@@ -1,13 +1,16 @@
 """``vanishing_grad``, globally: the global gradient norm vanishingly small for ``patience``
 steps, below ``abs_threshold`` or ``rel_drop`` times below its recent median (a constant or
 masked-out loss, a learning-rate schedule at 0, a collapsed loss scale), on steps whose loss
-has not itself fallen to a fitted batch's (``FITTED``)."""
+has not itself fallen to a fitted batch's (``FITTED``, ``FitFloor``; the per-tensor rule,
+``tensor_norm.py``, exempts the same steps)."""
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..record import StepRecord
 from ..robust import SPIKE_WINDOW, WARMUP_STEPS, RollingMedian, WindowValues
@@ -18,7 +21,43 @@ FITTED: float = 1e-3
 gradient vanishes with its loss (cross-entropy's gradient is p - y), which is convergence, not a
 fault. A memorised digits batch at a loss of 2e-7 (first level 2.3) had a gradient norm of 8e-6
 against a median of 1.5 and alarmed (evaluation/trainers, pl_digits_rmsprop_one_cycle). A loss
-of exactly 0 is never exempt: a masked-out or multiplied-away loss is 0 at every step."""
+of exactly 0 is exempt only at a fitted floor (``FLOOR_STEPS``): a masked-out or
+multiplied-away loss is 0 at every step."""
+
+FLOOR_STEPS: int = 64
+"""A loss of exactly 0 is a fitted batch when a positive loss below ``FITTED`` of the first level
+came at most this many steps before it: float32 rounds a fitted batch's loss to 0 when every
+sample's probability rounds to 1, and its gradient is then rounding noise, a thousand times
+below the fitted batches' around it. A set memorised under dropout (wine, loss 1e-8 from
+0.66) had three such steps in a row, whose per-tensor gradient norms collapsed and alarmed
+(evaluation/eval_long_runs.py). A loss that drops to 0 from a normal level is a masked loss at
+once; one masked at a fitted floor is one from this many steps on."""
+
+
+class FitFloor:
+    """Which steps' losses are batches the model fits: a loss below ``FITTED`` of the run's
+    first level (the median of its first ``warmup`` finite losses), or exactly 0 within
+    ``FLOOR_STEPS`` of such a loss. Mixed into the vanishing rules, whose state holds
+    ``first_losses`` and ``last_fitted``."""
+
+    first_losses: list[float]
+    last_fitted: int | None
+
+    def note_loss(self, step: int, loss: float, warmup: int) -> bool:
+        """Notes ``loss`` (among the first losses while they are being gathered; a fitted
+        positive loss's step) and returns whether it is a fitted batch's."""
+        if not math.isfinite(loss):
+            return False
+        if len(self.first_losses) < warmup:
+            self.first_losses.append(loss)
+            return False
+        if loss > 0:
+            if loss < FITTED * statistics.median(self.first_losses):
+                self.last_fitted = step
+                return True
+            return False
+        return loss == 0 and self.last_fitted is not None and \
+            0 <= step - self.last_fitted <= FLOOR_STEPS
 
 
 @dataclass(frozen=True)
@@ -38,11 +77,13 @@ class VanishingConfig:
     first level (their median) is taken over."""
 
 
-class Vanishing(Rule[VanishingConfig]):
+class Vanishing(FitFloor, Rule[VanishingConfig]):
     name = "vanishing"
     kinds = ("vanishing_grad",)
     Config = VanishingConfig
-    STATE = ("norms", "first_losses", "low", "active")
+    STATE = ("norms", "first_losses", "last_fitted", "low", "active")
+    # added since the state's format (state.py)
+    STATE_ADDED: dict[str, Callable[[dict], Any]] = {"last_fitted": lambda f: None}
     DERIVED = ("recent",)  # made from ``norms`` (which reads it)
 
     OPTIONS = {"abs_threshold": "vanishing_threshold", "window": "spike_window",
@@ -51,7 +92,8 @@ class Vanishing(Rule[VanishingConfig]):
     def __init__(self, config: VanishingConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
         self.recent = RollingMedian(self.config.window)
-        self.first_losses: list[float] = []
+        self.first_losses = []
+        self.last_fitted = None
         self.low = 0
         self.active = False
 
@@ -60,22 +102,14 @@ class Vanishing(Rule[VanishingConfig]):
     def observe(self, s: StepRecord) -> list[Finding]:
         if s.host.grads_present == 0:  # no .grad at all: ``no_grad``'s finding
             return []
-        loss = s.values["loss"]
-        if math.isfinite(loss) and len(self.first_losses) < self.config.warmup:
-            self.first_losses.append(loss)
-        return self.update(s.values["grad_norm"], loss) if s.values["grads_finite"] else []
+        fitted = self.note_loss(s.step, s.values["loss"], self.config.warmup)
+        return self.update(s.values["grad_norm"], fitted) if s.values["grads_finite"] else []
 
-    def fits(self, loss: float) -> bool:
-        """Whether ``loss`` is a batch the model fits (``FITTED``)."""
-        if not self.first_losses or not math.isfinite(loss) or loss <= 0:
-            return False
-        return loss < FITTED * statistics.median(self.first_losses)
-
-    def update(self, norm: float, loss: float = math.nan) -> list[Finding]:
+    def update(self, norm: float, fitted: bool = False) -> list[Finding]:
         c = self.config
         if not math.isfinite(norm):
             return []
-        if self.fits(loss):  # neither low nor a level: the streak starts again
+        if fitted:  # neither low nor a level: the streak starts again
             self.low = 0
             return []
         ref = self.recent.median() if len(self.recent) >= c.warmup else None
