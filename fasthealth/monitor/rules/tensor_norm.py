@@ -47,7 +47,7 @@ class TensorNorm(FitFloor, Rule[TensorNormConfig]):
     # added since the state's format (state.py): a resumed rule gathers its first losses anew
     STATE_ADDED: dict[str, Callable[[dict], Any]] = {
         "first_losses": lambda f: [], "last_fitted": lambda f: None}
-    DERIVED = ("_settled",)  # a cache of a check of the state (_steady)
+    DERIVED = ("_settled", "_level", "_level_of")  # caches: _steady's check, the first level
     REARM = True
 
     def __init__(self, config: TensorNormConfig | None = None, ctx: Context | None = None):

@@ -42,6 +42,10 @@ class FitFloor:
 
     first_losses: list[float]
     last_fitted: int | None
+    # the first level, made once the first losses are all in, and the list it was made from
+    # (a restored state brings a new one): listed in the rules' DERIVED
+    _level: float = math.nan
+    _level_of: list[float] | None = None
 
     def note_loss(self, step: int, loss: float, warmup: int) -> bool:
         """Notes ``loss`` (among the first losses while they are being gathered; a fitted
@@ -51,8 +55,10 @@ class FitFloor:
         if len(self.first_losses) < warmup:
             self.first_losses.append(loss)
             return False
+        if self._level_of is not self.first_losses:
+            self._level, self._level_of = statistics.median(self.first_losses), self.first_losses
         if loss > 0:
-            if loss < FITTED * statistics.median(self.first_losses):
+            if loss < FITTED * self._level:
                 self.last_fitted = step
                 return True
             return False
@@ -84,7 +90,7 @@ class Vanishing(FitFloor, Rule[VanishingConfig]):
     STATE = ("norms", "first_losses", "last_fitted", "low", "active")
     # added since the state's format (state.py)
     STATE_ADDED: dict[str, Callable[[dict], Any]] = {"last_fitted": lambda f: None}
-    DERIVED = ("recent",)  # made from ``norms`` (which reads it)
+    DERIVED = ("recent", "_level", "_level_of")  # made from ``norms`` and ``first_losses``
 
     OPTIONS = {"abs_threshold": "vanishing_threshold", "window": "spike_window",
                "warmup": "warmup_steps"}
