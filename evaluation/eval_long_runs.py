@@ -6,8 +6,10 @@
     python evaluation/eval_long_runs.py --cache build/detector-runs   # replay recordings
     python evaluation/eval_long_runs.py --skips    # on_spike="skip" at floors: ~1 min
 
-Scores: for each healthy long run, its alarms (every one is false) and notices; per part, the
-alarms per 10,000 healthy steps and the runs with any; for each fault planted at 85% of an
+Scores: for each healthy long run, its alarms (every one is false) and notices, and for each
+alarm how far the loss's level rose with it (``LEVEL_MOVED``: a blip, or an episode of the run's
+own that shows in its curve); per part, the alarms per 10,000 healthy steps and the runs with
+any; for each fault planted at 85% of an
 8,000-step run, whether an alarm of one of its kinds came within its allowed delay (as in
 ``eval_detectors.py``), and the alarms before its onset. Families that go unstable by
 themselves when run that long (``long_runs.UNSTABLE``) are run and shown, their alarms and
@@ -37,6 +39,10 @@ import eval_detectors  # noqa: E402  (the short corpus's verdicts, provenance an
 RESULTS = eval_detectors.RESULTS
 LONG_STEPS = 8000  # long_runs.LONG, for the skip counts
 CURVE_POINTS = 1000  # stretches of the loss curve kept per run (lowest, highest): the figure
+# What an alarm on a healthy run marked: the loss's median over the EPISODE steps from it over
+# its median over the BEFORE steps before it. A blip leaves the level where it was (~1x); at
+# LEVEL_MOVED or more the run's own level rose with it (the loss curve shows an episode).
+EPISODE, BEFORE, LEVEL_MOVED = 20, 128, 10.0
 
 
 def _job(args: tuple) -> dict:
@@ -49,6 +55,8 @@ def _job(args: tuple) -> dict:
     r = corpus.run(run.kind, run.name, seed, steps=run.steps, options=[{}], cache=cache,
                    onset=run.onset)
     curve = r.pop("curve")
+    r["level_rise"] = {step: _level_rise(curve, step) for step, _, severity, _ in r["events"]
+                       if severity == "alarm"}
     every = max(1, len(curve) // CURVE_POINTS)
     finite = [[x for x in curve[i:i + every] if x == x and abs(x) != math.inf]
               for i in range(0, len(curve), every)]
@@ -56,6 +64,17 @@ def _job(args: tuple) -> dict:
     r["curve_every"] = every
     r["key"], r["long_held_out"] = run.key, run.held_out
     return r
+
+
+def _level_rise(curve: list[float], step: int) -> float:
+    """The loss's median over ``EPISODE`` steps from ``step`` over its median over the
+    ``BEFORE`` steps before it (finite losses only; NaN without either)."""
+    def median(xs):
+        xs = sorted(x for x in xs if x == x and abs(x) != math.inf)
+        return xs[len(xs) // 2] if xs else math.nan
+
+    before, after = median(curve[max(0, step - BEFORE):step]), median(curve[step:step + EPISODE])
+    return after / before if before > 0 else math.nan
 
 
 def run_all(jobs: list[tuple], workers: int, progress: bool = False) -> list[dict]:
@@ -89,6 +108,8 @@ def _healthy_rows(runs: list[dict], unstable: dict) -> dict:
         row["runs"] += 1
         row["steps"] += r["steps"]
         row["alarms"] += [[r["seed"], s, k] for s, k in v["alarms"]]
+        row.setdefault("level_rise", []).extend(
+            [r["seed"], s, round(r["level_rise"].get(s, math.nan), 2)] for s, _ in v["alarms"])
         row["notices"] += len(v["notices"])
         row["loss"].append([r["loss_first"], r["loss_last"]])
     return dict(sorted(rows.items()))
@@ -118,6 +139,8 @@ def _totals(healthy: dict, faults: dict, held_out: bool) -> dict:
     return {"healthy_runs": sum(r["runs"] for r in fam), "healthy_steps": steps,
             "alarms": alarms, "alarms_per_10k": eval_detectors.per_10k(alarms, steps),
             "runs_with_alarms": sum(len({a[0] for a in r["alarms"]}) for r in fam),
+            "alarms_with_level_moved": sum(x[2] >= LEVEL_MOVED for r in fam
+                                           for x in r.get("level_rise", [])),
             "notices_per_10k": eval_detectors.per_10k(sum(r["notices"] for r in fam), steps),
             "fault_runs": sum(len(r["runs"]) for r in flt),
             "fault_runs_caught": sum(r["caught"] for r in flt),
@@ -153,7 +176,9 @@ def table(res: dict) -> str:
     for key, row in res["healthy"].items():
         mark = " (held out)" if row["held_out"] else ""
         mark += " UNSTABLE, not counted" if row["unstable"] else ""
-        shown = ", ".join(f"{s}/{t} {k}" for s, t, k in row["alarms"][:4])
+        rise = {(s, t): x for s, t, x in row.get("level_rise", [])}
+        shown = ", ".join(f"{s}/{t} {k} (level x{rise.get((s, t), math.nan):.3g})"
+                          for s, t, k in row["alarms"][:4])
         more = f" +{len(row['alarms']) - 4}" if len(row["alarms"]) > 4 else ""
         lines.append(f"{key + mark:<52}{row['runs']:>5} {row['steps']:>7} "
                      f"{len(row['alarms']):>7} {row['notices']:>8}  {shown}{more}")
@@ -171,7 +196,9 @@ def table(res: dict) -> str:
             t = res[part]
             lines.append(f"{part}: {t['alarms']} alarms in {t['healthy_steps']} healthy steps "
                          f"({t['alarms_per_10k']}/10k, {t['runs_with_alarms']} of "
-                         f"{t['healthy_runs']} runs), faults caught {t['fault_runs_caught']}/"
+                         f"{t['healthy_runs']} runs; {t['alarms_with_level_moved']} where the "
+                         f"loss's level rose {LEVEL_MOVED:g}x with it), faults caught "
+                         f"{t['fault_runs_caught']}/"
                          f"{t['fault_runs']}, {t['false_alarms_before_onsets']} alarms before "
                          "their onsets")
     return "\n".join(lines)
