@@ -32,6 +32,18 @@ def test_the_long_runs_are_long_broad_and_keep_a_part_out():
     assert corpus.onset_of(spec, long_runs.LONG, 1000, long_runs.LATE) >= 0.85 * long_runs.LONG
 
 
+def test_an_alarm_is_measured_by_how_far_the_level_rose_with_it():
+    """A blip leaves the loss's level where it was; an episode raises it; with no loss before
+    the alarm there is nothing to compare with."""
+    floor = [1e-4, 2e-4] * 100
+    blip = floor[:150] + [0.9] + floor[:49]
+    episode = floor[:150] + [0.9] + [3e-3] * 49
+    assert eval_long_runs._level_rise(blip, 150) == pytest.approx(1.0, rel=1.0)
+    assert eval_long_runs._level_rise(blip, 150) < eval_long_runs.LEVEL_MOVED
+    assert eval_long_runs._level_rise(episode, 150) >= eval_long_runs.LEVEL_MOVED
+    assert eval_long_runs._level_rise(episode, 0) != eval_long_runs._level_rise(episode, 0)
+
+
 @pytest.fixture(scope="module")
 def res():
     only = {"digits_mlp_adamw_label_smoothing", "wine_mlp_adam_dropout", "mislabelled_batch"}
