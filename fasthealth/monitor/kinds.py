@@ -152,9 +152,10 @@ register(
          "climbing for many steps; an alarm once the loss confirms it",
          "those weights (`fh.check_params`), their learning rate and weight decay, clipping",
          "#393b79", severity=NOTICE, cause="learning_rate"),
-    Kind("lr_jump", "the learning rate more than 3x the highest it has been, at once or over "
-         "one climb, or more than 2x the step before's where the known scheduler did not set "
-         "it", "the scheduler (stepped per batch instead of per epoch? resumed state? "
+    Kind("lr_jump", "the learning rate more than 3x the highest it has been at once, more "
+         "than 1.5x it after climbing three steps in a row, or more than 2x the step before's "
+         "where the known scheduler did not set it",
+         "the scheduler (stepped per batch instead of per epoch? resumed state? "
          "a growth factor above 1?), then the run's configuration", "#637939",
          explained_by=frozenset(), delayed=True, cause="learning_rate"),
     Kind("oscillation", "large alternating swings of the loss, no downward trend",

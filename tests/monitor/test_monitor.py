@@ -220,6 +220,24 @@ def test_lr_jump_rule_ignores_schedules_and_reports_a_jump_above_the_peak():
     assert rule.observe(_host(len(schedule) + 2, lr=None)) == []  # no optimizer: no rule
 
 
+def test_lr_jump_finds_a_rate_climbing_past_its_peak_from_a_decayed_schedule():
+    """A rate growing 10% a step from a schedule decayed to 16% of its peak never jumps at one
+    step: the climb is found once it passes ``climb_ratio`` (1.5x) the peak, 24 steps in, not
+    at ``ratio`` (3x, 31 steps). A warm-up stepped per epoch (the rate x2, x1.5, ... at each
+    epoch's first step, flat in between) passes its old peak by up to 2x in one step after
+    flat steps: no climb, no jump."""
+    peak = 3e-3
+    decay = [peak * (1 - t / 1000) for t in range(840)]  # 16% of the peak at step 840
+    ramp = [decay[-1] * 1.1 ** (k + 1) for k in range(40)]
+    rule = rules.LRJump()
+    found = [t for t, lr in enumerate(decay + ramp) for _ in rule.observe(_host(t, lr=lr))]
+    assert len(found) == 1 and found[0] - len(decay) < 25, found
+    assert rule.config.climb_ratio * peak < (decay + ramp)[found[0]] < rule.config.ratio * peak
+    epochs = [peak * min(1.0, (t // 25 + 1) / 8) for t in range(400)]  # 8 epochs of warm-up
+    rule = rules.LRJump()
+    assert not [f for t, lr in enumerate(epochs) for f in rule.observe(_host(t, lr=lr))]
+
+
 def test_grad_norm_climbing_steadily_is_exploding_grad():
     """Weights growing 8% a step: the global gradient norm climbs several-fold over a few dozen
     steps while no single step is a spike. Noise around a level, or the 2-3x climb of early

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import torch
 
 import fasthealth as fh
 from fasthealth.monitor.record import StepHost, StepRecord
 from fasthealth.monitor.rules import Context
-from fasthealth.monitor.rules.spike import FLOOR_RISE, TAIL_MARGIN, TAIL_RISE, TAIL_STEPS, Spike
+from fasthealth.monitor.rules.spike import (
+    FLOOR_RISE,
+    RESTART_HIGH,
+    RESTART_RISE,
+    TAIL_MARGIN,
+    TAIL_RISE,
+    TAIL_STEPS,
+    Spike,
+)
 from fasthealth.monitor.rules.stall import Stall
 
 
@@ -186,11 +195,11 @@ def test_stall_counts_only_matrices_as_vanished():
     assert run([1.0, 1e-9, 1e-9]) == ["stall"]
 
 
-def _memorised(n, seed=0):
-    """A small set memorised under dropout: from 0.65, losses log-uniform over 1e-5..3e-3 (a
-    confident net whose dropout masks now and then cost a sample more)."""
+def _memorised(n, seed=0, top=3e-3):
+    """A small set memorised under dropout: from 0.65, losses log-uniform over 1e-5..``top``
+    (a confident net whose dropout masks now and then cost a sample more)."""
     rng = random.Random(seed)
-    return [0.65] * 5 + [math.exp(rng.uniform(math.log(1e-5), math.log(3e-3)))
+    return [0.65] * 5 + [math.exp(rng.uniform(math.log(1e-5), math.log(top)))
                          for _ in range(n - 5)]
 
 
@@ -219,3 +228,52 @@ def test_at_a_memorised_floor_a_miss_within_the_runs_tail_is_a_notice_and_a_bad_
     for t, v in enumerate((0.4, 3.0)):  # 0.4: within twice the tail on the log scale too
         (bad,) = rule.observe(_step(4001 + t, v))
         assert bad.severity is None, bad.message
+
+
+def test_in_a_warm_restarts_high_rate_phase_a_miss_within_the_tail_is_a_notice():
+    """A set memorised under dropout, thrown back to a high rate by a warm restart, loses it
+    for some steps: a batch at 1.2 from a floor of 1e-3 (a rise of 185% of the loss the run
+    started from, 0.65) within the run's tail on the log scale. While the rate is at least
+    ``RESTART_HIGH`` of the rate the restart set, that is the schedule's doing, a notice up to
+    ``RESTART_RISE``; the same batch once the rate has decayed below it, or with no restart at
+    all, is an alarm (``TAIL_RISE``); a batch rising beyond ``RESTART_RISE`` is an alarm in the
+    phase too."""
+    losses = _memorised(5000, top=3e-2)
+
+    def run(rates):
+        rule = Spike()
+        for t, (v, lr) in enumerate(zip(losses, rates)):
+            rule.observe(StepRecord(t, {"loss": v, "grad_norm": 1.0, "grads_finite": 1.0,
+                                        "skipped": 0.0}, [], [], StepHost(t, lr=lr)))
+            if t == 4000:
+                rule.rearm()  # as the analyser does after the restart's own step
+        return rule
+
+    def judge(rule, v, lr):
+        (f,) = rule.observe(StepRecord(5000, {"loss": v, "grad_norm": 1.0, "grads_finite": 1.0,
+                                              "skipped": 0.0}, [], [], StepHost(5000, lr=lr)))
+        return f
+
+    cosine = [0.001 if t < 4000 else 0.05 * (1 + math.cos(math.pi * (t - 4000) / 4000)) / 2
+              for t in range(5000)]  # a restart at 4000 to 0.05, 1,000 steps into its cycle
+    rule = run(cosine)
+    assert rule.restart_lr == 0.05 and rule.series["loss"].tail() is not None
+    rise = 1.2 - statistics.median(rule.series["loss"].values)
+    assert TAIL_RISE * 0.65 < rise < RESTART_RISE * 0.65
+    ser = rule.series["loss"]
+    for v in (1.2, 3.0):  # both within the tail on the log scale, the scale it is made of
+        assert ser.window.scores(v)[1] < TAIL_MARGIN * ser.tail()
+    miss = judge(rule, 1.2, cosine[-1])
+    assert miss.severity == "notice" and "warm restart's high-rate phase" in miss.message
+    assert "on the log scale" in miss.message and f"{RESTART_RISE:.0%}" in miss.message
+    assert judge(run(cosine), 3.0, cosine[-1]).severity is None  # beyond RESTART_RISE
+    # the rate decayed below RESTART_HIGH of the restart's: the phase is over
+    low = cosine[:4001] + [RESTART_HIGH * 0.05 * 0.9] * 999
+    rule = run(low)
+    assert rule.restart_lr is None
+    assert judge(rule, 1.2, low[-1]).severity is None
+    # no restart at all: an alarm, as before
+    rule = Spike()
+    for t, v in enumerate(losses):
+        rule.observe(_step(t, v))
+    assert rule.observe(_step(5000, 1.2))[0].severity is None

@@ -3,13 +3,13 @@ before the loss shows it (an LR jump that moves the loss 5% is otherwise seen la
 
 A schedule stepped at the wrong rate, a resumed run with another configuration, a hand edit.
 Warm-ups climb a few percent a step and restarts (SGDR, cycles) return to the old peak, never
-``ratio`` above it. A climb is judged as a whole too (``climb``): the rate more than ``ratio``
-times the highest it had been when it last stopped rising (a step at or below the one before,
-after ``warmup`` steps), reported once per climb: a schedule whose exponent changed sign grows
-10% a step and never jumps 3x at once. A warm-up from the first step has no such point, so it
-is judged step by step only. Where the scheduler is known (``schedule.py``), a rise of
-``unexplained`` times the step before's that it did not make is a jump too, below the peak: no
-schedule explains it.
+``ratio`` above it. A climb is judged as a whole too (``climb``): once the rate has risen
+``climb_steps`` steps in a row, more than ``climb_ratio`` times the highest it had been when it
+last stopped rising (a step at or below the one before, after ``warmup`` steps), reported once
+per climb: a schedule whose exponent changed sign grows 10% a step and never jumps 3x at once.
+A warm-up from the first step has no such point, so it is judged step by step only. Where the
+scheduler is known (``schedule.py``), a rise of ``unexplained`` times the step before's that it
+did not make is a jump too, below the peak: no schedule explains it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ class LRJumpConfig:
     climb: bool = True
     """Judge a climb as a whole against the peak it started from (a 10%-a-step ramp), not only
     single steps."""
+    climb_ratio: float = 1.5
+    """A climb past this many times that peak is no schedule's: a restart returns to its old
+    peak, and 1.5x is what the schedule test itself grants a cycle whose peak grows
+    (``ScheduleConfig.peak_slack``). At 3x (``ratio``), a rate growing 10% a step from a
+    schedule decayed to 16% of its peak was found 31 steps after it began, at 2.9x the peak (the
+    long runs' lr_ramp planted late, evaluation/eval_long_runs.py); at 1.5x, 24 steps."""
+    climb_steps: int = 3
+    """Steps in a row the rate must have risen for ``climb_ratio``: a warm-up stepped per epoch
+    doubles the rate in one step at its second epoch, a rise of one step that ``ratio``
+    judges."""
     unexplained: float = 2.0
     """A rise of more than this many times the step before's rate that the known scheduler
     did not make (``schedule.py``: the rate differs from the scheduler's) is a jump whatever
@@ -77,7 +87,7 @@ class LRJump(Rule[LRJumpConfig]):
         elif peak > 0 and lr > c.ratio * peak:
             ref, how = peak, f"the highest it had been ({peak:.4g})"
         elif c.climb and self.settled is not None and self.settled > 0 \
-                and lr > c.ratio * self.settled:
+                and self.since >= c.climb_steps and lr > c.climb_ratio * self.settled:
             ref = self.settled
             how = (f"the highest it had been ({ref:.4g}) before it began climbing "
                    f"{self.since} steps ago")

@@ -9,7 +9,8 @@ linear one). Before the windows are armed, a loss above ``early_loss`` or a grad
 ``FLOOR_RISE`` of the loss the run started from is a notice, not an alarm: a blip at a floor.
 Once a run has scored ``TAIL_STEPS`` losses, so is one within ``TAIL_MARGIN`` times the run's
 own tail, on the smaller scale (the tail's), when it rose less than ``TAIL_RISE`` of the loss
-the run started from.
+the run started from; ``RESTART_RISE`` of it while a warm restart's rate is still high
+(``RESTART_HIGH``).
 
 Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
 where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
@@ -75,6 +76,23 @@ much of the run (a conv autoencoder 8,000 steps long, at its 5th and 6th restart
 45x the window before, 3x and 7x its first loss; evaluation/eval_long_runs.py), while a bad
 batch at a floor goes far past where the run began. The gradient norm keeps
 ``early_grad_norm``."""
+
+
+RESTART_HIGH: float = 0.5
+"""After a warm restart (``rearm``), while the rate is at least this share of the rate the
+restart set: the restart's high-rate phase, where the schedule itself makes the loss unstable
+(for a cosine cycle, its first half)."""
+
+RESTART_RISE: float = 4.0
+"""In a restart's high-rate phase, a loss spike within the run's tail (``TAIL_MARGIN``) is a
+notice when it rose less than this many times the loss the run started from (``TAIL_RISE``
+elsewhere). A set memorised under dropout, thrown back to a rate of 0.05 under Nesterov
+momentum, lost it for tens of steps 89-149 steps after its restarts: batches at 1.99 and 0.81
+from a level of 5e-3 and 1e-4 (rises of 196% and 80% of its first loss), scoring 1.3x the
+run's tail on the log scale (evaluation/eval_long_runs.py, iris_mlp_dropout_nesterov_restarts):
+the schedule's doing, gone by itself. Twice the largest rise seen. The tail is the guard
+still: a batch of garbage words planted in a restart's high-rate phase rose 221% and scored
+6.8x the run's tail (descr_word_transformer_restarts, garbage_batch_words)."""
 
 
 @dataclass(frozen=True)
@@ -222,7 +240,10 @@ class Spike(Rule[SpikeConfig]):
     name = "spike"
     kinds = ("loss_spike", "grad_norm_spike")
     Config = SpikeConfig
-    STATE = ("series",)
+    STATE = ("series", "lr", "restart_lr")
+    # added since the state's format (state.py): a state saved before is out of any restart
+    STATE_ADDED: dict[str, Callable[[dict], Any]] = {"lr": lambda f: None,
+                                                     "restart_lr": lambda f: None}
 
     OPTIONS = {"zscore": "spike_zscore", "window": "spike_window", "warmup": "warmup_steps"}
 
@@ -231,8 +252,14 @@ class Spike(Rule[SpikeConfig]):
         c = self.config
         self.series = {"loss": _Series("loss", c.window, c.early_loss, EARLY_VALUES),
                        "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm, EARLY_VALUES)}
+        self.restart_lr: float | None = None  # the rate a warm restart set, in its high phase
+        self.lr: float | None = None  # the rate of the step observed last
 
     def observe(self, s: StepRecord) -> list[Finding]:
+        lr = self.lr = s.host.lr
+        if self.restart_lr is not None and not (lr is not None and
+                                                lr >= RESTART_HIGH * self.restart_lr):
+            self.restart_lr = None  # the restart's high-rate phase is over
         return self._device_skips(s, self._host(s))
 
     def rearm(self) -> None:
@@ -248,6 +275,7 @@ class Spike(Rule[SpikeConfig]):
             ser.first = [ref] * EARLY_VALUES
             ser.early_ratio = RESTART_LOSS if key == "loss" else c.early_grad_norm
             ser.restarted = True
+        self.restart_lr = self.lr if self.lr is not None and self.lr > 0 else None
 
     def _host(self, s: StepRecord) -> list[Finding]:
         c = self.config
@@ -327,16 +355,20 @@ class Spike(Rule[SpikeConfig]):
         tail = ser.tail() if ser.key == "loss" else None
         # as far as this run's batches go, on the scale its tail is measured on, and a rise
         # small beside the loss the run started from
+        rise = TAIL_RISE if self.restart_lr is None else RESTART_RISE
         if tail is not None and scored < TAIL_MARGIN * tail and \
-                value - median < TAIL_RISE * ser.start:
+                value - median < rise * ser.start:
             both = "" if scored == z else f" ({scored:.1f} on the log scale)"
+            during = "" if self.restart_lr is None else (
+                ", in a warm restart's high-rate phase")
             return Finding(
                 KIND[ser.key],
                 f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
                 f"{median:.4g}{ratio}{both}, within {TAIL_MARGIN:g}x of what this run's own "
                 f"losses reach once per {1 / TAIL_RATE:,.0f} steps ({tail:.1f} units over "
-                f"{ser.scored:,} steps), and it rose less than {TAIL_RISE:.0%} of the loss "
-                f"the run started from ({ser.start:.4g}): its noise has heavy tails, a notice. "
+                f"{ser.scored:,} steps), and it rose less than {rise:.0%} of the loss "
+                f"the run started from ({ser.start:.4g}){during}: its noise has heavy tails, "
+                "a notice. "
                 f"{ADVICE[ser.key]}", {**details, "tail": tail, "scored": ser.scored},
                 severity=NOTICE)
         return Finding(
