@@ -405,3 +405,24 @@ def digits_cnn_adamw_warmup_decay_ls(g, steps):
     opt = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.05)
     return Setup(m, opt, data.table_loader(g, "digits", 32), cross_entropy(0.1),
                  sched=warmup_linear(opt, 200, steps))
+
+
+# Held out from the start (added with the iris family moved to tuning, before they were ever
+# run): warm restarts that throw a fitted model back to a high rate, under SGD momentum with
+# restarts at a fixed period and under Adam with growing cycles, on other data.
+
+@family(8000, "breast cancer, MLP with LayerNorm and dropout 0.1, SGD momentum 0.9 at 0.02, "
+        "cosine warm restarts every 1,500 steps to 1e-4, batch 16", held_out=True, long=True)
+def cancer_mlp_sgd_fixed_restarts(g, steps):
+    m = models.mlp([30, 64, 64, 1], nn.ReLU, dropout=0.1, norm=True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=1500, eta_min=1e-4)
+    return Setup(m, opt, data.table_loader(g, "breast_cancer", 16), bce, sched=sched)
+
+
+@family(8000, "digits, MLP 64-128-128-10, Adam at 2e-3, cosine with warm restarts after 500, "
+        "1,000, 2,000 and 4,000 steps, batch 32", held_out=True, long=True)
+def digits_mlp_adam_restarts(g, steps):
+    m = models.mlp([64, 128, 128, 10], nn.GELU)
+    opt = torch.optim.Adam(m.parameters(), lr=2e-3)
+    return Setup(m, opt, _Flat(data.table_loader(g, "digits", 32)), ce, sched=restarts(opt, 500))
