@@ -409,10 +409,14 @@ def digits_cnn_adamw_warmup_decay_ls(g, steps):
 
 # Held out from the start (added with the iris family moved to tuning, before they were ever
 # run): warm restarts that throw a fitted model back to a high rate, under SGD momentum with
-# restarts at a fixed period and under Adam with growing cycles, on other data.
+# restarts at a fixed period and under Adam with growing cycles, on other data. Scored once
+# (long_runs.json, "2026-12-06 8e3861d with held out"): one alarm each, 60 and 143 steps after
+# a restart. Divergence in a restart's high-rate phase (rules/divergence.py) was studied on
+# them: both are tuning since.
 
 @family(8000, "breast cancer, MLP with LayerNorm and dropout 0.1, SGD momentum 0.9 at 0.02, "
-        "cosine warm restarts every 1,500 steps to 1e-4, batch 16", held_out=True, long=True)
+        "cosine warm restarts every 1,500 steps to 1e-4, batch 16 (held out until its alarm "
+        "was seen in the long runs of 2026-12-06, code 8e3861d; tuning since)", long=True)
 def cancer_mlp_sgd_fixed_restarts(g, steps):
     m = models.mlp([30, 64, 64, 1], nn.ReLU, dropout=0.1, norm=True)
     opt = torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)
@@ -421,7 +425,8 @@ def cancer_mlp_sgd_fixed_restarts(g, steps):
 
 
 @family(8000, "digits, MLP 64-128-128-10, Adam at 2e-3, cosine with warm restarts after 500, "
-        "1,000, 2,000 and 4,000 steps, batch 32", held_out=True, long=True)
+        "1,000, 2,000 and 4,000 steps, batch 32 (held out until its alarm was seen in the long "
+        "runs of 2026-12-06, code 8e3861d; tuning since)", long=True)
 def digits_mlp_adam_restarts(g, steps):
     m = models.mlp([64, 128, 128, 10], nn.GELU)
     opt = torch.optim.Adam(m.parameters(), lr=2e-3)

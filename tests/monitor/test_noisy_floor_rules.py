@@ -15,9 +15,9 @@ import torch
 import fasthealth as fh
 from fasthealth.monitor.record import StepHost, StepRecord
 from fasthealth.monitor.rules import Context
+from fasthealth.monitor.rules.phase import RESTART_HIGH
 from fasthealth.monitor.rules.spike import (
     FLOOR_RISE,
-    RESTART_HIGH,
     RESTART_RISE,
     TAIL_MARGIN,
     TAIL_RISE,
@@ -277,3 +277,43 @@ def test_in_a_warm_restarts_high_rate_phase_a_miss_within_the_tail_is_a_notice()
     for t, v in enumerate(losses):
         rule.observe(_step(t, v))
     assert rule.observe(_step(5000, 1.2))[0].severity is None
+
+
+def test_in_a_restarts_high_rate_phase_a_climb_at_a_floor_is_a_divergence_notice():
+    """Divergence is judged on the log-loss: at a floor of 1e-3 (from 2.3) a climb x100 is a
+    sliver of the way the run has come. In a warm restart's high-rate phase, under
+    ``FLOOR_RISE`` of the loss the run started from, it is a notice, once per episode; the
+    same episode is an alarm once it passes that share. Outside the phase (the rate decayed
+    below ``RESTART_HIGH`` of the restart's, or no restart) the same climb is an alarm at
+    once, as before."""
+    from fasthealth.monitor.rules.divergence import Divergence
+
+    rng = random.Random(0)
+    start = [2.3] * 5
+    floor = [1e-3 * math.exp(rng.gauss(0, 0.3)) for _ in range(300)]
+    climb = [1e-3 * 1.05 ** k for k in range(1, 200)]  # to 17x the start
+    losses = start + floor + climb
+
+    def run(rate_after):
+        rule = Divergence()
+        found = []
+        for t, v in enumerate(losses):
+            lr = 0.001 if t < 100 else (0.05 if t == 100 else rate_after)
+            found += [(t, f) for f in rule.observe(StepRecord(
+                t, {"loss": v, "grad_norm": 1.0, "grads_finite": 1.0, "skipped": 0.0}, [], [],
+                StepHost(t, lr=lr)))]
+            if t == 100:
+                rule.rearm()  # as the analyser does after the restart's own step
+        return rule, found
+
+    rule, found = run(0.04)
+    assert rule.first == start and rule.in_restart
+    assert [f.severity for _, f in found] == ["notice", None], [
+        (t, f.severity) for t, f in found]
+    (_, notice), (t_alarm, _) = found
+    assert notice.details["rise_share"] < FLOOR_RISE and "(2.3)" in notice.message
+    assert "high-rate phase" in notice.message
+    recent = statistics.median(losses[t_alarm - 9:t_alarm + 1])
+    assert (recent - 1e-3) / 2.3 >= FLOOR_RISE * 0.9  # at about a tenth of the start
+    first_alarm_outside = [t for t, f in run(RESTART_HIGH * 0.05 * 0.9)[1] if f.severity is None]
+    assert first_alarm_outside and first_alarm_outside[0] == found[0][0]

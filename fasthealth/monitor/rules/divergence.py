@@ -1,12 +1,31 @@
-"""``divergence``: the loss rising steadily (``trend.Rising`` on the log-loss)."""
+"""``divergence``: the loss rising steadily (``trend.Rising`` on the log-loss).
+
+A rise judged on the log scale is relative: at a floor of 1e-3 a climb to 1e-1 is a factor of
+100 and a sliver of the way the run has come. In a warm restart's high-rate phase
+(``phase.py``), where the schedule itself shakes a fitted model, a rise of less than
+``FLOOR_RISE`` of the loss the run started from (of the best level, when higher) is a notice,
+as for a loss spike; the same episode becomes an alarm once its rise passes it. Elsewhere a
+rise is judged as it was: a language model's loss climbing 20% from 3.0 (from 10.8) is a
+divergence to act on.
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from ..robust import WARMUP_STEPS
+from ..kinds import NOTICE
+from ..record import StepRecord
+from ..robust import FLOOR_RISE, WARMUP_STEPS
 from .base import Finding
+from .phase import RestartPhase
 from .trend import Rising
+
+FIRST_VALUES = 5
+"""Losses whose median is the loss the run started from (the spike rule's ``EARLY_VALUES``)."""
 
 
 @dataclass(frozen=True)
@@ -27,17 +46,70 @@ class DivergenceConfig:
     """Losses seen before the rule judges (``warmup_steps``)."""
 
 
-class Divergence(Rising[DivergenceConfig]):
+class Divergence(Rising[DivergenceConfig], RestartPhase):
     name = "divergence"
     kinds = ("divergence",)
     Config = DivergenceConfig
     REARM = True
+    STATE = (*Rising.STATE, "first", "noticed", "lr", "restart_lr")
+    # added since the state's format (state.py): a state saved before starts them again
+    STATE_ADDED: dict[str, Callable[[dict], Any]] = {
+        "first": lambda f: [], "noticed": lambda f: False, "lr": lambda f: None,
+        "restart_lr": lambda f: None}
     BEST_OF_WINDOW = True
     """The best is the lowest median of ``window`` losses, not of ``short``: the lowest of the
     10-loss medians of a long noisy run is the noise's, not the loss's (a word-level
     transformer whose batches' losses spread 2-3.5: after 5,000 steps its best 10-median stood
     17% below its level, and an ordinary noisy stretch read as 23% above it, a divergence
     alarm; evaluation/eval_long_runs.py)."""
+
+    def __init__(self, config: DivergenceConfig | None = None, ctx: Any = None) -> None:
+        super().__init__(config, ctx)
+        self.first: list[float] = []  # the run's first losses, kept through restarts
+        self.noticed = False  # this episode was reported as a notice (a rise small at a floor)
+        self.lr: float | None = None
+        self.restart_lr: float | None = None
+
+    def observe(self, s: StepRecord) -> list[Finding]:
+        self.track(s.host.lr)
+        return super().observe(s)
+
+    def rearm(self) -> None:
+        """Starts again as made (``REARM``), keeping the run's first losses, and marks the
+        restart's high-rate phase."""
+        first, lr = self.first, self.lr
+        super().rearm()
+        self.first, self.lr = first, lr
+        self.restarted()
+
+    def update(self, value: float) -> list[Finding]:
+        if math.isfinite(value) and len(self.first) < FIRST_VALUES:
+            self.first.append(value)
+        return super().update(value)
+
+    def judge(self, ys: list[float], value: float) -> list[Finding]:
+        trend = self.rising(ys)
+        c = self.config
+        if trend is None:
+            if math.expm1(statistics.median(ys[-c.short:]) - self.best) < c.rise / 2:
+                self.noticed = False  # the episode is over, as for ``active``
+            return []
+        start = statistics.median(self.first) if self.first else math.nan
+        recent = math.exp(statistics.median(ys[-c.short:]))
+        share = (recent - trend["best"]) / max(start, trend["best"]) if start > 0 else math.nan
+        if not (self.in_restart and share < FLOOR_RISE):
+            return self.once(self.finding(trend, len(ys), value))
+        if self.noticed or self.active:
+            return []
+        self.noticed = True
+        found = self.finding(trend, len(ys), value)
+        head, advice = found.message.split(". Check first", 1)
+        return [Finding(
+            found.kind, f"{head}, a rise of {share:.1%} of the loss the run started from "
+            f"({start:.4g}), in a warm restart's high-rate phase: the schedule's, a notice (an "
+            f"alarm from {FLOOR_RISE:.0%}). "
+            f"Check first{advice}", {**found.details, "rise_share": share, "start": start},
+            severity=NOTICE)]
 
     def finding(self, trend: dict, window: int, value: float) -> Finding:
         return Finding(

@@ -9,8 +9,8 @@ linear one). Before the windows are armed, a loss above ``early_loss`` or a grad
 ``FLOOR_RISE`` of the loss the run started from is a notice, not an alarm: a blip at a floor.
 Once a run has scored ``TAIL_STEPS`` losses, so is one within ``TAIL_MARGIN`` times the run's
 own tail, on the smaller scale (the tail's), when it rose less than ``TAIL_RISE`` of the loss
-the run started from; ``RESTART_RISE`` of it while a warm restart's rate is still high
-(``RESTART_HIGH``).
+the run started from; ``RESTART_RISE`` of it in a warm restart's high-rate phase
+(``phase.py``).
 
 Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
 where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
@@ -49,6 +49,7 @@ from ..robust import (
 )
 from ..skip_rule import GRAD_FACTOR, SERIES
 from .base import Context, Finding, Rule
+from .phase import RestartPhase
 
 ADVICE = {
     "loss": "Check first: this step's batch (its dump: fh.replay) for corrupt, mislabelled or "
@@ -77,11 +78,6 @@ much of the run (a conv autoencoder 8,000 steps long, at its 5th and 6th restart
 batch at a floor goes far past where the run began. The gradient norm keeps
 ``early_grad_norm``."""
 
-
-RESTART_HIGH: float = 0.5
-"""After a warm restart (``rearm``), while the rate is at least this share of the rate the
-restart set: the restart's high-rate phase, where the schedule itself makes the loss unstable
-(for a cosine cycle, its first half)."""
 
 RESTART_RISE: float = 4.0
 """In a restart's high-rate phase, a loss spike within the run's tail (``TAIL_MARGIN``) is a
@@ -234,7 +230,7 @@ class _Series:
         return True
 
 
-class Spike(Rule[SpikeConfig]):
+class Spike(Rule[SpikeConfig], RestartPhase):
     """See the module docstring."""
 
     name = "spike"
@@ -256,10 +252,7 @@ class Spike(Rule[SpikeConfig]):
         self.lr: float | None = None  # the rate of the step observed last
 
     def observe(self, s: StepRecord) -> list[Finding]:
-        lr = self.lr = s.host.lr
-        if self.restart_lr is not None and not (lr is not None and
-                                                lr >= RESTART_HIGH * self.restart_lr):
-            self.restart_lr = None  # the restart's high-rate phase is over
+        self.track(s.host.lr)
         return self._device_skips(s, self._host(s))
 
     def rearm(self) -> None:
@@ -275,7 +268,7 @@ class Spike(Rule[SpikeConfig]):
             ser.first = [ref] * EARLY_VALUES
             ser.early_ratio = RESTART_LOSS if key == "loss" else c.early_grad_norm
             ser.restarted = True
-        self.restart_lr = self.lr if self.lr is not None and self.lr > 0 else None
+        self.restarted()
 
     def _host(self, s: StepRecord) -> list[Finding]:
         c = self.config
@@ -355,12 +348,11 @@ class Spike(Rule[SpikeConfig]):
         tail = ser.tail() if ser.key == "loss" else None
         # as far as this run's batches go, on the scale its tail is measured on, and a rise
         # small beside the loss the run started from
-        rise = TAIL_RISE if self.restart_lr is None else RESTART_RISE
+        rise = RESTART_RISE if self.in_restart else TAIL_RISE
         if tail is not None and scored < TAIL_MARGIN * tail and \
                 value - median < rise * ser.start:
             both = "" if scored == z else f" ({scored:.1f} on the log scale)"
-            during = "" if self.restart_lr is None else (
-                ", in a warm restart's high-rate phase")
+            during = ", in a warm restart's high-rate phase" if self.in_restart else ""
             return Finding(
                 KIND[ser.key],
                 f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
