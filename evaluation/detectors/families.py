@@ -431,3 +431,28 @@ def digits_mlp_adam_restarts(g, steps):
     m = models.mlp([64, 128, 128, 10], nn.GELU)
     opt = torch.optim.Adam(m.parameters(), lr=2e-3)
     return Setup(m, opt, _Flat(data.table_loader(g, "digits", 32)), ce, sched=restarts(opt, 500))
+
+
+# Held out from the start (added with the two restart families above moved to tuning, before
+# they were ever run): warm restarts on a residual network under AdamW, and on a regression at
+# a noisy floor under Nesterov momentum.
+
+@family(8000, "wine, pre-LN residual MLP, AdamW at 1e-3 with weight decay 0.01, cosine warm "
+        "restarts after 1,000, 2,000 and 4,000 steps to 1e-5, batch 32", held_out=True,
+        long=True)
+def wine_resmlp_adamw_restarts(g, steps):
+    m = models.ResidualLN(13, d_out=3)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=1000, T_mult=2,
+                                                                 eta_min=1e-5)
+    return Setup(m, opt, data.table_loader(g, "wine", 32), ce, sched=sched)
+
+
+@family(8000, "diabetes regression, MLP, SGD with Nesterov momentum at 0.01, cosine warm "
+        "restarts every 2,000 steps, batch 32: restarts at a noisy floor", held_out=True,
+        long=True)
+def diabetes_mlp_nesterov_restarts(g, steps):
+    m = models.mlp([10, 64, 64, 1], nn.ReLU)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    return Setup(m, opt, data.table_loader(g, "diabetes", 32), mse,
+                 sched=restarts(opt, 2000, mult=1))
