@@ -22,10 +22,11 @@ from ..record import StepRecord
 from ..robust import FLOOR_RISE, WARMUP_STEPS
 from .base import Finding
 from .phase import RestartPhase
+from .spike import EARLY_VALUES
 from .trend import Rising
 
-FIRST_VALUES = 5
-"""Losses whose median is the loss the run started from (the spike rule's ``EARLY_VALUES``)."""
+FIRST_VALUES = EARLY_VALUES
+"""Losses whose median is the loss the run started from, as for the spike rule."""
 
 
 @dataclass(frozen=True)
