@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..record import StepRecord
 from ..robust import WARMUP_STEPS
+from ..schedule import ScheduleConfig
 from .base import Context, Finding, Rule
 
 
@@ -33,7 +34,7 @@ class LRJumpConfig:
     climb: bool = True
     """Judge a climb as a whole against the peak it started from (a 10%-a-step ramp), not only
     single steps."""
-    climb_ratio: float = 1.5
+    climb_ratio: float = ScheduleConfig.peak_slack
     """A climb past this many times that peak is no schedule's: a restart returns to its old
     peak, and 1.5x is what the schedule test itself grants a cycle whose peak grows
     (``ScheduleConfig.peak_slack``). At 3x (``ratio``), a rate growing 10% a step from a
