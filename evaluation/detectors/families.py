@@ -437,8 +437,9 @@ def digits_mlp_adam_restarts(g, steps):
 # they were ever run): warm restarts on a residual network under AdamW, and on a regression at
 # a noisy floor under Nesterov momentum. Scored once (long_runs.json, "2026-12-06 27aca7d with
 # held out"): the regression memorised its set, and both seeds raised divergence 74-97 steps
-# after the restart at 6,000 (the loss's median from 2e-4 to 0.24). No rule was tuned on them;
-# a rule change for them moves that family to tuning first.
+# after the restart at 6,000 (the loss's median from 2e-4 to 0.24). Divergence's verdict in a
+# restart's high-rate phase (rules/divergence.py) was studied on the regression: it is tuning
+# since.
 
 @family(8000, "wine, pre-LN residual MLP, AdamW at 1e-3 with weight decay 0.01, cosine warm "
         "restarts after 1,000, 2,000 and 4,000 steps to 1e-5, batch 32", held_out=True,
@@ -452,10 +453,34 @@ def wine_resmlp_adamw_restarts(g, steps):
 
 
 @family(8000, "diabetes regression, MLP, SGD with Nesterov momentum at 0.01, cosine warm "
-        "restarts every 2,000 steps, batch 32: restarts at a noisy floor", held_out=True,
+        "restarts every 2,000 steps, batch 32: restarts at a noisy floor (held out until its "
+        "alarms were seen in the long runs of 2026-12-06, code 27aca7d; tuning since)",
         long=True)
 def diabetes_mlp_nesterov_restarts(g, steps):
     m = models.mlp([10, 64, 64, 1], nn.ReLU)
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, nesterov=True)
     return Setup(m, opt, data.table_loader(g, "diabetes", 32), mse,
                  sched=restarts(opt, 2000, mult=1))
+
+
+# Held out from the start (added with the regression above moved to tuning, before they were
+# ever run): warm restarts on a convolutional network under SGD momentum with dropout, and on
+# a multi-target regression of 20 rows under Adam, restarting every 1,000 steps.
+
+@family(8000, "digits, CNN with dropout 0.1, SGD momentum 0.9 at 0.05, cosine warm restarts "
+        "every 1,500 steps to 0, batch 32", held_out=True, long=True)
+def digits_cnn_sgd_restarts(g, steps):
+    m = models.DigitsCNN(width=8, dropout=0.1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=1500)
+    return Setup(m, opt, data.table_loader(g, "digits", 32), ce, sched=sched)
+
+
+@family(8000, "linnerud, 3 targets from 3 features of 20 athletes, MLP 3-32-32-3, Adam at 3e-3, "
+        "cosine warm restarts every 1,000 steps to 1e-5, batch 8: a tiny set memorised, then "
+        "shaken", held_out=True, long=True)
+def linnerud_mlp_adam_restarts(g, steps):
+    m = models.mlp([3, 32, 32, 3], nn.ReLU)
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=1000, eta_min=1e-5)
+    return Setup(m, opt, data.table_loader(g, "linnerud", 8), mse, sched=sched)
