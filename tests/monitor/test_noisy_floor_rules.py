@@ -18,6 +18,7 @@ from fasthealth.monitor.rules import Context
 from fasthealth.monitor.rules.phase import RESTART_HIGH
 from fasthealth.monitor.rules.spike import (
     FLOOR_RISE,
+    LINEAR_RISE,
     RESTART_RISE,
     TAIL_MARGIN,
     TAIL_RISE,
@@ -203,49 +204,51 @@ def _memorised(n, seed=0, top=3e-3):
                          for _ in range(n - 5)]
 
 
-def test_at_a_memorised_floor_a_miss_within_the_runs_tail_is_a_notice_and_a_bad_batch_not():
+def test_at_a_memorised_floor_a_miss_is_a_notice_and_a_bad_batch_not():
     """At a floor spanning decades the log scale's unit is wide, and the ``above_max`` path
     judges a loss many times the window's largest by the linear scale alone: one sample missed
-    under dropout (0.15: 50x the largest) is a spike there. Once the run has a tail, such a
-    spike within ``TAIL_MARGIN`` times it on the scale the tail is measured on is a notice when
-    it rose less than ``TAIL_RISE`` of the loss the run started from; a batch of wrong labels
-    rising more (0.4, 3.0) is an alarm whatever its log score; before the tail counts, the
-    miss is an alarm too."""
+    under dropout (0.15: 50x the largest) is a spike there. Seen by the linear scale alone, it
+    is a notice when it rose less than ``LINEAR_RISE`` times the loss the run started from,
+    before the run's tail exists as after; a batch of wrong labels rising more (1.6, 3.0) is an
+    alarm whatever its log score. (A spike the log scale sees too, within the run's tail:
+    ``test_a_long_runs_own_tail_makes_its_heavy_tailed_batches_notices``.)"""
     losses = _memorised(4000)
     rule = Spike()
     assert _kinds(rule, losses[:1000]) == []
     (early,) = rule.observe(_step(1000, 0.15))
-    assert early.kind == "loss_spike" and early.severity is None  # no tail yet: an alarm
+    assert early.kind == "loss_spike" and early.severity == "notice", early.message
+    assert rule.series["loss"].tail() is None
+    assert early.details["log_zscore"] < rule.config.zscore < early.details["zscore"]
+    assert "on the log scale" in early.message and "the run started from (0.65)" in early.message
+    (bad,) = rule.observe(_step(1001, 3.0))
+    assert bad.severity is None, bad.message  # no tail yet, rising 4.6x the start: an alarm
     rule = Spike()
     assert not [k for k in _kinds(rule, losses) if k[1] == "loss_spike"]
     ser = rule.series["loss"]
     assert ser.tail() is not None
     (miss,) = rule.observe(_step(4000, 0.15))
     assert miss.severity == "notice", miss.message
-    assert miss.details["zscore"] > TAIL_MARGIN * miss.details["tail"]  # the linear score
-    assert "on the log scale" in miss.message and "the run started from (0.65)" in miss.message
-    assert 0.4 - miss.details["window_median"] > TAIL_RISE * 0.65
-    for t, v in enumerate((0.4, 3.0)):  # 0.4: within twice the tail on the log scale too
+    for t, v in enumerate((1.6, 3.0)):
+        assert v - statistics.median(ser.values) > LINEAR_RISE * 0.65
         (bad,) = rule.observe(_step(4001 + t, v))
         assert bad.severity is None, bad.message
 
-
 def test_in_a_warm_restarts_high_rate_phase_a_miss_within_the_tail_is_a_notice():
     """A set memorised under dropout, thrown back to a high rate by a warm restart, loses it
-    for some steps: a batch at 1.2 from a floor of 1e-3 (a rise of 185% of the loss the run
+    for some steps: a batch at 2.0 from a floor of 1e-3 (a rise of 307% of the loss the run
     started from, 0.65) within the run's tail on the log scale. While the rate is at least
     ``RESTART_HIGH`` of the rate the restart set, that is the schedule's doing, a notice up to
     ``RESTART_RISE``; the same batch once the rate has decayed below it, or with no restart at
-    all, is an alarm (``TAIL_RISE``); a batch rising beyond ``RESTART_RISE`` is an alarm in the
-    phase too."""
+    all, is an alarm (beyond ``LINEAR_RISE``); a batch rising beyond ``RESTART_RISE`` is an
+    alarm in the phase too."""
     losses = _memorised(5000, top=3e-2)
 
-    def run(rates):
+    def run(rates, restart=4000):
         rule = Spike()
         for t, (v, lr) in enumerate(zip(losses, rates)):
             rule.observe(StepRecord(t, {"loss": v, "grad_norm": 1.0, "grads_finite": 1.0,
                                         "skipped": 0.0}, [], [], StepHost(t, lr=lr)))
-            if t == 4000:
+            if t == restart:
                 rule.rearm()  # as the analyser does after the restart's own step
         return rule
 
@@ -258,12 +261,12 @@ def test_in_a_warm_restarts_high_rate_phase_a_miss_within_the_tail_is_a_notice()
               for t in range(5000)]  # a restart at 4000 to 0.05, 1,000 steps into its cycle
     rule = run(cosine)
     assert rule.restart_lr == 0.05 and rule.series["loss"].tail() is not None
-    rise = 1.2 - statistics.median(rule.series["loss"].values)
-    assert TAIL_RISE * 0.65 < rise < RESTART_RISE * 0.65
+    rise = 2.0 - statistics.median(rule.series["loss"].values)
+    assert max(TAIL_RISE, LINEAR_RISE) * 0.65 < rise < RESTART_RISE * 0.65
     ser = rule.series["loss"]
-    for v in (1.2, 3.0):  # both within the tail on the log scale, the scale it is made of
+    for v in (2.0, 3.0):  # both within the tail on the log scale, the scale it is made of
         assert ser.window.scores(v)[1] < TAIL_MARGIN * ser.tail()
-    miss = judge(rule, 1.2, cosine[-1])
+    miss = judge(rule, 2.0, cosine[-1])
     assert miss.severity == "notice" and "warm restart's high-rate phase" in miss.message
     assert "on the log scale" in miss.message and f"{RESTART_RISE:.0%}" in miss.message
     assert judge(run(cosine), 3.0, cosine[-1]).severity is None  # beyond RESTART_RISE
@@ -271,34 +274,44 @@ def test_in_a_warm_restarts_high_rate_phase_a_miss_within_the_tail_is_a_notice()
     low = cosine[:4001] + [RESTART_HIGH * 0.05 * 0.9] * 999
     rule = run(low)
     assert rule.restart_lr is None
-    assert judge(rule, 1.2, low[-1]).severity is None
+    assert judge(rule, 2.0, low[-1]).severity is None
     # no restart at all: an alarm, as before
     rule = Spike()
     for t, v in enumerate(losses):
         rule.observe(_step(t, v))
-    assert rule.observe(_step(5000, 1.2))[0].severity is None
+    assert rule.observe(_step(5000, 2.0))[0].severity is None
+    # a restart before the run has a tail: the linear scale alone sees the batch, and the
+    # phase's allowance holds there too
+    early = [0.001 if t < 1000 else 0.05 for t in range(1200)]
+    rule = run(early, restart=1000)
+    assert rule.series["loss"].tail() is None and rule.in_restart
+    miss = judge(rule, 2.0, 0.05)
+    assert miss.severity == "notice" and miss.details["log_zscore"] < rule.config.zscore
+    assert judge(run(early[:1000] + [0.001] * 200), 2.0, 0.001).severity is None
 
 
-def test_in_a_restarts_high_rate_phase_a_climb_at_a_floor_is_a_divergence_notice():
+def test_in_a_restarts_high_rate_phase_a_climb_at_a_floor_is_judged_by_its_outcome():
     """Divergence is judged on the log-loss: at a floor of 1e-3 (from 2.3) a climb x100 is a
-    sliver of the way the run has come. In a warm restart's high-rate phase, under
-    ``FLOOR_RISE`` of the loss the run started from, it is a notice, once per episode; the
-    same episode is an alarm once it passes that share. Outside the phase (the rate decayed
-    below ``RESTART_HIGH`` of the restart's, or no restart) the same climb is an alarm at
-    once, as before."""
-    from fasthealth.monitor.rules.divergence import Divergence
+    sliver of the way the run has come. In a warm restart's high-rate phase a climb is a
+    notice, once per episode, and past ``FLOOR_RISE`` of the loss the run started from its
+    verdict waits for the phase's end: none if the loss came back to its level, an alarm if it
+    did not; a climb to ``RESTART_LIMIT`` of it is an alarm at once. Outside the phase (the
+    rate decayed below ``RESTART_HIGH`` of the restart's, or no restart) the same climb is an
+    alarm at once, as before."""
+    from fasthealth.monitor.rules.divergence import RESTART_LIMIT, Divergence
 
     rng = random.Random(0)
     start = [2.3] * 5
     floor = [1e-3 * math.exp(rng.gauss(0, 0.3)) for _ in range(300)]
-    climb = [1e-3 * 1.05 ** k for k in range(1, 200)]  # to 17x the start
-    losses = start + floor + climb
+    up = [1e-3 * 1.05 ** k for k in range(1, 135)]  # to 0.7: 30% of the start
+    assert FLOOR_RISE < up[-1] / 2.3 < RESTART_LIMIT
 
-    def run(rate_after):
+    def run(losses, rate_after, phase_end=10**9):
         rule = Divergence()
         found = []
         for t, v in enumerate(losses):
-            lr = 0.001 if t < 100 else (0.05 if t == 100 else rate_after)
+            lr = 0.001 if t < 100 else 0.05 if t == 100 else (
+                rate_after if t < phase_end else 0.01)
             found += [(t, f) for f in rule.observe(StepRecord(
                 t, {"loss": v, "grad_norm": 1.0, "grads_finite": 1.0, "skipped": 0.0}, [], [],
                 StepHost(t, lr=lr)))]
@@ -306,14 +319,33 @@ def test_in_a_restarts_high_rate_phase_a_climb_at_a_floor_is_a_divergence_notice
                 rule.rearm()  # as the analyser does after the restart's own step
         return rule, found
 
-    rule, found = run(0.04)
-    assert rule.first == start and rule.in_restart
-    assert [f.severity for _, f in found] == ["notice", None], [
-        (t, f.severity) for t, f in found]
-    (_, notice), (t_alarm, _) = found
-    assert notice.details["rise_share"] < FLOOR_RISE and "(2.3)" in notice.message
-    assert "high-rate phase" in notice.message
-    recent = statistics.median(losses[t_alarm - 9:t_alarm + 1])
-    assert (recent - 1e-3) / 2.3 >= FLOOR_RISE * 0.9  # at about a tenth of the start
-    first_alarm_outside = [t for t, f in run(RESTART_HIGH * 0.05 * 0.9)[1] if f.severity is None]
+    def severities(found):
+        return [f.severity for _, f in found]
+
+    # the climb comes back within the phase: a notice, and no alarm when the phase ends
+    back = start + floor + up + up[::-1] + floor[:100]
+    end = len(back) - 50
+    rule, found = run(back, 0.04, phase_end=end)
+    assert not rule.in_restart and rule.first == start
+    assert severities(found) == ["notice"], [(t, f.severity) for t, f in found]
+    notice = found[0][1]
+    assert "(2.3)" in notice.message and "high-rate phase" in notice.message
+    # the loss stays up at 30% of the start: the alarm comes when the phase ends
+    stays = start + floor + up + [0.7 * math.exp(rng.gauss(0, 0.05)) for _ in range(200)]
+    end = len(stays) - 50
+    rule, found = run(stays, 0.04, phase_end=end)
+    assert severities(found)[-1] is None and "notice" in severities(found)
+    (t_alarm, alarm), = [(t, f) for t, f in found if f.severity is None]
+    assert t_alarm == end and "had not come back" in alarm.message
+    assert alarm.details["rise_share"] > FLOOR_RISE
+    # climbing on to 17x the start: an alarm once past RESTART_LIMIT, in the phase
+    on = start + floor + [1e-3 * 1.05 ** k for k in range(1, 200)]
+    rule, found = run(on, 0.04)
+    assert rule.in_restart and severities(found) == ["notice", None]
+    t_alarm = found[-1][0]
+    recent = statistics.median(on[t_alarm - 9:t_alarm + 1])
+    assert RESTART_LIMIT <= (recent - 1e-3) / 2.3 < 1.5 * RESTART_LIMIT
+    # outside the phase: an alarm at once, where the phase gave its first notice
+    first_alarm_outside = [t for t, f in run(on, RESTART_HIGH * 0.05 * 0.9)[1]
+                           if f.severity is None]
     assert first_alarm_outside and first_alarm_outside[0] == found[0][0]

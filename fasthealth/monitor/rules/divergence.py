@@ -2,11 +2,13 @@
 
 A rise judged on the log scale is relative: at a floor of 1e-3 a climb to 1e-1 is a factor of
 100 and a sliver of the way the run has come. In a warm restart's high-rate phase
-(``phase.py``), where the schedule itself shakes a fitted model, a rise of less than
-``FLOOR_RISE`` of the loss the run started from (of the best level, when higher) is a notice,
-as for a loss spike; the same episode becomes an alarm once its rise passes it. Elsewhere a
-rise is judged as it was: a language model's loss climbing 20% from 3.0 (from 10.8) is a
-divergence to act on.
+(``phase.py``), where the schedule itself shakes a fitted model, a climb is judged by its
+outcome, not by its size alone. A rise of less than ``FLOOR_RISE`` of the loss the run started
+from (of the best level, when higher) is a notice, as for a loss spike. A larger one is a notice
+whose verdict waits: an alarm if the loss has not come back to its level when the phase ends,
+none if it has; a rise of ``RESTART_LIMIT`` of it (the loss back where the run began) is an
+alarm at once. Elsewhere a rise is judged as it was: a language model's loss climbing 20% from
+3.0 (from 10.8) is a divergence to act on.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from .trend import Rising
 
 FIRST_VALUES = EARLY_VALUES
 """Losses whose median is the loss the run started from, as for the spike rule."""
+
+RESTART_LIMIT: float = 1.0
+"""In a restart's high-rate phase, a climb of this share of the loss the run started from
+above its best is an alarm at once: the loss back where the run began has undone it, whatever
+the phase's end will show. A regression memorised under Nesterov momentum (from 0.84 to 2e-4),
+thrown back to a rate of 0.01 every 2,000 steps, climbed 28% of its first loss 74-97 steps
+after a restart and was back at its level 700 steps later, within the phase
+(evaluation/eval_long_runs.py, diabetes_mlp_nesterov_restarts)."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +62,11 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
     kinds = ("divergence",)
     Config = DivergenceConfig
     REARM = True
-    STATE = (*Rising.STATE, "first", "noticed", "lr", "restart_lr")
+    STATE = (*Rising.STATE, "first", "noticed", "pending", "lr", "restart_lr")
     # added since the state's format (state.py): a state saved before starts them again
     STATE_ADDED: dict[str, Callable[[dict], Any]] = {
-        "first": lambda f: [], "noticed": lambda f: False, "lr": lambda f: None,
-        "restart_lr": lambda f: None}
+        "first": lambda f: [], "noticed": lambda f: False, "pending": lambda f: None,
+        "lr": lambda f: None, "restart_lr": lambda f: None}
     BEST_OF_WINDOW = True
     """The best is the lowest median of ``window`` losses, not of ``short``: the lowest of the
     10-loss medians of a long noisy run is the noise's, not the loss's (a word-level
@@ -68,6 +78,7 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
         super().__init__(config, ctx)
         self.first: list[float] = []  # the run's first losses, kept through restarts
         self.noticed = False  # this episode was reported as a notice (a rise small at a floor)
+        self.pending: float | None = None  # a climb in a restart's phase awaiting its verdict
         self.lr: float | None = None
         self.restart_lr: float | None = None
 
@@ -91,26 +102,49 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
     def judge(self, ys: list[float], value: float) -> list[Finding]:
         trend = self.rising(ys)
         c = self.config
+        back = math.expm1(statistics.median(ys[-c.short:]) - self.best) < c.rise / 2
+        if back:
+            self.pending = None  # the loss came back: the schedule's
+        found = self.verdict(ys, value) if self.pending is not None and not self.in_restart \
+            else []
         if trend is None:
-            if math.expm1(statistics.median(ys[-c.short:]) - self.best) < c.rise / 2:
+            if back:
                 self.noticed = False  # the episode is over, as for ``active``
-            return []
+            return found
         start = statistics.median(self.first) if self.first else math.nan
         recent = math.exp(statistics.median(ys[-c.short:]))
         share = (recent - trend["best"]) / max(start, trend["best"]) if start > 0 else math.nan
-        if not (self.in_restart and share < FLOOR_RISE):
-            return self.once(self.finding(trend, len(ys), value))
+        if not (self.in_restart and share < RESTART_LIMIT):
+            self.pending = None
+            return found + self.once(self.finding(trend, len(ys), value))
+        if share >= FLOOR_RISE:
+            self.pending = max(share, self.pending or 0.0)
         if self.noticed or self.active:
-            return []
+            return found
         self.noticed = True
-        found = self.finding(trend, len(ys), value)
-        head, advice = found.message.split(". Check first", 1)
-        return [Finding(
-            found.kind, f"{head}, a rise of {share:.1%} of the loss the run started from "
-            f"({start:.4g}), in a warm restart's high-rate phase: the schedule's, a notice (an "
-            f"alarm from {FLOOR_RISE:.0%}). "
-            f"Check first{advice}", {**found.details, "rise_share": share, "start": start},
-            severity=NOTICE)]
+        wait = (f"the verdict waits for the phase's end: an alarm then if the loss is not back "
+                f"at its level, or at once from {RESTART_LIMIT:.0%}" if share >= FLOOR_RISE else
+                f"a notice (an alarm from {FLOOR_RISE:.0%} if the loss is not back at its level "
+                f"when the phase ends)")
+        head, advice = self.finding(trend, len(ys), value).message.split(". Check first", 1)
+        return found + [Finding(
+            "divergence", f"{head}, a rise of {share:.1%} of the loss the run started from "
+            f"({start:.4g}), in a warm restart's high-rate phase: {wait}. Check first{advice}",
+            {**trend, "loss": value, "rise_share": share, "start": start}, severity=NOTICE)]
+
+    def verdict(self, ys: list[float], value: float) -> list[Finding]:
+        """The verdict on a climb of a restart's phase, at the phase's end with the loss not
+        back at its level: an alarm (once in the episode)."""
+        share, self.pending = self.pending, None
+        above = math.expm1(statistics.median(ys[-self.config.short:]) - self.best)
+        return self.once(Finding(
+            "divergence",
+            f"loss rose {share:.0%} of the loss the run started from in a warm restart's "
+            f"high-rate phase and had not come back when the phase ended: still {above:.0%} "
+            f"above its best ({math.exp(self.best):.4g}). Check first: the learning rate the "
+            "restart set (too high for the fitted model?), then the data stream, then the "
+            "optimizer state", {"rise_share": share, "above_best": above,
+                                "best": math.exp(self.best), "loss": value, "restart": True}))
 
     def finding(self, trend: dict, window: int, value: float) -> Finding:
         return Finding(

@@ -91,6 +91,18 @@ still: a batch of garbage words planted in a restart's high-rate phase rose 221%
 6.8x the run's tail (descr_word_transformer_restarts, garbage_batch_words)."""
 
 
+LINEAR_RISE: float = 2.0
+"""A loss spike that only the linear scale sees (the ``above_max`` path: on the log scale, or on
+the device's score, it stands under ``zscore``) is a notice when it rose less than this many
+times the loss the run started from (``RESTART_RISE`` in a warm restart's high-rate phase,
+whichever is larger), before the run's tail exists as after. On the long runs' tuning part
+such spikes of healthy runs rose 0.94x the first loss at most outside a restart's phase (a
+set memorised under Adam losing it for some steps, 885 steps in, log score 5.9) and 1.96x in
+one (evaluation/eval_long_runs.py); every fault found by that path, there and in the short
+corpus, rose 500x or more, and a batch of shuffled labels at a noisy floor 10x
+(evaluation/trainers: hf_mlp_digits_sgd_warm_restarts). Twice the largest healthy rise."""
+
+
 @dataclass(frozen=True)
 class SpikeConfig:
     zscore: float = SPIKE_ZSCORE
@@ -345,6 +357,18 @@ class Spike(Rule[SpikeConfig], RestartPhase):
                 f"{median:.4g}{ratio}, a rise of {share:.1%} of {of}: a blip at the loss's "
                 f"floor, a notice (an alarm from {FLOOR_RISE:.0%}). {ADVICE[ser.key]}",
                 {**details, "rise_share": share, "start": ser.start}, severity=NOTICE)
+        if ser.key == "loss" and not scored > self.config.zscore and ser.start > 0:
+            rise = max(LINEAR_RISE, RESTART_RISE if self.in_restart else 0.0)
+            if value - median < rise * ser.start:
+                during = ", in a warm restart's high-rate phase" if self.in_restart else ""
+                return Finding(
+                    KIND[ser.key],
+                    f"{ser.label} {value:.4g} is {z:.1f} noise units above its recent median "
+                    f"{median:.4g}{ratio} on the linear scale, {scored:.1f} on the log scale, "
+                    f"and it rose less than {rise:.0%} of the loss the run started from "
+                    f"({ser.start:.4g}){during}: a miss at a floor spanning decades, a notice. "
+                    f"{ADVICE[ser.key]}", {**details, "log_zscore": scored, "start": ser.start},
+                    severity=NOTICE)
         tail = ser.tail() if ser.key == "loss" else None
         # as far as this run's batches go, on the scale its tail is measured on, and a rise
         # small beside the loss the run started from
