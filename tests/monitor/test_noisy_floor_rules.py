@@ -349,3 +349,48 @@ def test_in_a_restarts_high_rate_phase_a_climb_at_a_floor_is_judged_by_its_outco
     first_alarm_outside = [t for t, f in run(on, RESTART_HIGH * 0.05 * 0.9)[1]
                            if f.severity is None]
     assert first_alarm_outside and first_alarm_outside[0] == found[0][0]
+
+
+def test_in_a_restarts_high_rate_phase_the_loss_confirms_a_norm_climb_only_past_the_start():
+    """A set memorised to 1e-6 (from 2.3), thrown back to a high rate: the gradient norm climbs
+    30x and the loss with it, x1000, a sliver of the way the run has come. In the restart's
+    high-rate phase the loss confirms the norm's climb (``exploding_grad`` an alarm) only once
+    it rises ``RESTART_LIMIT`` of the loss the run started from, as ``divergence`` alarms
+    there at once; once the phase is over, an episode still on is confirmed as anywhere else;
+    without a restart the same climb is an alarm at once."""
+    from fasthealth.monitor.rules.divergence import RESTART_LIMIT
+    from fasthealth.monitor.rules.grad_trend import GradNormTrend
+
+    rng = random.Random(0)
+    calm = 300
+    losses = [2.3] * 5 + [1e-6 * math.exp(rng.gauss(0, 0.3)) for _ in range(calm - 5)]
+    norms = [math.exp(rng.gauss(0, 0.2)) for _ in range(calm)]
+    up = [min(1.08 ** k, 30.0) * math.exp(rng.gauss(0, 0.05)) for k in range(1, 150)]
+
+    def run(top, rates, restart=calm):
+        rule = GradNormTrend()
+        climb = [1e-6 * min(1.12 ** k, top / 1e-6) for k in range(1, len(up) + 1)]
+        found = []
+        for t, (v, g, lr) in enumerate(zip(losses + climb, norms + up, rates)):
+            found += [(t, f.severity) for f in rule.observe(StepRecord(
+                t, {"loss": v, "grad_norm": g, "grads_finite": 1.0, "skipped": 0.0}, [], [],
+                StepHost(t, lr=lr)))]
+            if t == restart:
+                rule.rearm()  # as the analyser does after the restart's own step
+        return rule, found
+
+    n = calm + len(up)
+    phase = [1e-5] * calm + [3e-3] * (n - calm)
+    rule, found = run(1e-3, phase)
+    assert rule.in_restart and found and all(sev != "alarm" for _, sev in found), found
+    # beyond RESTART_LIMIT of the start: an alarm in the phase too
+    assert any(sev == "alarm" for _, sev in run((RESTART_LIMIT + 0.2) * 2.3, phase)[1])
+    # the phase ends (the rate below half the restart's) with the norm still up: confirmed
+    ends = phase[:calm + 100] + [1e-3] * (n - calm - 100)
+    rule, found = run(1e-3, ends)
+    assert not rule.in_restart
+    assert [t for t, sev in found if sev == "alarm"] == [calm + 100], found
+    # no restart at all (a constant rate): the same climb is an alarm when the loss confirms it
+    rule, found = run(1e-3, [3e-3] * n, restart=-1)
+    alarms = [t for t, sev in found if sev == "alarm"]
+    assert alarms and alarms[0] < calm + 100, found
