@@ -11,7 +11,12 @@ fast while the norm grows, and a noisy stretch of that descent stands above the 
 on the way down, yet far below where the climb began. Never an alarm in an episode whose climb
 came with the learning rate's (``lr_rise`` above its lowest over the window and the ``short``
 steps before it): a warm-up or a warm restart raises the norm and the loss by design; a rate
-above its old peak is ``lr_jump``'s to judge.
+above its old peak is ``lr_jump``'s to judge. A fitted model thrown back to a high rate by a
+warm restart climbs in norm and loss by itself and finds its fit again: an episode that began
+in the restart's high-rate phase (``phase.py``) is confirmed as ``divergence`` judges a climb
+there. In the phase, by a loss risen ``RESTART_LIMIT`` of the loss the run started from above
+that reference (the run undone); after it, with the episode still on, by a loss standing
+``FLOOR_RISE`` of it above (a rise that matters to the run, not a floor of 1e-9 still x1000).
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..record import StepRecord
-from ..robust import WARMUP_STEPS
+from ..robust import FLOOR_RISE, WARMUP_STEPS
 from .base import Context, Finding
+from .divergence import FIRST_VALUES, RESTART_LIMIT
+from .phase import RestartPhase
 from .trend import Rising
 
 
@@ -50,12 +58,17 @@ class GradTrendConfig:
     never confirmed (a warm-up, a warm restart)."""
 
 
-class GradNormTrend(Rising[GradTrendConfig]):
+class GradNormTrend(Rising[GradTrendConfig], RestartPhase):
     name = "grad_trend"
     kinds = ("exploding_grad",)
     Config = GradTrendConfig
     STATE: ClassVar[tuple[str, ...]] = (*Rising.STATE, "losses", "window_losses", "lrs",
-                                        "best_loss", "climb_start", "lr_climb", "unconfirmed")
+                                        "best_loss", "climb_start", "lr_climb", "unconfirmed",
+                                        "first", "lr", "restart_lr", "restart_climb")
+    # added since the state's format (state.py): a state saved before starts them again
+    STATE_ADDED: ClassVar[dict[str, Callable[[dict], Any]]] = {
+        "first": lambda f: [], "lr": lambda f: None, "restart_lr": lambda f: None,
+        "restart_climb": lambda f: False}
 
     def __init__(self, config: GradTrendConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
@@ -68,13 +81,25 @@ class GradNormTrend(Rising[GradTrendConfig]):
         self.lrs: deque[float] = deque(maxlen=c.window + c.short)
         self.lr_climb = False  # the learning rate rose lr_rise-fold with the episode's climb
         self.unconfirmed: Finding | None = None  # the episode's notice, until confirmed
+        self.first: list[float] = []  # the run's first losses
+        self.lr: float | None = None
+        self.restart_lr: float | None = None
+        self.restart_climb = False  # the episode's climb began in a restart's high-rate phase
+
+    def rearm(self) -> None:
+        """At a warm restart: the restart's high-rate phase begins; the windows go on (the
+        learning rate's own climb is in them)."""
+        self.restarted()
 
     def observe(self, s: StepRecord) -> list[Finding]:
         loss = s.values["loss"]
         lr = s.host.lr
+        self.track(lr)
         if isinstance(lr, (int, float)) and lr > 0:
             self.lrs.append(float(lr))
         if math.isfinite(loss):
+            if len(self.first) < FIRST_VALUES:
+                self.first.append(loss)
             self.losses.append(loss)
             self.window_losses.append(loss)
             if len(self.losses) == self.losses.maxlen:
@@ -91,6 +116,7 @@ class GradNormTrend(Rising[GradTrendConfig]):
                 self.climb_start = statistics.median(before) if before else math.inf
                 self.lr_climb = bool(self.lrs) and self.lrs[-1] > self.config.lr_rise * min(
                     self.lrs)
+                self.restart_climb = self.in_restart
             self.unconfirmed = None if self._confirmed() else found[0]
             return [self._as_alarm(f) if self.unconfirmed is None else f for f in found]
         if self.unconfirmed is not None and self._confirmed():
@@ -106,7 +132,12 @@ class GradNormTrend(Rising[GradTrendConfig]):
         if self.lr_climb:
             return False  # the schedule's doing: a warm-up, a warm restart (lr_jump judges it)
         ref = max(self.best_loss, self.climb_start if math.isfinite(self.climb_start) else 0.0)
-        return statistics.median(self.losses) > (1 + confirm) * ref
+        recent = statistics.median(self.losses)
+        if self.restart_climb and self.first:
+            start = statistics.median(self.first)
+            share = RESTART_LIMIT if self.in_restart else FLOOR_RISE
+            return start > 0 and recent - ref >= share * max(start, ref)
+        return recent > (1 + confirm) * ref
 
     def _as_alarm(self, found: Finding) -> Finding:
         return Finding(
