@@ -402,3 +402,30 @@ def test_a_norm_climb_begun_in_a_restarts_high_rate_phase_is_confirmed_as_diverg
     # no restart at all (a constant rate): the climb x1000 is an alarm
     found = run(1e-3, [3e-3] * n, restart=-1)[1]
     assert alarms(found) and alarms(found)[0] < calm + 170, found
+
+
+def test_a_warm_ups_first_step_begins_no_restart_phase():
+    """A warm-up from a rate of 0: its first step multiplies the rate past any ratio and is a
+    restart of the schedule (the windows start again), but it throws back no fitted model; were
+    it a high-rate phase, the phase would last while the rate stays above half the warm-up's
+    first, smallest rate: the whole run. Only a return to ``RESTART_HIGH`` of the highest rate
+    before begins one, for every rule that keeps it."""
+    from fasthealth.monitor.rules.divergence import Divergence
+    from fasthealth.monitor.rules.grad_trend import GradNormTrend
+
+    def run(rule, rates, restarts):
+        for t, lr in enumerate(rates):
+            rule.observe(StepRecord(t, {"loss": 1.0, "grad_norm": 1.0, "grads_finite": 1.0,
+                                        "skipped": 0.0}, [], [], StepHost(t, lr=lr)))
+            if t in restarts:
+                rule.rearm()  # as the analyser does after the restart's own step
+        return rule
+
+    warmup = [0.0] + [1e-3 * min(1.0, t / 100) for t in range(1, 400)]
+    sgdr = [1e-3 * (1 + math.cos(math.pi * t / 200)) / 2 for t in range(200)] + [1e-3] * 20
+    for make in (Spike, Divergence, GradNormTrend):
+        assert not run(make(), warmup, {1}).in_restart, make
+        assert run(make(), sgdr, {200}).in_restart, make
+        # a return to less than half the old peak begins none either
+        low = sgdr[:200] + [RESTART_HIGH * 1e-3 * 0.8] * 20
+        assert not run(make(), low, {200}).in_restart, make

@@ -62,11 +62,11 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
     kinds = ("divergence",)
     Config = DivergenceConfig
     REARM = True
-    STATE = (*Rising.STATE, "first", "noticed", "pending", "lr", "restart_lr")
+    STATE = (*Rising.STATE, "first", "noticed", "pending", "lr", "lr_peak", "restart_lr")
     # added since the state's format (state.py): a state saved before starts them again
     STATE_ADDED: dict[str, Callable[[dict], Any]] = {
         "first": lambda f: [], "noticed": lambda f: False, "pending": lambda f: None,
-        "lr": lambda f: None, "restart_lr": lambda f: None}
+        "lr": lambda f: None, "lr_peak": lambda f: 0.0, "restart_lr": lambda f: None}
     BEST_OF_WINDOW = True
     """The best is the lowest median of ``window`` losses, not of ``short``: the lowest of the
     10-loss medians of a long noisy run is the noise's, not the loss's (a word-level
@@ -81,6 +81,7 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
         self.pending: float | None = None  # a climb in a restart's phase awaiting its verdict
         self.lr: float | None = None
         self.restart_lr: float | None = None
+        self.lr_peak = 0.0
 
     def observe(self, s: StepRecord) -> list[Finding]:
         self.track(s.host.lr)
@@ -89,9 +90,9 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
     def rearm(self) -> None:
         """Starts again as made (``REARM``), keeping the run's first losses, and marks the
         restart's high-rate phase."""
-        first, lr = self.first, self.lr
+        first, lr, peak = self.first, self.lr, self.lr_peak
         super().rearm()
-        self.first, self.lr = first, lr
+        self.first, self.lr, self.lr_peak = first, lr, peak
         self.restarted()
 
     def update(self, value: float) -> list[Finding]:

@@ -64,10 +64,12 @@ class GradNormTrend(Rising[GradTrendConfig], RestartPhase):
     Config = GradTrendConfig
     STATE: ClassVar[tuple[str, ...]] = (*Rising.STATE, "losses", "window_losses", "lrs",
                                         "best_loss", "climb_start", "lr_climb", "unconfirmed",
-                                        "first", "lr", "restart_lr", "restart_climb")
+                                        "first", "lr", "lr_peak", "restart_lr",
+                                        "restart_climb")
     # added since the state's format (state.py): a state saved before starts them again
     STATE_ADDED: ClassVar[dict[str, Callable[[dict], Any]]] = {
-        "first": lambda f: [], "lr": lambda f: None, "restart_lr": lambda f: None,
+        "first": lambda f: [], "lr": lambda f: None, "lr_peak": lambda f: 0.0,
+        "restart_lr": lambda f: None,
         "restart_climb": lambda f: False}
 
     def __init__(self, config: GradTrendConfig | None = None, ctx: Context | None = None):
@@ -84,6 +86,7 @@ class GradNormTrend(Rising[GradTrendConfig], RestartPhase):
         self.first: list[float] = []  # the run's first losses
         self.lr: float | None = None
         self.restart_lr: float | None = None
+        self.lr_peak = 0.0
         self.restart_climb = False  # the episode's climb began in a restart's high-rate phase
 
     def rearm(self) -> None:

@@ -248,9 +248,10 @@ class Spike(Rule[SpikeConfig], RestartPhase):
     name = "spike"
     kinds = ("loss_spike", "grad_norm_spike")
     Config = SpikeConfig
-    STATE = ("series", "lr", "restart_lr")
+    STATE = ("series", "lr", "lr_peak", "restart_lr")
     # added since the state's format (state.py): a state saved before is out of any restart
     STATE_ADDED: dict[str, Callable[[dict], Any]] = {"lr": lambda f: None,
+                                                     "lr_peak": lambda f: 0.0,
                                                      "restart_lr": lambda f: None}
 
     OPTIONS = {"zscore": "spike_zscore", "window": "spike_window", "warmup": "warmup_steps"}
@@ -261,6 +262,7 @@ class Spike(Rule[SpikeConfig], RestartPhase):
         self.series = {"loss": _Series("loss", c.window, c.early_loss, EARLY_VALUES),
                        "grad_norm": _Series("grad_norm", c.window, c.early_grad_norm, EARLY_VALUES)}
         self.restart_lr: float | None = None  # the rate a warm restart set, in its high phase
+        self.lr_peak = 0.0  # the highest rate before the step observed last
         self.lr: float | None = None  # the rate of the step observed last
 
     def observe(self, s: StepRecord) -> list[Finding]:
