@@ -10,7 +10,9 @@ linear one). Before the windows are armed, a loss above ``early_loss`` or a grad
 Once a run has scored ``TAIL_STEPS`` losses, so is one within ``TAIL_MARGIN`` times the run's
 own tail, on the smaller scale (the tail's), when it rose less than ``TAIL_RISE`` of the loss
 the run started from; ``RESTART_RISE`` of it in a warm restart's high-rate phase
-(``phase.py``).
+(``phase.py``). A spike that only the linear scale sees (the ``above_max`` path) is a notice
+when it rose less than ``LINEAR_RISE`` of that loss (``RESTART_RISE`` in the phase), with or
+without a tail.
 
 Under ``on_spike="skip"`` the score is computed once, by the device rule (``skip_rule.py``),
 where the skip needs it, and this rule judges by it (the record's ``skip_z_loss`` and
