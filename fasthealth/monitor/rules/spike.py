@@ -100,9 +100,10 @@ times the loss the run started from (``RESTART_RISE`` in a warm restart's high-r
 whichever is larger), before the run's tail exists as after. On the long runs' tuning part
 such spikes of healthy runs rose 0.94x the first loss at most outside a restart's phase (a
 set memorised under Adam losing it for some steps, 885 steps in, log score 5.9) and 1.96x in
-one (evaluation/eval_long_runs.py); every fault found by that path, there and in the short
-corpus, rose 500x or more, and a batch of shuffled labels at a noisy floor 10x
-(evaluation/trainers: hf_mlp_digits_sgd_warm_restarts). Twice the largest healthy rise."""
+one (evaluation/eval_long_runs.py). No late fault of the long runs was found by that path;
+the short corpus's faults it found rose 500x or more, and a batch of shuffled labels at a noisy
+floor 10x (evaluation/trainers: hf_mlp_digits_sgd_warm_restarts). Twice the largest healthy
+rise."""
 
 
 @dataclass(frozen=True)
