@@ -2,7 +2,8 @@
 
 Forward hooks compute the statistics of docs/spec.md section 2 for each selected module's inputs
 and outputs in one fused call per module (no host sync: the tables stay on the device); backward
-hooks do the same for the gradients flowing through it. Reading ``first_nonfinite`` or ``report()``
+tensor hooks on each module call's inputs and outputs do the same for the gradients flowing
+through it. Reading ``first_nonfinite`` or ``report()``
 copies the tables of the latest forward/backward to the host once.
 
 First producer: the first module, in forward order, whose inputs were finite and whose output
@@ -16,7 +17,6 @@ module the producer.
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any
 
 import torch
@@ -51,9 +51,9 @@ class ActivationMonitor:
         allow_inf: regex of module names whose outputs may hold intended infinities (attention
             masks filled with -inf): they are not reported, and infinities downstream of them
             are not held against later modules' inputs (NaN always is).
-        grads: also hook the backward pass (True), only on the leaf modules among those chosen
-            ("leaves": full backward hooks on containers are costly and clash with in-place
-            ops that follow them), or not (False).
+        grads: also watch the gradients through each chosen module (True), only through the
+            leaf modules among them ("leaves"), or not (False). Tensor hooks on each call's
+            inputs and outputs, so in-place ops after a module are allowed.
         range_dtype: also count, in the same pass, values that would overflow or underflow
             this dtype (``stats()`` then has ``overflow_frac``/``underflow_frac``/``headroom``).
     """
@@ -89,19 +89,16 @@ class ActivationMonitor:
         self._forward: list[tuple[str, torch.Tensor, int]] = []
         self._backward: list[tuple[str, torch.Tensor, int]] = []
         self._handles = []
-        # torch warns whenever the first hooked module's input needs no grad (the usual case
-        # for a model's input): harmless here, and it would fire on every backward.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
         root = model
         self._all = modules == "all"
         self._grads = bool(grads)
         self._chosen = (chosen if grads != "leaves"
                         else [(n, m) for n, m in chosen if not list(m.children())])
-        self._backward_handles: list = []
         self._handles.append(root.register_forward_pre_hook(self._start_pass))
+        leaves = {id(m) for n, m in self._chosen}
         for name, m in chosen:
-            self._handles.append(m.register_forward_hook(self._forward_hook(name),
-                                                         with_kwargs=True))
+            self._handles.append(m.register_forward_hook(
+                self._forward_hook(name, self._grads and id(m) in leaves), with_kwargs=True))
 
     # hooks ----------------------------------------------------------------------------------
 
@@ -110,16 +107,6 @@ class ActivationMonitor:
         self._calls += 1
         if self._recording:
             self._forward, self._backward = [], []
-        # Full backward hooks cost an autograd node per module per forward even when idle, so
-        # they are present only on the passes that are recorded.
-        want = self._recording and self._grads
-        if want and not self._backward_handles:
-            self._backward_handles = [m.register_full_backward_hook(self._backward_hook(n))
-                                      for n, m in self._chosen]
-        elif not want and self._backward_handles:
-            for h in self._backward_handles:
-                h.remove()
-            self._backward_handles = []
 
     def _record(self, store: list, name: str, inputs: list[torch.Tensor],
                 outputs: list[torch.Tensor]) -> None:
@@ -129,19 +116,41 @@ class ActivationMonitor:
         s = multi_tensor_stats(tensors, backend=self.backend, range_dtype=self.range_dtype)
         store.append((name, s.raw, len(inputs)))
 
-    def _forward_hook(self, name: str):
+    def _forward_hook(self, name: str, grads: bool):
         def hook(module, args, kwargs, output):
-            if self._recording:  # keyword arguments are inputs too
-                self._record(self._forward, name, _tensors(args) + _tensors(kwargs),
-                             _tensors(output))
+            if not self._recording:
+                return
+            inputs, outputs = _tensors(args) + _tensors(kwargs), _tensors(output)
+            self._record(self._forward, name, inputs, outputs)  # keyword arguments are inputs
+            if grads and torch.is_grad_enabled():
+                self._watch_grads(name, inputs, outputs)
         return hook
 
-    def _backward_hook(self, name: str):
-        def hook(module, grad_input, grad_output):
-            if self._recording:
-                # backward flows from grad_output (its input) to grad_input (its output)
-                self._record(self._backward, name, _tensors(grad_output), _tensors(grad_input))
-        return hook
+    def _watch_grads(self, name: str, inputs: list[torch.Tensor],
+                     outputs: list[torch.Tensor]) -> None:
+        """The gradients through one module call, by hooks on its output and input tensors:
+        the gradient that reaches an output first, then, when the one of an input is computed,
+        the record (incoming: the outputs', outgoing: the input's). Tensor hooks, not full
+        backward hooks: those wrap a module's outputs in a custom Function's views, which an
+        in-place op after the module (``ReLU(inplace=True)``, a residual ``x += shortcut``)
+        may not modify. A hook lives as long as the pass's graph."""
+        into = [t for t in inputs if t.requires_grad]
+        out = [t for t in outputs if t.requires_grad]
+        if not into or not out:
+            return
+        incoming: list[torch.Tensor] = []
+
+        def on_output(g: torch.Tensor) -> None:
+            incoming.append(g.detach())
+
+        def on_input(g: torch.Tensor) -> None:
+            if self._recording:  # backward flows from the outputs' gradients to the inputs'
+                self._record(self._backward, name, list(incoming), [g.detach()])
+
+        for t in out:
+            t.register_hook(on_output)
+        for t in into:
+            t.register_hook(on_input)
 
     # results --------------------------------------------------------------------------------
 
@@ -253,6 +262,6 @@ class ActivationMonitor:
 
     def remove(self) -> None:
         """Take the hooks away."""
-        for h in self._handles + self._backward_handles:
+        for h in self._handles:
             h.remove()
-        self._handles, self._backward_handles = [], []
+        self._handles = []

@@ -28,8 +28,9 @@ one for it. ``verdict`` says no in two cases:
    from left the weights as a checkpoint should hold them. An incident that counts stops
    counting when it closes, which for an alarm incident is only once the run has recovered
    (``quiet`` steps without an event after the loss came back): saving resumes then.
-2. the parameters (the Monitor's, those that train) or the optimizer's state hold NaN or Inf
-   now: one fused pass over all of them (``multi_tensor_stats``, the kernels the gradients go
+2. the parameters (the Monitor's, those that train), the buffers a forward writes (BatchNorm's
+   running statistics: ``buffers.py``) or the optimizer's state hold NaN or Inf now, named:
+   one fused pass over all of them (``multi_tensor_stats``, the kernels the gradients go
    through), whatever the incidents say. This sees a weight poisoned since the last flush, or
    by something outside the step (a bad checkpoint loaded, a hand-written update).
 
@@ -74,6 +75,14 @@ class Verdict:
     incident: Incident | None = None
 
 
+def _damaged_tensors(inc: Incident) -> str:
+    """The tensors (parameters, buffers) that the incident's weight scans found non-finite,
+    as a clause: ``: NaN/Inf in 1.running_var``; empty when none."""
+    names = [n for e in inc.events if e.kind == "weight_corruption"
+             for n in e.details.get("nonfinite", {})]
+    return f"; NaN/Inf in {', '.join(names[:5])}" if names else ""
+
+
 def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     """The open alarm incident that says the model state may be damaged, and why (the module
     docstring, case 1); None when there is none."""
@@ -82,10 +91,10 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     if cur is None or not cur.open or cur.severity != ALARM:
         return None
     if cur.cause in DAMAGED_CAUSES:
-        return cur, f"its cause is {cur.cause} ({cur.why})"
+        return cur, f"its cause is {cur.cause} ({cur.why})" + _damaged_tensors(cur)
     seen = next((k for k in cur.kinds if k in DAMAGE_KINDS), None)
     if seen is not None:
-        return cur, f"it holds {seen}"
+        return cur, f"it holds {seen}" + _damaged_tensors(cur)
     if tracker.broken():
         return cur, "the run is broken at its last step (non-finite or a runaway loss)"
     if tracker.harmed and tracker._unrecovered():
@@ -103,16 +112,36 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
     return None
 
 
-def nonfinite_state(mon: Any) -> torch.Tensor:
-    """(non-finite values in the parameters, in the optimizer's state), float64 on the
-    device: one fused pass over both, no sync."""
-    params = [p.detach() for _, p in mon.params]
-    state: list[torch.Tensor] = []
+def _state_tensors(mon: Any) -> tuple[list[str], list[torch.Tensor], int]:
+    """(names, tensors, how many of them are the model's): the parameters, the buffers a
+    forward writes (``buffers.py``), then the optimizer's state."""
+    model = [*mon.params, *mon.buffers]
+    names = [n for n, _ in model]
+    tensors = [t.detach() for _, t in model]
     if mon.optimizer is not None:
-        state = optimizer_state_tensors(mon.optimizer, mon.names_by_id)[1]
-    table = multi_tensor_stats(params + state, backend=mon.backend).raw.to(mon.device)
-    bad = (table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]).to(torch.float64)
-    return torch.stack([bad[:len(params)].sum(), bad[len(params):].sum()])
+        state_names, state = optimizer_state_tensors(mon.optimizer, mon.names_by_id)
+        names, tensors = names + list(state_names), tensors + list(state)
+    return names, tensors, len(model)
+
+
+def _bad_rows(mon: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
+    table = multi_tensor_stats(tensors, backend=mon.backend).raw.to(mon.device)
+    return (table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]).to(torch.float64)
+
+
+def nonfinite_state(mon: Any) -> torch.Tensor:
+    """(non-finite values in the model's parameters and buffers, in the optimizer's state),
+    float64 on the device: one fused pass over both, no sync."""
+    _, tensors, n = _state_tensors(mon)
+    bad = _bad_rows(mon, tensors)
+    return torch.stack([bad[:n].sum(), bad[n:].sum()])
+
+
+def nonfinite_names(mon: Any) -> list[str]:
+    """The tensors (parameters, buffers, optimizer state) holding NaN/Inf: a second pass and
+    a sync, only once a verdict has found some."""
+    names, tensors, _ = _state_tensors(mon)
+    return [n for n, b in zip(names, _bad_rows(mon, tensors).cpu().tolist()) if b]
 
 
 def verdict(mon: Any) -> Verdict:
@@ -135,7 +164,10 @@ def verdict(mon: Any) -> Verdict:
         return Verdict(False, f"another rank's open incident ({incidents} of the ranks) says "
                        "the weights or the optimizer's state may be damaged")
     if params or state:
-        where = " and ".join(w for w, n in (("the parameters", params),
+        where = " and ".join(w for w, n in (("the model's parameters and buffers", params),
                                             ("the optimizer's state", state)) if n)
-        return Verdict(False, f"{params + state} NaN/Inf values in {where}")
+        named = nonfinite_names(mon)
+        shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+        return Verdict(False, f"{params + state} NaN/Inf values in {where}"
+                       + (f" ({shown})" if named else ""))
     return Verdict(True)

@@ -38,6 +38,7 @@ from ..replicas import NonFiniteOrigin
 from ..stats import MultiTensorStats
 from . import gate
 from .analyser import Analyser
+from .buffers import BufferGuard, guarded_buffers
 from .events import Event, Incident, Observation
 from .incidents import IncidentTracker
 from .journal import Journal
@@ -250,11 +251,15 @@ class Monitor(LongRun):
         self.names = [n for n, _ in self.params]
         self.names_by_id = {id(p): n for n, p in self.params}
         self.device = self.params[0][1].device
+        # the floating buffers a forward writes are model state: scanned with the weights,
+        # judged by safe_to_save, put back where a step is skipped (buffers.py)
+        self.buffers = [(n, b) for n, b in guarded_buffers(model) if b.is_floating_point()]
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
         self.precursors = _precursor_probe(self, pr) if pr.enabled else None
         self.rule_context = Context(
-            names=self.names, numels=[p.numel() for _, p in self.params], params=self.params,
+            names=self.names, buffer_names=[n for n, _ in self.buffers],
+            numels=[p.numel() for _, p in self.params], params=self.params,
             optimizer=optimizer, scaler=self.scaler is not None, spike_zscore=de.spike_zscore,
             spike_window=de.spike_window, warmup_steps=de.warmup_steps,
             vanishing_threshold=de.vanishing_threshold, min_loss_scale=de.min_loss_scale,
@@ -263,7 +268,7 @@ class Monitor(LongRun):
             build_rules(self.rule_context, precursors=pr.enabled) if de.detectors is None
             else de.detectors)
         self.scans = Scans.for_rules(self.detectors, lg.flush_every, self.params, me.backend,
-                                     me.process_group, me.replica_group)
+                                     me.process_group, me.replica_group, self.buffers)
         self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
                                                            de.warmup_steps))
                           if ac.on_spike == "skip" else None)
@@ -271,6 +276,8 @@ class Monitor(LongRun):
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip"
                               or ac.rollback not in (None, False),  # its quarantine skips
                               skip_rule=self.skip_rule, precursors=self.precursors)
+        # a skipped step leaves the buffers as they were before its forward
+        self.buffer_guard = BufferGuard.for_model(model) if self.gate.guard else None
         self.schedule = ScheduleSource(optimizer, de.scheduler)
         self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler)
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
@@ -351,6 +358,8 @@ class Monitor(LongRun):
             skip = held if skip is None else skip | held
         skipped = self._act(t, grads, table,
                             nonfinite_gate if skip is None else nonfinite_gate | skip, take_step)
+        if self.buffer_guard is not None:
+            self.buffer_guard.settle(skipped)
         scalars = _measured(self, t, loss_d, loss_ok, skipped, stats, spike, held, bad)
         scanned, weight_table, batch_key = self.scans.measure(self.steps_seen, batch,
                                                               sample_ids)
@@ -466,6 +475,8 @@ class Monitor(LongRun):
                 h.remove()
             self.hooks = []
             self.gate.remove()
+            if self.buffer_guard is not None:
+                self.buffer_guard.remove()
 
     def _close_at_exit(self) -> None:
         try:

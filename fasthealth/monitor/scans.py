@@ -2,9 +2,10 @@
 (docs/spec.md section 6): a periodic fused pass over the weights themselves, and a key per step
 for the batch it was given.
 
-- ``weight_scan``: every parameter's NaN + Inf count and largest finite |w| in one fused pass
-  (``multi_tensor_stats`` on the detached values, as the gradients are read): no host sync;
-  the table stays on the device until the flush (``rules/weight_corruption.py`` reads it).
+- ``weight_scan``: every parameter's (and written buffer's: ``buffers.py``) NaN + Inf count and
+  largest finite |w| in one fused pass (``multi_tensor_stats`` on the detached values, as the
+  gradients are read): no host sync; the table stays on the device until the flush
+  (``rules/weight_corruption.py`` reads it).
 - ``ids_key``: the sample ids a step was given, hashed on the host (no sync: ids are CPU
   tensors or lists); None for ids on an accelerator, which are fingerprinted instead.
 - ``AlikeRanks``: under a process group, at a flush, names every rank of replicas that differ
@@ -128,8 +129,13 @@ class Scans:
     the batch's fingerprint on the device). No sync."""
 
     def __init__(self, every: int, keyed: bool, params: list[tuple[str, Any]],
-                 backend: str | None, replicas: tuple[int, Any, Any] | None = None) -> None:
+                 backend: str | None, replicas: tuple[int, Any, Any] | None = None,
+                 buffers: list[tuple[str, Any]] | None = None) -> None:
         self.every, self.keyed, self.params, self.backend = every, keyed, params, backend
+        # the weight scan reads the buffers a forward writes after the parameters (their rows
+        # follow the parameters' in its table): a NaN that reached BatchNorm's running
+        # statistics breaks the model in eval mode while every weight is finite
+        self.scanned = list(params) + list(buffers or [])
         self.device = params[0][1].device
         # under a process group: (every, process group, replica group) of the comparison of
         # the parameters across replicas, and the kind and key of this rank's replica set
@@ -141,7 +147,8 @@ class Scans:
     @classmethod
     def for_rules(cls, rules: list[Any], flush_every: int, params: list[tuple[str, Any]],
                   backend: str | None, process_group: Any = None,
-                  replica_group: Any = None) -> Scans:
+                  replica_group: Any = None, buffers: list[tuple[str, Any]] | None = None
+                  ) -> Scans:
         by_name = {getattr(r, "name", None): r for r in rules}
         wc = by_name.get("weight_corruption")
         every = 0
@@ -150,7 +157,7 @@ class Scans:
         replicas = None
         if process_group is not None and "replica_divergence" in by_name:
             replicas = (flush_every, process_group, replica_group)
-        return cls(every, "repeated_batch" in by_name, params, backend, replicas)
+        return cls(every, "repeated_batch" in by_name, params, backend, replicas, buffers)
 
     def measure(self, n: int, batch: Any, sample_ids: Any
                 ) -> tuple[dict[str, torch.Tensor], Any, Any]:
@@ -160,7 +167,7 @@ class Scans:
         table = key = None
         if self.every and (n == 0 or (n + 1) % self.every == 0):
             out["weight_nonfinite"], out["weight_amax"], table = weight_scan(
-                self.params, self.backend, self.device)
+                self.scanned, self.backend, self.device)
         if self.replicas is not None and (n + 1) % self.replicas[0] == 0:
             out.update(self._compare_replicas())
         if self.keyed:

@@ -79,7 +79,8 @@ FIELDS: tuple[Field, ...] = (
           "with attention="),
     Field("weight_nonfinite", COUNT, "NaN + Inf values in the parameters themselves",
           "at weight scans (the weight_corruption rule: once per flush_every steps)"),
-    Field("weight_amax", FLOAT, "the largest finite |parameter element|", "at weight scans"),
+    Field("weight_amax", FLOAT, "the largest finite |parameter or buffer value|",
+          "at weight scans"),
     Field("batch_fingerprint", FLOAT, "a fingerprint of the step's batch, the same for the "
           "same batch (the repeated_batch rule)", "with a batch and no sample ids on the host"),
     Field("lr", FLOAT, "the learning rate of the optimizer's first group", "with an optimizer",

@@ -39,6 +39,9 @@ class Context:
     overrides (``rules={"spike": {"zscore": 8}}``)."""
 
     names: list[str] = field(default_factory=list)
+    buffer_names: list[str] = field(default_factory=list)
+    """The buffers a forward writes (``buffers.py``), whose rows follow the parameters' in
+    the weight scan's table."""
     numels: list[int] = field(default_factory=list)
     params: Sequence[tuple[str, Any]] = ()
     optimizer: Any = None

@@ -68,15 +68,18 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
             return []
         bad, amax = scan_table(table)
         prev, self.prev = self.prev, (s.step, bad, amax)
-        names = self.ctx.names if len(self.ctx.names) == len(bad) else [
-            str(i) for i in range(len(bad))]
+        scanned = [*self.ctx.names, *self.ctx.buffer_names]
+        names = scanned if len(scanned) == len(bad) else [str(i) for i in range(len(bad))]
+        # the buffers' rows (after the parameters') are judged for NaN/Inf only: a running
+        # variance moves by orders of magnitude healthily (from 1 to an input's variance)
+        weights = len(self.ctx.names) if len(scanned) == len(bad) else len(bad)
         old_bad = prev[1] if prev is not None else [0.0] * len(bad)
         nonfinite = {names[i]: int(b) for i, b in enumerate(bad) if b > 0 and old_bad[i] == 0}
         jumps: dict[str, tuple[float, float]] = {}
         if prev is not None:
-            old = prev[2]
+            old = prev[2][:weights]
             scale = max((a for a in old if math.isfinite(a)), default=0.0)
-            for i, (a0, a1) in enumerate(zip(old, amax)):
+            for i, (a0, a1) in enumerate(zip(old, amax[:weights])):
                 level = max(a0 if math.isfinite(a0) else 0.0, FLOOR * scale)
                 if level > 0 and math.isfinite(a1) and a1 > self.config.factor * level:
                     jumps[names[i]] = (a0, a1)
@@ -88,8 +91,8 @@ class WeightCorruption(Rule[WeightCorruptionConfig]):
         many = len(jumps) + len(nonfinite) > 1
         parts = []
         if nonfinite:
-            parts.append(f"NaN/Inf in {len(nonfinite)} weight tensor(s) that had none: "
-                         f"{listed(nonfinite)}")
+            parts.append(f"NaN/Inf in {len(nonfinite)} weight or buffer tensor(s) that had "
+                         f"none: {listed(nonfinite)}")
         if jumps:
             parts.append(f"{len(jumps)} weight tensor(s) whose largest |w| jumped: " + listed(
                 f"{n} {a0:.3g} -> {a1:.3g}" for n, (a0, a1) in jumps.items()))
