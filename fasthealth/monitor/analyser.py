@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import say
 from .events import Event, Incident
 from .incidents import IncidentTracker, step_finite
 from .record import StepRecord
@@ -74,6 +75,10 @@ class Analyser:
         filing = Filing(found, events, [(inc, "closed") for inc in ended] + (
             [(incident, "opened")] if opened and incident is not None else []), alarmed)
         self.events.extend(events)
+        for inc in ended:
+            say.incident_closed(inc)
+        if incident is not None and (alarmed or opened):
+            say.incident_opened(incident, s.step)
         if alarmed and incident is not None:
             for listener in self.alarm_listeners:
                 listener(incident)
@@ -99,4 +104,7 @@ class Analyser:
 
     def close(self) -> list[Incident]:
         """Closes the open incident at the run's end; returns the incidents it closed."""
-        return self.tracker.close_all()
+        closed = self.tracker.close_all()
+        for inc in closed:
+            say.incident_closed(inc)
+        return closed

@@ -135,12 +135,14 @@ class Incident:
 
 @dataclass
 class Observation:
-    """What ``Monitor.step`` saw: ``skip`` is a 0-dim bool tensor on the device (no sync)."""
+    """What ``Monitor.step`` saw: ``skip`` is a 0-dim bool tensor on the device (no sync);
+    ``stats`` the gradients' statistics, None on a micro-batch that an engine's optimizer does
+    not step on (accelerate's ``accumulate``: nothing was checked or stepped)."""
 
     step: int
     skip: torch.Tensor
     loss: torch.Tensor
-    stats: MultiTensorStats
+    stats: MultiTensorStats | None
 
 
 class NonFiniteError(RuntimeError):

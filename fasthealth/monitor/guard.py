@@ -83,13 +83,22 @@ def _damaged_tensors(inc: Incident) -> str:
     return f"; NaN/Inf in {', '.join(names[:5])}" if names else ""
 
 
-def incident_reason(mon: Any) -> tuple[Incident, str] | None:
+def incident_reason(mon: Any, *, pending: bool = False) -> tuple[Incident, str] | None:
     """The open alarm incident that says the model state may be damaged, and why (the module
     docstring, case 1); None when there is none."""
     tracker = mon.analyser.tracker
     cur = tracker.current
-    if cur is None or not cur.open or cur.severity != ALARM:
+    if cur is None and mon._closed:  # the incident open when the run ended still judges
+        cur = tracker.ended
+    elif cur is not None and not cur.open:
+        cur = None
+    if cur is None:
         return None
+    if cur.severity != ALARM:
+        # a rate jump no known scheduler made is a notice until the loss suffers from it
+        # (rules/lr_jump.py); the weights one such step made wait for the loss all the same
+        # (``pending``: for saving, not for a rollback, which only an alarm calls for)
+        return _not_back(tracker, cur) if pending and "lr_jump" in cur.kinds else None
     if cur.cause in DAMAGED_CAUSES:
         return cur, f"its cause is {cur.cause} ({cur.why})" + _damaged_tensors(cur)
     seen = next((k for k in cur.kinds if k in DAMAGE_KINDS), None)
@@ -99,10 +108,13 @@ def incident_reason(mon: Any) -> tuple[Incident, str] | None:
         return cur, "the run is broken at its last step (non-finite or a runaway loss)"
     if tracker.harmed and tracker._unrecovered():
         return cur, (f"the loss it harmed has not come back to its level before step "
-                     f"{cur.start} yet, beyond its noise: the weights are finite but damaged. "
-                     f"Resume from a checkpoint saved before step {cur.start} (skipping the "
-                     "incident's batches or lowering the learning rate that hurt it), or wait: "
-                     "saving resumes once the loss is back")
+                     f"{cur.start} yet, beyond its noise: the weights are finite but damaged")
+    return _not_back(tracker, cur)
+
+
+def _not_back(tracker: Any, cur: Incident) -> tuple[Incident, str] | None:
+    """The incident and why, when the loss at the last step is not back at its level before
+    the incident."""
     loss, level = tracker.last[0], tracker.baseline[0]
     # a loss not captured at that step (NaN, with the step finite) says nothing either way
     if level is not None and math.isfinite(loss) \
@@ -150,7 +162,7 @@ def verdict(mon: Any) -> Verdict:
     a rank left out of a collective save would hang the others."""
     if not mon._closed:  # closed: its last flush was done, and flush() refuses
         mon.flush()
-    found = incident_reason(mon)
+    found = incident_reason(mon, pending=True)
     flags = torch.cat([nonfinite_state(mon),
                        torch.tensor([float(found is not None)], dtype=torch.float64,
                                     device=mon.device)])
@@ -159,6 +171,10 @@ def verdict(mon: Any) -> Verdict:
     params, state, incidents = (int(x) for x in flags.cpu().tolist())  # the one sync
     if found is not None:
         inc, why = found
+        if why.startswith("the loss it harmed"):  # what to do, for the one who saves
+            why += (f". Resume from a checkpoint saved before step {inc.start} (skipping the "
+                    "incident's batches or lowering the learning rate that hurt it), or wait: "
+                    "saving resumes once the loss is back")
         return Verdict(False, why, inc)
     if incidents:
         return Verdict(False, f"another rank's open incident ({incidents} of the ranks) says "

@@ -190,6 +190,7 @@ class IncidentTracker:
         before = BEFORE
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
+        self.ended: Incident | None = None  # the incident open when the run ended (close_all)
         self.closed_early: list[Incident] = []  # closed by a cause it cannot explain
         self.losses: deque[float] = deque(maxlen=before)  # the last finite losses
         self.scales: deque[float] = deque(maxlen=before)  # the last finite loss scales
@@ -439,5 +440,8 @@ class IncidentTracker:
         return cur, opened, cur.severity == ALARM and not was_alarm, kept
 
     def close_all(self) -> list[Incident]:
-        """Closes the open incident (the run ended); returns it in a list, or an empty one."""
+        """Closes the open incident (the run ended); returns it in a list, or an empty one.
+        ``ended`` keeps it: what was open when the run ended still judges its last state
+        (``guard.py``: a checkpoint after ``close()``)."""
+        self.ended = self.current
         return [] if self.current is None else [self._close(ended=True)]

@@ -236,6 +236,10 @@ class Monitor(LongRun):
         flat = {k: v for k, v in locals().items() if k in FLAT}
         self.options = gather({**flat, **options}, measure=measure, detect=detect, act=act,
                               log=log)
+        # accelerate's AcceleratedOptimizer steps only on the last micro-batch of an
+        # accumulation (its gradient_state.sync_gradients); the Monitor steps the optimizer
+        # inside it, so it does what the wrapper would: nothing on the other micro-batches
+        self._gradient_state = getattr(optimizer, "gradient_state", None)
         optimizer = check_options(model, optimizer, self.options.flat())  # before anything
         me, de, pr, ac, lg = (self.options.measure, self.options.detect,
                               self.options.precursors, self.options.act, self.options.log)
@@ -322,6 +326,12 @@ class Monitor(LongRun):
              take_step: bool) -> Observation:
         refuse_misuse(self, "step" if take_step else "check")  # no optimizer; closed
         loss_d, loss_ok = loss_value(loss, self.device)  # a bad loss raises before anything
+        if self._gradient_state is not None and not self._gradient_state.sync_gradients:
+            # a micro-batch that accelerate does not step on: its gradients are still being
+            # accumulated; the step that syncs them checks them all
+            return Observation(step=self._next_step, skip=torch.zeros((), dtype=torch.bool,
+                                                                      device=self.device),
+                               loss=loss_d, stats=None)
         self._stepped = True
         if self.journal.jsonl is not None and self.journal.jsonl.run is None:
             self.journal.open_run()  # a new run, unless _continue_run opened one

@@ -229,9 +229,11 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
     _check_parts(o["activations"], o["scaler"], o["backend"], o["detectors"], o["logits"],
                  o["attention"])
     sched = o["scheduler"]
-    if sched is not None and not callable(getattr(sched, "get_last_lr", None)):
-        raise TypeError(f"fasthealth: scheduler must be a learning-rate scheduler (an object "
-                        f"with get_last_lr(), as torch's LRScheduler) or None, got "
+    if sched is not None and not callable(getattr(sched, "get_last_lr", None)) and not all(
+            callable(getattr(sched, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+        raise TypeError(f"fasthealth: scheduler must be a learning-rate scheduler (torch's "
+                        f"LRScheduler and those built on it, HF's and Lightning's; or one with "
+                        f"step(), state_dict() and load_state_dict(), as timm's) or None, got "
                         f"{shown(sched)}")
     if o["incidents"] is not None and not isinstance(o["incidents"], IncidentConfig):
         raise TypeError(f"fasthealth: incidents must be a fasthealth.monitor.IncidentConfig or "

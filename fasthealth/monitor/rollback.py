@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm_device
+from . import say
 from .events import Event, Incident
 from .guard import incident_reason, nonfinite_state
 from .record import StepRecord, map_tensors
@@ -313,8 +314,8 @@ class Rollback:
         if snap.nbytes * c.keep > c.max_bytes:
             self.off_reason = (f"a snapshot takes {snap.nbytes / 2**20:.0f} MiB, and {c.keep} of "
                                f"them more than max_bytes={c.max_bytes}")
-            warnings.warn(f"fasthealth: rollback is off: {self.off_reason}; raise "
-                          "RollbackConfig.max_bytes or lower keep", RuntimeWarning, stacklevel=4)
+            say.warn(f"fasthealth: rollback is off: {self.off_reason}; raise "
+                     "RollbackConfig.max_bytes or lower keep")
             return
         self.snapshots = [*self.snapshots, snap][-c.keep:]
         self.in_row = 0
@@ -331,12 +332,12 @@ class Rollback:
         target = next((s for s in reversed(self.snapshots) if s.step < start), None)
         name = f"incident #{incident.id}" if incident is not None else "an incident"
         if target is None:
-            warnings.warn(
+            say.warn(
                 f"fasthealth: {name} (from step {start}) says the "
                 f"training state may be damaged ({why}), and no snapshot from before it is "
                 "kept" + (f" ({self.off_reason})" if self.off_reason else
                           f" (the first is taken once the run has been safe for {c.every} "
-                          "steps)") + ": not rolled back", RuntimeWarning, stacklevel=4)
+                          "steps)") + ": not rolled back")
             return
         if self.in_row + 1 > c.max_in_row:
             raise self._stop(mon, f"{self.in_row + 1} rollbacks in a row, more than "
@@ -344,7 +345,7 @@ class Rollback:
         if len(self.history) + 1 > c.max_total:
             raise self._stop(mon, f"{len(self.history) + 1} rollbacks, more than max_total="
                              f"{c.max_total}")
-        self._restore(target)
+        rate_kept = self._restore(target)
         mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
         verdict = self._replay(mon, incident) if incident is not None else (None, None, None)
         ids: list[int] = []
@@ -366,20 +367,24 @@ class Rollback:
         if jsonl is not None:
             jsonl.queue_record("rollbacks.jsonl", record.to_json())
             jsonl.drain()
-        warnings.warn(
+        message = (
             f"fasthealth: rolled back at step {last}: {name} (from step "
             f"{start}: {why}); the model, the optimizer"
             + (", the scaler" if target.scaler is not None else "")
             + (", the scheduler" if target.scheduler is not None else "")
-            + f" are as they were at the end of step {target.step}, and training goes on with "
+            + f" are as they were at the end of step {target.step}"
+            + (" (the learning rate is the scheduler's now: it sets the rate from the loop's "
+               "own counter)" if rate_kept else "")
+            + ", and training goes on with "
             f"the next batch ({last - target.step} steps' updates undone"
             + (f"; {len(ids)} samples quarantined" if ids else "") + ")"
             + ("" if verdict[0] is None else
                f"; its first alarm's batch replayed on the restored state: loss "
                f"{verdict[1]:.4g} against the level {verdict[2]:.4g} before, "
                + ("bad alone (the data)" if verdict[0] == "batch" else
-                  "fine there (the batch with the state the run had reached)")),
-            RuntimeWarning, stacklevel=4)
+                  "fine there (the batch with the state the run had reached)")))
+        say.log.warning(message)
+        say.warn(message)
 
     def _keep_alarm_batches(self, mon: Any, steps: list[StepRecord], found: list[Event]) -> None:
         """Keeps (a reference to) the batch of each new incident's first alarm, and lets go of
@@ -417,16 +422,34 @@ class Rollback:
         bad = not math.isfinite(loss) or loss > level + tracker.recover * abs(level)
         return ("batch" if bad else "state"), loss, level
 
-    def _restore(self, snap: Snapshot) -> None:
-        """Copies ``snap`` back in place (the optimizer's learning rates with its state); the
-        snapshot itself is copied first: a loaded state may share the tensors it is given."""
+    def _restore(self, snap: Snapshot) -> bool:
+        """Copies ``snap`` back in place (the optimizer's learning rates with its state, unless
+        the scheduler sets them from the loop's counter: ``_schedule_now``; returns whether it
+        did); the snapshot itself is copied first: a loaded state may share the tensors it is
+        given."""
         _settle()
         self.model.load_state_dict(snap.model)
+        kept = self._schedule_now()
         self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        for group, values in zip(self.optimizer.param_groups, kept):
+            group.update(values)
+        return bool(kept)
         if self.scaler is not None and snap.scaler is not None:
             self.scaler.load_state_dict(copy.deepcopy(snap.scaler))
         if self.scheduler is not None and snap.scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
+
+    def _schedule_now(self) -> list[dict[str, Any]]:
+        """The learning rates (and the field a scheduler drives) that a restore keeps: a
+        scheduler that sets the rate from the loop's own counter and holds no position of its
+        own (timm's ``Scheduler``: ``step(epoch)``, ``step_update(num_updates)``) would leave
+        the snapshot's rate until its next call; its rate now is the schedule's. None for
+        torch's schedulers (their position is restored with them) or without a scheduler."""
+        sched = self.scheduler
+        if sched is None or callable(getattr(sched, "get_last_lr", None)):
+            return []
+        keys = {"lr", getattr(sched, "param_group_field", "lr")}
+        return [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
 
     def _stop(self, mon: Any, why: str) -> RollbackBudgetError:
         alarms = [i for i in mon.incidents if i.severity == "alarm"]

@@ -286,3 +286,84 @@ def test_rules_start_again_after_the_restarts_step_or_before_it_when_they_judge_
     assert early.calls[60:62] == [("rearm", None), ("observe", 60)], early.calls[58:63]
     assert late.calls[60:62] == [("observe", 60), ("rearm", None)], late.calls[58:63]
     assert UpdateRatio.REARM_BEFORE and not rules.Spike.REARM_BEFORE
+
+
+def _warmup_per_epoch(scheduler, bad_rate=None, steps=240, epoch=40, seed=0):
+    """timm's default shape, stepped per epoch: the first epoch at 1e-5 (``warmup_lr``), then
+    cosine from 0.5 (a 50,000x rise at one step); an MLP on digits, SGD with momentum.
+    ``scheduler``: "given" (a LambdaLR the Monitor is told of), "hidden" (the same, not told),
+    "none" (the same rates set by hand). ``bad_rate``: (step, factor) a bug that multiplies the
+    rate from that step on."""
+    X, Y = _digits()
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+
+    def rate(e):  # per epoch, as a share of 0.5
+        return 2e-5 if e == 0 else 0.5 * (1 + math.cos(math.pi * e / (steps // epoch)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate) if scheduler != "none" else None
+    mon = fh.Monitor(m, opt, scheduler=sched if scheduler == "given" else None)
+    for t in range(steps):
+        if scheduler == "none":
+            for grp in opt.param_groups:
+                grp["lr"] = 0.5 * rate(t // epoch)
+        if bad_rate is not None and t >= bad_rate[0]:
+            for grp in opt.param_groups:
+                grp["lr"] = grp["lr"] * bad_rate[1] if t == bad_rate[0] else grp["lr"]
+        i = torch.randint(0, len(X), (32,), generator=g)
+        loss = torch.nn.functional.cross_entropy(m(X[i]), Y[i])
+        opt.zero_grad()
+        loss.backward()
+        mon.step(loss, batch=(X[i], Y[i]))
+        if sched is not None and (t + 1) % epoch == 0:
+            sched.step()
+    mon.close()
+    return mon
+
+
+@pytest.mark.parametrize("scheduler", ["given", "hidden", "none"])
+def test_a_warm_up_stepped_per_epoch_raises_no_alarm_with_or_without_the_scheduler(scheduler):
+    mon = _warmup_per_epoch(scheduler)
+    assert not _alarms(mon), [(e.step, e.kind, e.message) for e in mon.events]
+    jumps = [e for e in mon.events if e.kind == "lr_jump"]
+    if scheduler == "given":  # the scheduler set it: no finding at all
+        assert not jumps
+    else:  # not known: a notice that says why it is no alarm
+        assert [e.step for e in jumps] == [40] and jumps[0].severity == "notice"
+        assert "no scheduler is known" in jumps[0].message
+
+
+@pytest.mark.parametrize("scheduler", ["given", "none"])
+def test_a_rate_bug_the_loss_suffers_from_is_an_lr_jump_alarm(scheduler):
+    mon = _warmup_per_epoch(scheduler, bad_rate=(150, 40.0))
+    jumps = [e for e in mon.events if e.kind == "lr_jump" and e.severity == "alarm"]
+    assert jumps and 150 <= jumps[0].step <= 150 + 20, [(e.step, e.kind) for e in mon.events]
+    inc = next(i for i in mon.incidents if "lr_jump" in i.kinds and i.severity == "alarm")
+    assert inc.cause == "learning_rate", inc
+
+
+def test_a_scheduler_with_step_and_state_is_accepted():
+    """timm's schedulers have no get_last_lr(); step(), state_dict() and load_state_dict()
+    are what the Monitor uses of them (the rollback restores them)."""
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    class EpochScheduler:  # the interface of timm.scheduler.Scheduler
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, epoch, metric=None):
+            for grp in self.optimizer.param_groups:
+                grp["lr"] = 0.1 * 0.5 ** epoch
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+    mon = fh.Monitor(m, opt, scheduler=EpochScheduler(opt))
+    assert schedule.ScheduleSource(opt, mon.schedule.scheduler).rates() == (0.1, None)
+    mon.close()
+    with pytest.raises(TypeError, match="timm's"):
+        fh.Monitor(m, opt, scheduler=object())

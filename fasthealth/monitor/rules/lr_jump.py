@@ -10,15 +10,26 @@ per climb: a schedule whose exponent changed sign grows 10% a step and never jum
 A warm-up from the first step has no such point, so it is judged step by step only. Where the
 scheduler is known (``schedule.py``), a rise of ``unexplained`` times the step before's that it
 did not make is a jump too, below the peak: no schedule explains it.
+
+Who made the change decides its severity. A rise that the known scheduler made (it set the
+rate) is the schedule's, however large: a warm-up stepped per epoch (timm's: 1e-5 for an
+epoch, then the peak), a restart. No finding. A rise it did not make is an alarm. Without a
+known scheduler (no ``scheduler=``), a jump is a notice at once, and an alarm when the loss
+suffers from it: a non-finite loss, or a loss ``suffer_z`` noise units above its level before
+the jump, within ``confirm_steps`` steps; a library's schedule that the Monitor was not told
+of (a per-epoch warm-up, a hand-written one) raises no alarm on a healthy run.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from ..kinds import NOTICE
 from ..record import StepRecord
-from ..robust import WARMUP_STEPS
+from ..robust import RECENT, SPIKE_ZSCORE, WARMUP_STEPS, level_and_noise
 from ..schedule import ScheduleConfig
 from .base import Context, Finding, Rule
 
@@ -44,6 +55,13 @@ class LRJumpConfig:
     """Steps in a row the rate must have risen for ``climb_ratio``: a warm-up stepped per epoch
     doubles the rate in one step at its second epoch, a rise of one step that ``ratio``
     judges."""
+    confirm_steps: int = 20
+    """Steps after a jump no scheduler is known to have made in which the loss can confirm
+    it (an alarm): a rate 25x too high shows in the loss within a few steps (the corpus's
+    lr_jump_x25 faults, the trainers' rate x20); past these, the rate is the run's."""
+    suffer_z: float = SPIKE_ZSCORE
+    """Noise units above the loss's level before the jump that confirm it: what a visible
+    fault moves the loss by (the spike rule's own threshold)."""
     unexplained: float = 2.0
     """A rise of more than this many times the step before's rate that the known scheduler
     did not make (``schedule.py``: the rate differs from the scheduler's) is a jump whatever
@@ -55,7 +73,10 @@ class LRJump(Rule[LRJumpConfig]):
     name = "lr_jump"
     kinds = ("lr_jump",)
     Config = LRJumpConfig
-    STATE = ("last", "peak", "seen", "settled", "since")
+    STATE = ("last", "peak", "seen", "settled", "since", "losses", "pending")
+    # added since the state's format (state.py): a state saved before starts them again
+    STATE_ADDED: ClassVar[dict[str, Callable[[dict], Any]]] = {
+        "losses": lambda f: [], "pending": lambda f: None}
 
     def __init__(self, config: LRJumpConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
@@ -64,8 +85,38 @@ class LRJump(Rule[LRJumpConfig]):
         self.settled: float | None = None  # the peak when the rate last stopped rising
         self.since = 0  # steps it has risen since
         self.seen = 0
+        self.losses: list[float] = []  # the last RECENT finite losses, for the level
+        # a jump no scheduler is known to have made, waiting for the loss: (its step, the
+        # loss's level and noise before it, its message)
+        self.pending: tuple[int, float, float, str] | None = None
 
     def observe(self, s: StepRecord) -> list[Finding]:
+        loss = s.values.get("loss", math.nan)
+        found = self._confirm(s.step, loss)
+        if math.isfinite(loss):
+            self.losses = [*self.losses[-(RECENT - 1):], loss]
+        return found + self._jump(s)
+
+    def _confirm(self, step: int, loss: float) -> list[Finding]:
+        """The alarm of a pending jump that the loss suffers from at this step."""
+        if self.pending is None:
+            return []
+        start, level, noise, text = self.pending
+        if step - start > self.config.confirm_steps:
+            self.pending = None
+            return []
+        finite = math.isfinite(loss)
+        if finite and (loss - level) / noise < self.config.suffer_z:
+            return []
+        self.pending = None
+        how = ("the loss is non-finite" if not finite else
+               f"the loss rose to {loss:.4g}, {(loss - level) / noise:.1f} noise units above its "
+               f"level before it ({level:.4g})")
+        return [Finding("lr_jump", f"{text}; {step - start} step(s) later {how}",
+                        {"jump_step": start, "loss": loss, "level": level},
+                        severity="alarm")]
+
+    def _jump(self, s: StepRecord) -> list[Finding]:
         c = self.config
         lr = s.host.lr
         if lr is None or not math.isfinite(lr):
@@ -81,10 +132,13 @@ class LRJump(Rule[LRJumpConfig]):
             self.since += 1
         if self.seen <= c.warmup:
             return []
+        scheduled = s.host.lr_scheduled is not None and not s.host.unexplained
         if s.host.unexplained and last and lr > c.unexplained * last:
             ref = last
             how = (f"the step before's ({last:.4g}), and the scheduler did not set it (it set "
                    f"{s.host.lr_scheduled:.4g})")
+        elif scheduled:
+            return []  # the known scheduler set it: the schedule's own change
         elif peak > 0 and lr > c.ratio * peak:
             ref, how = peak, f"the highest it had been ({peak:.4g})"
         elif c.climb and self.settled is not None and self.settled > 0 \
@@ -95,10 +149,18 @@ class LRJump(Rule[LRJumpConfig]):
         else:
             return []
         self.settled = None  # this climb is reported; the next starts where it stops
+        text = (f"learning rate {lr:.4g} is {lr / ref:.3g}x {how}. Check first: the scheduler "
+                "(stepped per batch instead of per epoch? a resumed scheduler state? a growth "
+                "factor above 1?), then the run's configuration")
+        details = {"lr": lr, "previous_peak": ref, "ratio": lr / ref, "climb_steps": self.since}
+        if s.host.unexplained:
+            return [Finding("lr_jump", text, details)]
+        # no scheduler known: a schedule's change or a bug, which the loss tells apart
+        level, noise = (level_and_noise(self.losses) if len(self.losses) >= 3
+                        else (math.nan, 0.0))
+        if math.isfinite(level):  # a loss at a floor without noise: a thousandth of it
+            self.pending = (s.step, level, max(noise, 1e-3 * abs(level)), text)
         return [Finding(
-            "lr_jump",
-            f"learning rate {lr:.4g} is {lr / ref:.3g}x {how}. Check first: the scheduler "
-            "(stepped per batch instead of per epoch? a resumed scheduler state? a growth "
-            "factor above 1?), then the run's configuration; if the change is intended, watch "
-            "the loss and gradient norm over the next steps",
-            {"lr": lr, "previous_peak": ref, "ratio": lr / ref, "climb_steps": self.since})]
+            "lr_jump", text + "; no scheduler is known (Monitor(scheduler=...)), so this is a "
+            f"notice, an alarm if the loss suffers within {c.confirm_steps} steps",
+            details, severity=NOTICE)]
