@@ -433,11 +433,11 @@ class Rollback:
         self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
         for group, values in zip(self.optimizer.param_groups, kept):
             group.update(values)
-        return bool(kept)
         if self.scaler is not None and snap.scaler is not None:
             self.scaler.load_state_dict(copy.deepcopy(snap.scaler))
         if self.scheduler is not None and snap.scheduler is not None:
             self.scheduler.load_state_dict(copy.deepcopy(snap.scheduler))
+        return bool(kept)
 
     def _schedule_now(self) -> list[dict[str, Any]]:
         """The learning rates (and the field a scheduler drives) that a restore keeps: a

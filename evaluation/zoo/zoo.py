@@ -1,0 +1,349 @@
+"""The zoo: fasthealth on the architectures and training loops people use, not only the ones
+it was built with. Each model is built from config (random weights: nothing is downloaded),
+trained tiny on CPU on real data (scikit-learn's digits: 8x8 images upsampled to 32x32 for the
+vision models, their 64 pixels as a sequence of 17-level tokens for the language models), by
+two ways of training:
+
+- ``loop``: a hand-written loop as the README writes it (``mon.step`` where
+  ``optimizer.step()`` was), with a torch scheduler passed as ``scheduler=``;
+- ``timm``: the shape of timm's ``train.py`` (``train_one_epoch``): timm's
+  ``CosineLRScheduler`` with a one-epoch warm-up stepped per epoch (``step(epoch)``),
+  ``--clip-grad 1.0``, ``ModelEmaV3``, SGD with momentum; run with and without ``scheduler=``.
+
+Each (model, way) runs healthy, then with each fault planted at 60% of the run: ``nan_sample``
+(one input value NaN), ``lr_burst`` (the rate x20 for 30 steps), ``weight_x1e4`` (one weight
+tensor's first element x1e4), ``nan_buffer`` (a floating buffer's first element NaN, where the
+model has one), ``labels_shuffled`` (30 steps of shuffled labels), ``garbage_batch`` (one batch
+of noise of std 10). The verdicts (``score``): a healthy run raises no alarm; a fault is
+caught by an alarm incident opened within 40 steps of its onset, its cause, whether replay of
+that incident's dump runs, whether the run's buffers are finite at the end and
+``safe_to_save()`` agrees with what the model holds.
+
+Needs torchvision and timm, which need a torch build that matches them (the Makefile's
+``zoo-env``). ``python -m evaluation.zoo.zoo --quick`` runs the quick tier (``QUICK``), the
+whole without it; ``--out`` writes the JSON (``bench/results/zoo.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fasthealth as fh
+
+STEPS = 150
+ONSET = 90  # 60% of the run
+CATCH_WITHIN = 40
+BATCH = 16
+FAULTS = ("nan_sample", "lr_burst", "weight_x1e4", "nan_buffer", "labels_shuffled",
+          "garbage_batch")
+
+
+# ---- data: scikit-learn's digits ---------------------------------------------------------
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return torch.tensor(d.data, dtype=torch.float32) / 16, torch.tensor(d.target)
+
+
+def vision_batch(x: torch.Tensor) -> torch.Tensor:
+    img = x.view(-1, 1, 8, 8).expand(-1, 3, 8, 8)
+    return nn.functional.interpolate(img, size=32, mode="bilinear", align_corners=False)
+
+
+# ---- models, built from config ------------------------------------------------------------
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab=17, d=64):
+        super().__init__()
+        self.emb, self.lstm, self.head = nn.Embedding(vocab, d), nn.LSTM(d, d, batch_first=True), \
+            nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        return self.head(self.lstm(self.emb(ids))[0])
+
+
+class UNet(nn.Module):
+    """A two-level UNet with BatchNorm and in-place ReLU, classifying by its output's mean."""
+
+    def __init__(self, c=16, classes=10):
+        super().__init__()
+
+        def block(i, o):
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o),
+                                 nn.ReLU(inplace=True))
+        self.down1, self.down2 = block(3, c), block(c, 2 * c)
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.dec = block(2 * c, c)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        a = self.down1(x)
+        b = self.down2(nn.functional.max_pool2d(a, 2))
+        y = self.dec(torch.cat([self.up(b), a], 1))
+        return self.head(y.mean((2, 3)))
+
+
+def group_norm_cnn():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(8, 32),
+                         nn.SiLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def batchnorm1d_mlp():
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 64), nn.BatchNorm1d(64),
+                         nn.ReLU(inplace=True), nn.Linear(64, 10))
+
+
+def hf(kind):
+    import transformers
+
+    if kind == "bert":
+        cfg = transformers.BertConfig(vocab_size=17, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, intermediate_size=64,
+                                      max_position_embeddings=64, num_labels=10)
+        return transformers.BertForSequenceClassification(cfg)
+    cfg = transformers.GPT2Config(vocab_size=17, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def build(name: str) -> tuple[nn.Module, str]:
+    """(the model, its task: "image", "tokens" (sequence classification) or "lm")."""
+    import timm
+    import torchvision
+
+    tv = torchvision.models
+    table = {
+        "resnet18": (lambda: tv.resnet18(num_classes=10), "image"),
+        "mobilenet_v3_small": (lambda: tv.mobilenet_v3_small(num_classes=10), "image"),
+        "timm_resnet": (lambda: timm.create_model("test_resnet", num_classes=10), "image"),
+        "timm_efficientnet": (lambda: timm.create_model("test_efficientnet", num_classes=10),
+                              "image"),
+        "timm_convnext": (lambda: timm.create_model("test_convnext", num_classes=10), "image"),
+        "vit": (lambda: timm.create_model("test_vit", num_classes=10, img_size=32), "image"),
+        "unet": (UNet, "image"),
+        "groupnorm_cnn": (group_norm_cnn, "image"),
+        "batchnorm1d_mlp": (batchnorm1d_mlp, "image"),
+        "bert": (lambda: hf("bert"), "tokens"),
+        "gpt2": (lambda: hf("gpt2"), "lm"),
+        "lstm_lm": (LSTMLM, "lm"),
+    }
+    make, task = table[name]
+    return make(), task
+
+
+MODELS = ("resnet18", "mobilenet_v3_small", "timm_resnet", "timm_efficientnet",
+          "timm_convnext", "vit", "unet", "groupnorm_cnn", "batchnorm1d_mlp", "bert", "gpt2",
+          "lstm_lm")
+QUICK = [("resnet18", "loop"), ("timm_resnet", "timm"), ("gpt2", "loop")]
+
+
+def loss_fn_for(task: str):
+    def loss_fn(model, batch):
+        x, y = batch
+        if task == "image":
+            return nn.functional.cross_entropy(model(x), y)
+        if task == "tokens":
+            return nn.functional.cross_entropy(model(input_ids=x).logits, y)
+        out = model(x)
+        logits = out.logits if hasattr(out, "logits") else out
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                           x[:, 1:].reshape(-1))
+    return loss_fn
+
+
+def batches(task: str, seed: int):
+    X, Y = digits()
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        i = torch.randint(0, len(X), (BATCH,), generator=g)
+        x = vision_batch(X[i]) if task == "image" else (X[i] * 16).round().long()
+        yield x, Y[i], i
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    model: str
+    way: str
+    fault: str
+    scheduler_given: bool
+    alarms: list = field(default_factory=list)  # (step, trigger, cause) of alarm incidents
+    caught: bool | None = None
+    cause: str | None = None
+    replay: str | None = None  # "ok", or why it failed
+    recovered: str | None = None  # "recovered", "not back", or None (healthy)
+    buffers_finite: bool = True
+    safe_to_save: bool = True
+    safe_agrees: bool = True  # safe_to_save() is False whenever the model holds NaN/Inf
+    seconds: float = 0.0
+
+
+def plant(fault: str, t: int, model: nn.Module, opt, x, y, task: str):
+    """The fault at step ``t`` (the onset, or within its stretch): the batch it gives back."""
+    if fault == "nan_sample" and t == ONSET:
+        x = x.clone().float() if task == "image" else x.clone()
+        if task == "image":
+            x[2, 0, 5, 5] = math.nan
+        else:  # tokens cannot be NaN: the embedding's row of the first token is
+            with torch.no_grad():
+                emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+                emb.weight[int(x[2, 0])] = math.nan
+    if fault == "lr_burst" and t in (ONSET, ONSET + 30):
+        for grp in opt.param_groups:
+            grp["lr"] *= 20 if t == ONSET else 1 / 20
+    if fault == "weight_x1e4" and t == ONSET:
+        with torch.no_grad():
+            w = next(p for p in model.parameters() if p.dim() > 1)
+            w.view(-1)[0] *= 1e4
+    if fault == "nan_buffer" and t == ONSET:
+        with torch.no_grad():
+            b = next(b for b in model.buffers() if b.is_floating_point())
+            b.view(-1)[0] = math.nan
+    if fault == "labels_shuffled" and ONSET <= t < ONSET + 30:
+        y = y[torch.randperm(len(y), generator=torch.Generator().manual_seed(t))]
+        if task == "lm":  # the labels are the next tokens: shuffled across the batch
+            x = torch.cat([x[:, :32], x[torch.randperm(len(x)), 32:]], 1)
+    if fault == "garbage_batch" and t == ONSET:
+        x = (torch.randn(x.shape) * 10 if task == "image"
+             else torch.randint(0, 17, x.shape))
+    return x, y
+
+
+def train(name: str, way: str, fault: str, scheduler_given: bool = True, seed: int = 0,
+          log_dir: str | None = None) -> tuple[Run, fh.Monitor, nn.Module]:
+    torch.manual_seed(seed)
+    model, task = build(name)
+    model.train()
+    loss_fn = loss_fn_for(task)
+    lr = 0.05 if task == "image" else 0.01
+    if way == "timm":
+        from timm.scheduler import CosineLRScheduler
+        from timm.utils import ModelEmaV3
+
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        epoch = 30
+        sched = CosineLRScheduler(opt, t_initial=STEPS // epoch, warmup_t=1,
+                                  warmup_lr_init=1e-5)
+        ema = ModelEmaV3(model, decay=0.99)
+        mon = fh.Monitor(model, opt, scheduler=sched if scheduler_given else None,
+                         max_grad_norm=1.0, log_dir=log_dir, flush_every=10)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr / 10)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS)
+        ema, epoch = None, 0
+        mon = fh.Monitor(model, opt, scheduler=sched, log_dir=log_dir, flush_every=10)
+    run = Run(name, way, fault, scheduler_given)
+    data = batches(task, seed)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(STEPS):
+            x, y, ids = next(data)
+            x, y = plant(fault, t, model, opt, x, y, task)
+            loss = loss_fn(model, (x, y))
+            opt.zero_grad()
+            loss.backward()
+            mon.step(loss, batch=(x, y), sample_ids=ids)
+            if ema is not None:
+                ema.update(model, step=t)
+            if way == "timm" and (t + 1) % epoch == 0:
+                sched.step((t + 1) // epoch)
+            elif way == "loop":
+                sched.step()
+        mon.close()
+    run.seconds = time.perf_counter() - t0
+    return run, mon, model
+
+
+def score(name: str, way: str, fault: str, scheduler_given: bool = True) -> Run:
+    with tempfile.TemporaryDirectory() as d:
+        run, mon, model = train(name, way, fault, scheduler_given, log_dir=d)
+        alarms = [i for i in mon.incidents if i.severity == "alarm"]
+        run.alarms = [(i.start, i.trigger, i.cause) for i in alarms]
+        bufs = [b for b in model.buffers() if b.is_floating_point()]
+        run.buffers_finite = all(bool(b.isfinite().all()) for b in bufs)
+        held = not run.buffers_finite or not all(bool(p.isfinite().all())
+                                                 for p in model.parameters())
+        run.safe_to_save = mon.safe_to_save()
+        run.safe_agrees = not (held and run.safe_to_save)
+        if fault != "healthy":
+            hit = next((i for i in alarms if ONSET <= i.start <= ONSET + CATCH_WITHIN
+                        or i.start <= ONSET <= i.end), None)
+            run.caught = hit is not None
+            if hit is not None:
+                run.cause = hit.cause
+                run.recovered = "recovered" if hit.recovered else "not back"
+                dump = next((e.dump for e in hit.events if e.dump), None)
+                if dump is None:
+                    run.replay = "no dump"
+                else:
+                    try:
+                        fh.replay(dump, model, loss_fn_for(build_task(name)))
+                        run.replay = "ok"
+                    except Exception as e:  # what a user would see
+                        run.replay = f"{type(e).__name__}: {e}"[:200]
+    return run
+
+
+def build_task(name: str) -> str:
+    return "image" if name not in ("bert", "gpt2", "lstm_lm") else (
+        "tokens" if name == "bert" else "lm")
+
+
+def plan(quick: bool) -> list[tuple[str, str, str, bool]]:
+    pairs = QUICK if quick else [(m, w) for m in MODELS for w in ("loop", "timm")
+                                 if w == "loop" or build_task(m) == "image"]
+    out = []
+    for m, w in pairs:
+        out.append((m, w, "healthy", True))
+        if w == "timm":
+            out.append((m, w, "healthy", False))
+        for f in FAULTS:
+            out.append((m, w, f, True))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the quick tier only")
+    ap.add_argument("--out", type=Path, help="write the results here (JSON)")
+    a = ap.parse_args(argv)
+    runs = []
+    todo = plan(a.quick)
+    for k, (m, w, f, given) in enumerate(todo):
+        try:
+            r = score(m, w, f, given)
+        except StopIteration:  # a fault the model has nothing for (no floating buffer)
+            continue
+        runs.append(r)
+        print(f"[{k + 1}/{len(todo)}] {m:<20} {w:<5} {f:<16} sched={'y' if given else 'n'} "
+              f"alarms={r.alarms} caught={r.caught} cause={r.cause} replay={r.replay} "
+              f"{r.recovered} buffers_finite={r.buffers_finite} safe={r.safe_to_save} "
+              f"({r.seconds:.0f} s)", flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
+                 "python": sys.version.split()[0], "torch": torch.__version__,
+                 "tier": "quick" if a.quick else "whole", "steps": STEPS, "onset": ONSET,
+                 "runs": [asdict(r) for r in runs]}
+        a.out.write_text(json.dumps(entry, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
