@@ -69,6 +69,7 @@ class Analyser:
         if restart:
             self._rearm(before=False)
         incident, opened, alarmed, events = self.tracker.file(s.step, found)
+        self.tracker.scanned(s.values.get("weight_nonfinite", math.nan))
         self.tracker.observe(s.values["loss"], s.values["loss_scale"],
                              s.values["grad_norm"], step_finite(s.values), s.step)
         ended = ([closed] if closed else []) + self.tracker.take_closed()

@@ -61,8 +61,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -180,7 +181,9 @@ class IncidentTracker:
     # what it keeps of the run, by name (``state.py``); the rest is its config's
     STATE = ("incidents", "current", "closed_early", "losses", "scales", "first_loss", "scale",
              "baseline", "last_new", "harmed", "peak_norm", "firsts", "skipped_only", "last",
-             "after", "scaled", "last_step")
+             "after", "scaled", "last_step", "state_bad")
+    # added since the state's format (state.py): a state saved before starts it again
+    STATE_ADDED: ClassVar[dict[str, Callable[[dict], Any]]] = {"state_bad": lambda f: False}
 
     def __init__(self, config: IncidentConfig | None = None, **fields: object) -> None:
         c = self.config = replace(config or IncidentConfig(), **fields)  # type: ignore[arg-type]
@@ -191,6 +194,7 @@ class IncidentTracker:
         self.incidents: list[Incident] = []
         self.current: Incident | None = None
         self.ended: Incident | None = None  # the incident open when the run ended (close_all)
+        self.state_bad = False  # the last weight scan found NaN/Inf in the weights or buffers
         self.closed_early: list[Incident] = []  # closed by a cause it cannot explain
         self.losses: deque[float] = deque(maxlen=before)  # the last finite losses
         self.scales: deque[float] = deque(maxlen=before)  # the last finite loss scales
@@ -254,11 +258,17 @@ class IncidentTracker:
         kind = KINDS.get(cur.trigger or "") if cur.why.startswith("the default cause") else None
         cur.check_first = kind.advice if kind is not None else CHECK_FIRST[cur.cause]
 
+    def scanned(self, nonfinite: float) -> None:
+        """A step's weight scan (NaN: none at that step): NaN/Inf in the weights or buffers
+        keep the run broken until a scan finds none (a rollback, a reload)."""
+        if nonfinite == nonfinite:
+            self.state_bad = nonfinite > 0
+
     def broken(self) -> bool:
         """Whether the run is broken at the last step: its loss or gradients non-finite, or
         its loss ``BROKEN`` times its level before the open incident (the module docstring)."""
         loss, finite = self.last
-        if not finite:
+        if not finite or self.state_bad:  # a NaN buffer: training's loss need not show it
             return True
         level = self.baseline[0]
         if level is None:

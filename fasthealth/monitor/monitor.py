@@ -257,7 +257,10 @@ class Monitor(LongRun):
         self.device = self.params[0][1].device
         # the floating buffers a forward writes are model state: scanned with the weights,
         # judged by safe_to_save, put back where a step is skipped (buffers.py)
-        self.buffers = [(n, b) for n, b in guarded_buffers(model) if b.is_floating_point()]
+        # (not those that hold Inf/NaN from the start, by design: a float mask of -inf; one
+        # sync, here)
+        self.buffers = [(n, b) for n, b in guarded_buffers(model)
+                        if b.is_floating_point() and bool(b.isfinite().all())]
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
         self.precursors = _precursor_probe(self, pr) if pr.enabled else None

@@ -234,6 +234,28 @@ def _shares_first_dim(batch: Any, n: int) -> bool:
 CAP = 4  # the group test's replays, at most this many times the batch size
 
 
+def _part_pass(m: torch.nn.Module, loss_fn: Any, part: Any, rng: dict) -> _Pass:
+    """A part of the batch replayed in train mode as the step was; where train mode cannot
+    run it (BatchNorm on one sample whose feature maps are 1x1: "Expected more than 1 value
+    per channel when training"), with the batch norms on their running statistics instead,
+    which keeps each sample's NaN/Inf its own. On the copy of the model: nothing of the
+    user's moves."""
+    try:
+        return _Pass(m, loss_fn, part, rng)
+    except ValueError:
+        norms = [x for x in m.modules()
+                 if isinstance(x, torch.nn.modules.batchnorm._BatchNorm) and x.training]
+        if not norms:
+            raise
+        for x in norms:
+            x.eval()
+        try:
+            return _Pass(m, loss_fn, part, rng)
+        finally:
+            for x in norms:
+                x.train()
+
+
 def _group_test(m, loss_fn, batch, d: dict, n: int, cap: int
                 ) -> tuple[list[int], list[int], int, bool]:
     """Replays halves of the batch, splitting again every half that reproduces the events:
@@ -253,7 +275,7 @@ def _group_test(m, loss_fn, batch, d: dict, n: int, cap: int
                 capped = True
                 break
             replays += 1
-            p = _Pass(m, loss_fn, _split(batch, n, part), d.get("rng") or {})
+            p = _part_pass(m, loss_fn, _split(batch, n, part), d.get("rng") or {})
             if _reproduces(p, d.get("events", []), d.get("record", {}), len(part)):
                 stack.append(part)
                 if len(part) < len(smallest):
