@@ -17,7 +17,8 @@ ENV_STAMP := $(VENV)/.deps-$(TORCH_VERSION)
 BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
-.PHONY: env build test test-fast test-eval bench demo lint clean cuda-check gpu-prebuilt
+.PHONY: env build test test-fast test-eval bench demo lint clean cuda-check gpu-prebuilt \
+	zoo-env zoo zoo-all
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -182,3 +183,29 @@ gpu-prebuilt:
 	cd $(PREBUILT_TREE) && OMP_NUM_THREADS=1 FASTHEALTH_REQUIRE_CPU=1 \
 		$(PREBUILT_PY) -m pytest -q -x -p no:cacheprovider $(BIG) tests/ops/test_kernels.py
 	@ls -l $(PREBUILT_DIR)
+
+# The zoo (evaluation/zoo/zoo.py): torchvision's, timm's and Hugging Face's models, trained
+# tiny on CPU by a hand-written loop and timm's training loop, healthy and with planted faults.
+# torchvision and timm need a torch build that matches them (PyPI's torchvision links against
+# a CUDA build, which runs on the CPU): their own environment, apart from the tests' .venv.
+# fasthealth is run from this tree there, on the 'torch' backend (the .venv's _C is built for
+# another torch; the zoo measures detection, not speed).
+ZOO_VENV ?= .venv-zoo
+ZOO_PY := $(ZOO_VENV)/bin/python
+ZOO_TORCH ?= torch==2.14.1 torchvision==0.29.1
+ZOO_STAMP := $(ZOO_VENV)/.deps
+
+zoo-env: $(ZOO_STAMP)
+$(ZOO_STAMP): Makefile
+	test -x $(ZOO_PY) || $(PYTHON) -m venv $(ZOO_VENV)
+	$(ZOO_PY) -m pip install -q $(ZOO_TORCH) timm==1.0.31 transformers==5.24.0 \
+		$(CORPUS) numpy
+	touch $@
+
+# the quick tier (a few models and ways, every fault) into build/; `make zoo-all` the whole,
+# into bench/results/zoo.json
+zoo: zoo-env
+	PYTHONPATH=$(CURDIR) $(ZOO_PY) -m evaluation.zoo.zoo --quick --out build/zoo-quick.json
+
+zoo-all: zoo-env
+	PYTHONPATH=$(CURDIR) $(ZOO_PY) -m evaluation.zoo.zoo --out bench/results/zoo.json

@@ -35,6 +35,14 @@ def guarded_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def scanned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers the weight scan and ``safe_to_save()`` read with the weights: the floating
+    ones a forward may write, but those that hold NaN/Inf from the start, by design (a float
+    attention mask of -inf). One sync, when the Monitor is made."""
+    return [(n, b) for n, b in guarded_buffers(model)
+            if b.is_floating_point() and bool(b.isfinite().all())]
+
+
 class BufferGuard:
     """The shadow of ``model``'s buffers taken before each step's first forward, and its
     restore where the step is skipped (module docstring). ``None``-free: a model without

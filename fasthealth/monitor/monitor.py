@@ -38,7 +38,7 @@ from ..replicas import NonFiniteOrigin
 from ..stats import MultiTensorStats
 from . import gate
 from .analyser import Analyser
-from .buffers import BufferGuard, guarded_buffers
+from .buffers import BufferGuard, scanned_buffers
 from .events import Event, Incident, Observation
 from .incidents import IncidentTracker
 from .journal import Journal
@@ -56,11 +56,11 @@ from .options import check_options, loss_value, refuse_misuse
 from .precursors import PrecursorProbe
 from .record import (
     DeviceRecord,
-    StepHost,
     loss_scale,
-    map_tensors,
     optimizer_nonfinite,
     or_nan,
+    rng_state,
+    step_host,
 )
 from .rollback import Rollback
 from .rules import Context, Rule
@@ -79,13 +79,6 @@ def _grad_pass(backend: str | None, device: torch.device) -> GradPass:
         raise ValueError(f"fasthealth: backend={backend!r} cannot run on model's device "
                          f"({device}): {why}")
     return GradPass(backend, device)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_bytes: int,
@@ -128,6 +121,9 @@ def _step_inputs(mon: Monitor, model: torch.nn.Module, process_group: Any) -> No
     communication hook that notes whether this rank's own gradients held NaN/Inf before the
     all-reduce (``NonFiniteOrigin``; None where the model is not a DDP or has a hook)."""
     mon._tensors, mon._all = [p for _, p in mon.params], list(range(len(mon.params)))
+    mon.buffer_guard = BufferGuard.for_model(model) if mon.gate.guard else None
+    mon._snapshots = None  # the dumps' (_open_journal)
+    mon.names_by_id = {id(p): n for n, p in mon.params}
     mon._origin = None if process_group is None else NonFiniteOrigin.attach(model,
                                                                             process_group)
     mon._alike = AlikeRanks(process_group)
@@ -180,6 +176,14 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
     return scalars
 
 
+def _idle(mon: Monitor, loss: torch.Tensor) -> Observation:
+    """A micro-batch that accelerate's optimizer does not step on (its ``gradient_state
+    .sync_gradients`` is False under ``accumulate``): its gradients are still being summed, and
+    the step that syncs them checks them all. Nothing is checked, recorded or stepped."""
+    return Observation(step=mon._next_step, loss=loss, stats=None,
+                       skip=torch.zeros((), dtype=torch.bool, device=mon.device))
+
+
 class Monitor(LongRun):
     """Watches a training loop; see docs/spec.md section 6 and the module docstring.
 
@@ -208,6 +212,9 @@ class Monitor(LongRun):
     _origin: NonFiniteOrigin | None
     _alike: AlikeRanks
     journal: Journal  # the flushes' analysis and writing (journal.py)
+    _snapshots: list[list[torch.Tensor]] | None  # the parameters before each step, for dumps
+    buffer_guard: BufferGuard | None  # _step_inputs: puts a skipped step's buffers back
+    names_by_id: dict[int, str]  # _step_inputs: each watched parameter's name by its id
 
     def __init__(
         self,
@@ -236,10 +243,7 @@ class Monitor(LongRun):
         flat = {k: v for k, v in locals().items() if k in FLAT}
         self.options = gather({**flat, **options}, measure=measure, detect=detect, act=act,
                               log=log)
-        # accelerate's AcceleratedOptimizer steps only on the last micro-batch of an
-        # accumulation (its gradient_state.sync_gradients); the Monitor steps the optimizer
-        # inside it, so it does what the wrapper would: nothing on the other micro-batches
-        self._gradient_state = getattr(optimizer, "gradient_state", None)
+        self._gradient_state = getattr(optimizer, "gradient_state", None)  # _idle's
         optimizer = check_options(model, optimizer, self.options.flat())  # before anything
         me, de, pr, ac, lg = (self.options.measure, self.options.detect,
                               self.options.precursors, self.options.act, self.options.log)
@@ -253,14 +257,7 @@ class Monitor(LongRun):
                                                                 me.replica_group)
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self.params]
-        self.names_by_id = {id(p): n for n, p in self.params}
-        self.device = self.params[0][1].device
-        # the floating buffers a forward writes are model state: scanned with the weights,
-        # judged by safe_to_save, put back where a step is skipped (buffers.py)
-        # (not those that hold Inf/NaN from the start, by design: a float mask of -inf; one
-        # sync, here)
-        self.buffers = [(n, b) for n, b in guarded_buffers(model)
-                        if b.is_floating_point() and bool(b.isfinite().all())]
+        self.device, self.buffers = self.params[0][1].device, scanned_buffers(model)  # state too
         self._grad_pass = _grad_pass(me.backend, self.device)  # the backend chosen once
         self.record = DeviceRecord(self.names, lg.flush_every, self.device)
         self.precursors = _precursor_probe(self, pr) if pr.enabled else None
@@ -283,14 +280,12 @@ class Monitor(LongRun):
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip"
                               or ac.rollback not in (None, False),  # its quarantine skips
                               skip_rule=self.skip_rule, precursors=self.precursors)
-        # a skipped step leaves the buffers as they were before its forward
-        self.buffer_guard = BufferGuard.for_model(model) if self.gate.guard else None
         self.schedule = ScheduleSource(optimizer, de.scheduler)
         self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler)
         self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
         self.steps_seen = self._next_step = 0  # the Monitor's steps, then its state's flags
         self._stepped = self._resumed = self._closed = self._closing = False  # state, close()
-        self._rng, self._opt_stats = _rng_state(), None  # the dumps'; the optimizer scan's
+        self._rng, self._opt_stats = rng_state(), None  # the dumps'; the optimizer scan's
         _step_inputs(self, model, me.process_group)
         self.hooks: list[Any] = []  # removed at close(): what an integration registered
         self.activations: ActivationMonitor | None = None  # before the sinks: a bad regex
@@ -298,7 +293,6 @@ class Monitor(LongRun):
             self.activations = ActivationMonitor(  # ... writes nothing
                 model, modules=None if me.activations is True else me.activations)
         self.log_dir = Path(lg.log_dir) if lg.log_dir is not None else None
-        self._snapshots: list[list[torch.Tensor]] | None = None
         _open_journal(self, lg.tensorboard, lg.dumps, lg.snapshot_max_bytes,
                       spike_zscore=de.spike_zscore, spike_window=de.spike_window,
                       warmup_steps=de.warmup_steps)
@@ -330,11 +324,7 @@ class Monitor(LongRun):
         refuse_misuse(self, "step" if take_step else "check")  # no optimizer; closed
         loss_d, loss_ok = loss_value(loss, self.device)  # a bad loss raises before anything
         if self._gradient_state is not None and not self._gradient_state.sync_gradients:
-            # a micro-batch that accelerate does not step on: its gradients are still being
-            # accumulated; the step that syncs them checks them all
-            return Observation(step=self._next_step, skip=torch.zeros((), dtype=torch.bool,
-                                                                      device=self.device),
-                               loss=loss_d, stats=None)
+            return _idle(self, loss_d)
         self._stepped = True
         if self.journal.jsonl is not None and self.journal.jsonl.run is None:
             self.journal.open_run()  # a new run, unless _continue_run opened one
@@ -377,7 +367,7 @@ class Monitor(LongRun):
         scanned, weight_table, batch_key = self.scans.measure(self.steps_seen, batch,
                                                               sample_ids)
         scalars.update(scanned)
-        self.record.write(scalars, table, present, self._step_host(
+        self.record.write(scalars, table, present, step_host(self, 
             t, batch, sample_ids, rates, restart, unexplained, len(present), weight_table,
             batch_key))
         self.steps_seen += 1
@@ -407,30 +397,6 @@ class Monitor(LongRun):
         count, self._opt_stats = optimizer_nonfinite(self.optimizer, self.names_by_id,
                                                      self._grad_pass, self.device)
         return count
-
-    def _step_host(self, t: int, batch: Any, sample_ids: Any,
-                   rates: tuple[float | None, float | None], restart: bool, unexplained: bool,
-                   grads_present: int, weight_table: Any, batch_key: Any) -> StepHost:
-        """What the flush needs of this step on the host: references to the batch (no copy,
-        kept until the flush), the RNG state its forward started from, the learning rate, the
-        rate the scheduler set and the schedule's verdict (``schedule.py``), the scans'
-        findings. The batch and the RNG state only with a log_dir: they are for the dumps; the
-        sample ids also with ``rollback``, for its quarantine, the batch with its ``replay``."""
-        if self.journal.jsonl is None:
-            ids = None if self.rollback is None else map_tensors(torch.Tensor.detach,
-                                                                  sample_ids)
-            kept = None if self.rollback is None or self.rollback.config.replay is None else \
-                map_tensors(torch.Tensor.detach, batch)  # for the rollback's replay
-            return StepHost(t, self.record.fill, rates[0], rates[1], restart, unexplained,
-                            batch=kept, sample_ids=ids, opt_stats=self._opt_stats,
-                            grads_present=grads_present, weight_table=weight_table,
-                            batch_key=batch_key)
-        host = StepHost(
-            t, self.record.fill, rates[0], rates[1], restart, unexplained,
-            map_tensors(torch.Tensor.detach, batch), map_tensors(torch.Tensor.detach, sample_ids),
-            self._rng, self._opt_stats, grads_present, weight_table, batch_key)
-        self._rng = _rng_state()  # the state the next step's forward starts from
-        return host
 
     # ---- flush: detect + write --------------------------------------------------------------
 

@@ -227,3 +227,35 @@ def or_nan(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if x is None:
         return not_measured(device)
     return x.to(device, torch.float64)
+
+
+def step_host(self: Any, t: int, batch: Any, sample_ids: Any,
+               rates: tuple[float | None, float | None], restart: bool, unexplained: bool,
+               grads_present: int, weight_table: Any, batch_key: Any) -> StepHost:
+    """What the flush needs of this step on the host: references to the batch (no copy,
+    kept until the flush), the RNG state its forward started from, the learning rate, the
+    rate the scheduler set and the schedule's verdict (``schedule.py``), the scans'
+    findings. The batch and the RNG state only with a log_dir: they are for the dumps; the
+    sample ids also with ``rollback``, for its quarantine, the batch with its ``replay``."""
+    if self.journal.jsonl is None:
+        ids = None if self.rollback is None else map_tensors(torch.Tensor.detach,
+                                                              sample_ids)
+        kept = None if self.rollback is None or self.rollback.config.replay is None else \
+            map_tensors(torch.Tensor.detach, batch)  # for the rollback's replay
+        return StepHost(t, self.record.fill, rates[0], rates[1], restart, unexplained,
+                        batch=kept, sample_ids=ids, opt_stats=self._opt_stats,
+                        grads_present=grads_present, weight_table=weight_table,
+                        batch_key=batch_key)
+    host = StepHost(
+        t, self.record.fill, rates[0], rates[1], restart, unexplained,
+        map_tensors(torch.Tensor.detach, batch), map_tensors(torch.Tensor.detach, sample_ids),
+        self._rng, self._opt_stats, grads_present, weight_table, batch_key)
+    self._rng = rng_state()  # the state the next step's forward starts from
+    return host
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
