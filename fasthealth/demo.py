@@ -201,8 +201,10 @@ def train(log_dir: Path, steps: int = STEPS, progress: bool = True) -> tuple[Tin
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10_000)
     # the weights scanned every 5 steps (by default once per flush): the stray write at 212
-    # is found before the next fault
-    mon = Monitor(model, opt, log_dir=log_dir, flush_every=25, warmup_steps=30,
+    # is found before the next fault; a constant schedule, known to the Monitor, so that the
+    # rate set by hand at 380 is no schedule's
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+    mon = Monitor(model, opt, log_dir=log_dir, flush_every=25, warmup_steps=30, scheduler=sched,
                   max_grad_norm=5.0, scaler=scaler, per_tensor_every=5, optimizer_check_every=10,
                   rules={"weight_corruption": {"every": 5}})
     bar = _progress(steps, progress)

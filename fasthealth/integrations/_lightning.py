@@ -29,7 +29,7 @@ from ..monitor import Monitor
 from ..monitor.option_groups import with_default
 from .capture import Capture
 from .checkpoints import Patch, SaveGuard
-from .log import log_dir_option, log_incident, logger
+from .log import log_dir_option, logger
 from .replay import lightning_replay, with_replay
 
 NO_LOSS = ("fasthealth: step %d: no loss to check (on_before_backward saw none before this "
@@ -104,7 +104,6 @@ class HealthCallbackMixin:
         self.monitor = Monitor(pl_module, optimizer,
                                scaler=getattr(trainer.precision_plugin, "scaler", None),
                                **options)
-        self.monitor.on_alarm(log_incident)
         self._guard(trainer)
         self._loaded, self._live = False, True
         if self._pending is not None:

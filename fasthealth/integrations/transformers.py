@@ -69,7 +69,7 @@ from ..monitor.option_groups import with_default
 from . import _hf_trainer as adapter
 from .capture import BackwardEnd, ForwardCapture
 from .checkpoints import SaveGuard, load_state, save_state
-from .log import log_dir_option, log_incident, logger
+from .log import log_dir_option, logger
 from .replay import hf_replay, with_replay
 
 
@@ -113,7 +113,6 @@ class HealthCallback(TrainerCallback):
         options = with_replay(options, hf_replay(args.gradient_accumulation_steps, trainer))
         scaler = getattr(optimizer, "scaler", None)
         monitor = Monitor(model, optimizer, scaler=scaler, **options)
-        monitor.on_alarm(log_incident)
         self.monitor, self._open, self._warned = monitor, True, False
         self.guard = SaveGuard(monitor)
         folder = (adapter.checkpoint_folder(*bound) if bound is not None

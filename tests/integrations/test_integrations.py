@@ -122,10 +122,11 @@ def test_transformers_nan_sample_is_caught_skipped_and_logged(tmp_path, optim, c
     r = fh.replay(next(e.dump for e in mon.events if e.step == 15), model,
                   lambda m, b: m(**b).loss)
     assert r.reproduced and r.source == "batch"
-    # one line in the trainer's log for the one fault (two alarms at step 15: one incident)
+    # one line in the trainer's log when the fault's incident opens (two alarms at step 15:
+    # one incident), one when it closes
     lines = [r.getMessage() for r in caplog.records if r.name == "fasthealth"]
-    assert len(lines) == 1 and lines[0].startswith("fasthealth: step 15: ") and \
-        "incident 0: nonfinite_loss, nonfinite_grad" in lines[0], lines
+    assert len(lines) == 2 and lines[0].startswith("fasthealth: step 15: alarm #0 ") and \
+        "nonfinite_loss" in lines[0] and "closed" in lines[1], lines
 
 
 def test_transformers_one_bad_gradient_is_named_before_clipping(tmp_path):
