@@ -43,6 +43,22 @@ def scanned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             if b.is_floating_point() and bool(b.isfinite().all())]
 
 
+def averaged_models(option: Any) -> list[torch.nn.Module]:
+    """The Monitor's ``averaged=`` (checked by ``options.py``) as a list."""
+    if option is None:
+        return []
+    return [option] if isinstance(option, torch.nn.Module) else list(option)
+
+
+def averaged_state(models: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The parameters and scanned buffers of the averaged models, named apart from the model's
+    (``averaged[0].module.fc.weight``): what ``safe_to_save()`` reads of them. Their updates
+    (an EMA's ``lerp_``, a rollback's ``load_state_dict``) are in place, so the tensors listed
+    once stay theirs."""
+    return [(f"averaged[{i}].{n}", t) for i, m in enumerate(models)
+            for n, t in [*m.named_parameters(), *scanned_buffers(m)]]
+
+
 class BufferGuard:
     """The shadow of ``model``'s buffers taken before each step's first forward, and its
     restore where the step is skipped (module docstring). ``None``-free: a model without

@@ -126,8 +126,9 @@ def _not_back(tracker: Any, cur: Incident) -> tuple[Incident, str] | None:
 
 def _state_tensors(mon: Any) -> tuple[list[str], list[torch.Tensor], int]:
     """(names, tensors, how many of them are the model's): the parameters, the buffers a
-    forward writes (``buffers.py``), then the optimizer's state."""
-    model = [*mon.params, *mon.buffers]
+    forward writes (``buffers.py``), those of the averaged models (``averaged=``), then the
+    optimizer's state."""
+    model = [*mon.params, *mon.buffers, *mon.averaged_state]
     names = [n for n, _ in model]
     tensors = [t.detach() for _, t in model]
     if mon.optimizer is not None:

@@ -38,7 +38,7 @@ from ..replicas import NonFiniteOrigin
 from ..stats import MultiTensorStats
 from . import gate
 from .analyser import Analyser
-from .buffers import BufferGuard, scanned_buffers
+from .buffers import BufferGuard, averaged_models, averaged_state, scanned_buffers
 from .events import Event, Incident, Observation
 from .incidents import IncidentTracker
 from .journal import Journal
@@ -123,6 +123,9 @@ def _step_inputs(mon: Monitor, model: torch.nn.Module, process_group: Any) -> No
     mon._tensors, mon._all = [p for _, p in mon.params], list(range(len(mon.params)))
     mon.buffer_guard = BufferGuard.for_model(model) if mon.gate.guard else None
     mon._snapshots = None  # the dumps' (_open_journal)
+    mon.averaged_state = averaged_state(mon.averaged)
+    mon.schedule = ScheduleSource(mon.optimizer, mon.options.detect.scheduler)
+    mon._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
     mon.names_by_id = {id(p): n for n, p in mon.params}
     mon._origin = None if process_group is None else NonFiniteOrigin.attach(model,
                                                                             process_group)
@@ -215,6 +218,9 @@ class Monitor(LongRun):
     _snapshots: list[list[torch.Tensor]] | None  # the parameters before each step, for dumps
     buffer_guard: BufferGuard | None  # _step_inputs: puts a skipped step's buffers back
     names_by_id: dict[int, str]  # _step_inputs: each watched parameter's name by its id
+    averaged_state: list[tuple[str, torch.Tensor]]  # _step_inputs: the averaged models'
+    schedule: ScheduleSource  # _step_inputs: the step's rate and the scheduler's
+    _restarts: ScheduleView  # _step_inputs: the skip rule re-arms at a restart
 
     def __init__(
         self,
@@ -280,9 +286,9 @@ class Monitor(LongRun):
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip"
                               or ac.rollback not in (None, False),  # its quarantine skips
                               skip_rule=self.skip_rule, precursors=self.precursors)
-        self.schedule = ScheduleSource(optimizer, de.scheduler)
-        self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler)
-        self._restarts = ScheduleView()  # the step's side: the skip rule re-arms at a restart
+        self.averaged = averaged_models(ac.averaged)  # EMA/SWA copies: state like the model
+        self.rollback = Rollback.build(ac.rollback, model, optimizer, self.scaler, de.scheduler,
+                                       self.averaged)
         self.steps_seen = self._next_step = 0  # the Monitor's steps, then its state's flags
         self._stepped = self._resumed = self._closed = self._closing = False  # state, close()
         self._rng, self._opt_stats = rng_state(), None  # the dumps'; the optimizer scan's

@@ -97,8 +97,9 @@ class DetectOptions:
     the cost of every step. 0: never."""
     scheduler: Any = None
     """The learning-rate scheduler that sets the optimizer's rate (a torch ``LRScheduler``,
-    or anything with ``get_last_lr()``): evidence for the rules, which take a warm restart it
-    makes as a new start and judge only a change of rate it did not make (``schedule.py``).
+    or anything with ``get_last_lr()``; timm's, with ``step()`` and a state, whose rate cannot
+    be read back): evidence for the rules, which take a warm restart it makes as a new start
+    and judge only a change of rate it did not make (``schedule.py``).
     The trainer callbacks pass the trainer's; in a plain loop pass yours. None: a rise of the
     rate back to at most its peak so far is taken as a restart, and a change of rate is told
     from the schedule by its size alone."""
@@ -158,6 +159,10 @@ class ActOptions:
     scaler: Any = None
     """A ``torch.amp.GradScaler``: ``mon.step`` unscales, steps and updates through it, and
     the loss-scale rule watches its scale. None: no loss scaling."""
+    averaged: Any = None
+    """An averaged copy of the model kept beside it (timm's ``ModelEmaV3``, torch's
+    ``swa_utils.AveragedModel``), or a list of them: rolled back with the model, and its
+    parameters and buffers read by ``safe_to_save()`` with the model's. None: none."""
     rollback: Any = None
     """Roll back in process (``rollback.py``): a ``fh.RollbackConfig`` (True: its defaults)
     keeps known-good snapshots of the training state in host memory and restores the newest

@@ -213,6 +213,20 @@ def _check_parts(activations: Any, scaler: Any, backend: Any, detectors: Any, lo
                             f"observe(step)), got {shown(d)}")
 
 
+def _check_averaged(averaged: Any, model: Any) -> None:
+    items = [averaged] if isinstance(averaged, torch.nn.Module) else averaged
+    if averaged is None:
+        return
+    if not isinstance(items, (list, tuple)) or not all(isinstance(m, torch.nn.Module)
+                                                       for m in items):
+        raise TypeError("fasthealth: averaged must be a torch.nn.Module (an EMA or SWA copy "
+                        "of the model: timm's ModelEmaV3, torch's AveragedModel), a list of "
+                        f"them, or None, got {shown(averaged)}")
+    if any(m is model for m in items):
+        raise ValueError("fasthealth: averaged is the model itself; pass the averaged copy "
+                         "(ModelEmaV3(model), AveragedModel(model))")
+
+
 def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.Optimizer | None:
     """Validates every argument of ``Monitor`` (types, ranges, combinations) before anything
     is made or written; returns the optimizer to gate. Errors start with "fasthealth:" and
@@ -242,6 +256,7 @@ def check_options(model: Any, optimizer: Any, o: dict[str, Any]) -> torch.optim.
         raise TypeError(f"fasthealth: precursors must be True, False or a "
                         f"fh.PrecursorOptions, got {shown(o['precursors'])}")
     _check_rollback(o["rollback"], inner, o["process_group"])
+    _check_averaged(o["averaged"], model)
     return inner
 
 

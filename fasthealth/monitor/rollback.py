@@ -138,6 +138,7 @@ class Snapshot:
     scaler: dict[str, Any] | None
     scheduler: dict[str, Any] | None
     nbytes: int
+    averaged: list[dict[str, torch.Tensor]] = field(default_factory=list)  # EMA/SWA models'
 
 
 def _to_host(x: Any, into: Any = None) -> Any:
@@ -197,10 +198,12 @@ class Rollback:
     STATE_UNDER_ANY_CONFIG = True
 
     def __init__(self, config: RollbackConfig, model: torch.nn.Module, optimizer: Any,
-                 scaler: Any = None, scheduler: Any = None) -> None:
+                 scaler: Any = None, scheduler: Any = None,
+                 averaged: list[torch.nn.Module] | None = None) -> None:
         self.config = config
         self.model, self.optimizer, self.scaler, self.scheduler = (model, optimizer, scaler,
                                                                    scheduler)
+        self.averaged = list(averaged or [])  # EMA/SWA models, rolled back with the model
         self.snapshots: list[Snapshot] = []
         self.history: list[RollbackRecord] = []
         self.quarantine: list[int] = []  # sorted, each once
@@ -254,13 +257,14 @@ class Rollback:
 
     @classmethod
     def build(cls, option: Any, model: torch.nn.Module, optimizer: Any, scaler: Any = None,
-              scheduler: Any = None) -> Rollback | None:
+              scheduler: Any = None, averaged: list[torch.nn.Module] | None = None
+              ) -> Rollback | None:
         """The Monitor's ``rollback=`` (checked by ``options.py``): None or False is off, True
         the defaults."""
         if option is None or option is False:
             return None
         return cls(RollbackConfig() if option is True else option, model, optimizer, scaler,
-                   scheduler)
+                   scheduler, averaged)
 
     # ---- at each flush -----------------------------------------------------------------------
 
@@ -309,8 +313,10 @@ class Rollback:
                         _to_host(self.optimizer.state_dict(), old and old.optimizer),
                         _to_host(self.scaler.state_dict()) if self.scaler is not None else None,
                         copy.deepcopy(self.scheduler.state_dict())
-                        if self.scheduler is not None else None, 0)
-        snap.nbytes = _nbytes(snap.model) + _nbytes(snap.optimizer)
+                        if self.scheduler is not None else None, 0,
+                        [_to_host(m.state_dict(), old and i < len(old.averaged)
+                                  and old.averaged[i]) for i, m in enumerate(self.averaged)])
+        snap.nbytes = _nbytes(snap.model) + _nbytes(snap.optimizer) + _nbytes(snap.averaged)
         if snap.nbytes * c.keep > c.max_bytes:
             self.off_reason = (f"a snapshot takes {snap.nbytes / 2**20:.0f} MiB, and {c.keep} of "
                                f"them more than max_bytes={c.max_bytes}")
@@ -372,6 +378,7 @@ class Rollback:
             f"{start}: {why}); the model, the optimizer"
             + (", the scaler" if target.scaler is not None else "")
             + (", the scheduler" if target.scheduler is not None else "")
+            + (", the averaged model" if target.averaged else "")
             + f" are as they were at the end of step {target.step}"
             + (" (the learning rate is the scheduler's now: it sets the rate from the loop's "
                "own counter)" if rate_kept else "")
@@ -429,6 +436,8 @@ class Rollback:
         given."""
         _settle()
         self.model.load_state_dict(snap.model)
+        for m, state in zip(self.averaged, snap.averaged):
+            m.load_state_dict(state)
         kept = self._schedule_now()
         self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
         for group, values in zip(self.optimizer.param_groups, kept):

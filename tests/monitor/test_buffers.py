@@ -3,6 +3,7 @@ BatchNorm's running statistics as they were before its forward; a NaN that reach
 anyway is named by the weight scan and by safe_to_save(); replay runs models with in-place
 activations and residual adds."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -175,3 +176,51 @@ def test_replay_names_a_module_that_makes_nan_after_in_place_ops(tmp_path):
     ev = next(e for e in mon.events if e.kind in ("nonfinite_loss", "nonfinite_grad"))
     r = fh.replay(ev.dump, model, loss_fn)
     assert r.reproduced and r.source == "forward" and r.first_nonfinite == "4", r.verdict
+
+
+def test_an_averaged_model_is_rolled_back_and_checked_with_the_model():
+    """torch's AveragedModel as an EMA (timm's ModelEmaV3 is the same to the Monitor): a
+    weight x1e4 at step 30 reaches the EMA through its update; the rollback restores both, and
+    a NaN in the EMA's BatchNorm statistics is named by safe_to_save()."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = cnn()
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = fh.Monitor(model, opt, flush_every=5, averaged=ema,
+                     rollback=fh.RollbackConfig(every=5))
+    g = torch.Generator().manual_seed(1)
+    snap = after = None
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(45):
+            if t == 30:
+                with torch.no_grad():
+                    model[5].weight.mul_(1e4)
+            x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            mon.step(loss, batch=(x, y))
+            if mon.rollbacks and after is None:  # the EMA as the rollback left it
+                after = {k: v.clone() for k, v in ema.state_dict().items()}
+            ema.update_parameters(model)
+            if t == 28:  # the snapshot at the flush of step 29 is taken before its update
+                snap = {k: v.clone() for k, v in ema.state_dict().items()}
+    assert mon.rollbacks and mon.rollbacks[0].to_step < 30 <= mon.rollbacks[0].step
+    assert ema.module[5].weight.abs().max() < 100  # the EMA came back with the model
+    assert snap is not None and after is not None and mon.rollbacks[0].to_step == 29
+    for k, v in after.items():  # as it was when the snapshot was taken
+        assert torch.equal(v, snap[k]), k
+    mon.close()
+    mon = fh.Monitor(model, opt, flush_every=5, averaged=[ema])  # the same, on a fresh run
+    train(model, mon, opt, 3)
+    assert mon.safe_to_save()
+    ema.module[1].running_var[0] = NAN
+    v = mon.save_verdict()
+    assert not v.safe and "averaged[0].module.1.running_var" in v.reason, v
+    mon.close()
+    with pytest.raises(TypeError, match="averaged must be"):
+        fh.Monitor(model, opt, averaged="ema")

@@ -33,6 +33,7 @@ OLD_KEYWORDS = [
     "all_ranks",  # one rank writes under torch.distributed unless asked
     "incidents",  # how events are grouped into incidents, their causes named
     "rollback",  # the known-good snapshots a damaged run is rolled back to
+    "averaged",  # an EMA/SWA copy, rolled back and checked with the model
 ]
 # docs/spec.md section 6's signature: shown by IDEs, so kept in Monitor's own
 SPEC_KEYWORDS = ["log_dir", "flush_every", "on_nonfinite", "on_spike", "spike_zscore",
