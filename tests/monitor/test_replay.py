@@ -267,3 +267,40 @@ def test_replay_writes_its_result_beside_the_dump_and_the_report_shows_it(tmp_pa
     assert again.culprit_ids == [705]
     assert json.loads(written.read_text())["culprit_ids"] == [705]  # the earlier one stands
     assert fh.replay(inc.dump, model, lm_loss, save=False).reproduced
+
+
+def test_replay_runs_a_compiled_channels_last_model_with_hooks_of_its_own(tmp_path):
+    """torch.compile (the eager backend: dynamo's tracing, no code generation), channels_last
+    inputs and a forward hook of the user's: the NaN sample is found on the compiled model
+    and on the module inside it."""
+    import warnings
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                         nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4)).to(memory_format=torch.channels_last)
+    seen = []
+    base[0].register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    model = torch.compile(base, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss_fn(m, b):
+        return nn.functional.cross_entropy(m(b[0]), b[1])
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fh.Monitor(model, opt, log_dir=tmp_path, flush_every=5) as mon:
+            for t in range(10):
+                x = torch.randn(8, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+                y = torch.randint(0, 4, (8,), generator=g)
+                if t == 6:
+                    x[3, 0, 2, 2] = NAN
+                loss = loss_fn(model, (x, y))
+                opt.zero_grad()
+                loss.backward()
+                mon.step(loss, batch=(x, y), sample_ids=torch.arange(8) + 8 * t)
+        ev = next(e for e in mon.events if e.kind == "nonfinite_loss")
+        for m in (model, base):
+            r = fh.replay(ev.dump, m, loss_fn)
+            assert r.reproduced and r.source == "batch" and r.culprit_ids == [51], r.verdict
+    assert seen  # the user's hook ran in training
