@@ -13,6 +13,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
+from types import FrameType
 
 from .events import ALARM, Incident
 
@@ -23,7 +24,8 @@ _PACKAGE = str(Path(__file__).resolve().parent.parent)
 def user_stacklevel() -> int:
     """The ``stacklevel`` of ``warnings.warn`` (called by the caller of this function) that
     names the first frame outside fasthealth: the user's ``mon.step`` or ``mon.flush``."""
-    frame, level = sys._getframe(2), 1  # the frame that calls warnings.warn is level 1
+    frame: FrameType | None = sys._getframe(2)  # the frame that calls warnings.warn: level 1
+    level = 1
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
             _PACKAGE):
         frame, level = frame.f_back, level + 1
