@@ -18,7 +18,7 @@ BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: env build test test-fast test-eval bench demo lint clean cuda-check gpu-prebuilt \
-	zoo-env zoo zoo-all
+	zoo-env zoo zoo-all test-zoo
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -199,8 +199,14 @@ zoo-env: $(ZOO_STAMP)
 $(ZOO_STAMP): Makefile
 	test -x $(ZOO_PY) || $(PYTHON) -m venv $(ZOO_VENV)
 	$(ZOO_PY) -m pip install -q $(ZOO_TORCH) timm==1.0.31 transformers==5.24.0 \
-		$(CORPUS) numpy
+		$(CORPUS) numpy pytest pytest-xdist==3.8.0
 	touch $@
+
+# the quick tier's tests (evaluation/zoo/test_quick.py: ResNet-18's replay, timm's loop healthy
+# with and without its scheduler, every fault on timm's ResNet); CI runs them
+test-zoo: zoo-env
+	PYTHONPATH=$(CURDIR) OMP_NUM_THREADS=1 $(ZOO_PY) -m pytest -q -p no:cacheprovider \
+		$(if $(filter-out 1,$(JOBS)),-n $(JOBS)) evaluation/zoo/test_quick.py
 
 # the quick tier (a few models and ways, every fault) into build/; `make zoo-all` the whole,
 # into bench/results/zoo.json

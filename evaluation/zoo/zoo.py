@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 import fasthealth as fh
+from fasthealth.monitor.robust import level_and_noise
 
 STEPS = 100
 ONSET = 60  # 60% of the run
@@ -193,6 +194,8 @@ class Run:
     buffers_finite: bool = True
     safe_to_save: bool = True
     safe_agrees: bool = True  # safe_to_save() is False whenever the model holds NaN/Inf
+    onset_z: float | None = None  # the fault's largest loss, in noise units above the level
+    end_loss: float | None = None  # the mean loss of the last 10 steps
     seconds: float = 0.0
 
 
@@ -253,12 +256,14 @@ def train(name: str, way: str, fault: str, scheduler_given: bool = True, seed: i
     run = Run(name, way, fault, scheduler_given)
     data = batches(task, seed)
     t0 = time.perf_counter()
+    losses: list[float] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for t in range(STEPS):
             x, y, ids = next(data)
             x, y = plant(fault, t, model, opt, x, y, task)
             loss = loss_fn(model, (x, y))
+            losses.append(float(loss.detach()))
             opt.zero_grad()
             loss.backward()
             mon.step(loss, batch=(x, y), sample_ids=ids)
@@ -270,6 +275,11 @@ def train(name: str, way: str, fault: str, scheduler_given: bool = True, seed: i
                 sched.step()
         mon.close()
     run.seconds = time.perf_counter() - t0
+    level, noise = level_and_noise(losses[ONSET - 30:ONSET])
+    hit = [x if math.isfinite(x) else math.inf for x in losses[ONSET:ONSET + STRETCH]]
+    run.onset_z = round(min((max(hit) - level) / noise, 1e9), 2) if noise > 0 else None
+    tail = [x for x in losses[-10:] if math.isfinite(x)]
+    run.end_loss = round(sum(tail) / len(tail), 4) if tail else None
     return run, mon, model
 
 
@@ -321,11 +331,52 @@ def plan(quick: bool) -> list[tuple[str, str, str, bool]]:
     return out
 
 
+def table(entry: dict) -> str:
+    """The Markdown table of a zoo.json entry: a row per (model, way), a column per fault.
+    A cell: the alarm's cause and whether the run came back ("batch, back"), "missed" with
+    how far the fault moved the loss (z: noise units at its largest) and the end loss against
+    the healthy twin's; "+r" where replay ran, "R!" where it failed, "NaN!" where
+    safe_to_save() said True with NaN in the model. Healthy: the alarms (0 is the goal)."""
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    healthy_end: dict[tuple[str, str], float] = {}
+    for r in entry["runs"]:
+        if r["fault"] == "healthy" and r["scheduler_given"]:
+            healthy_end[(r["model"], r["way"])] = r["end_loss"]
+    for r in entry["runs"]:
+        key = (r["model"], r["way"])
+        cells = rows.setdefault(key, {})
+        if r["fault"] == "healthy":
+            col = "healthy" if r["scheduler_given"] else "healthy, no scheduler="
+            cells[col] = f"{len(r['alarms'])} alarms"
+            continue
+        if r["caught"]:
+            back = {"recovered": "back", "not back": "not back"}.get(r["recovered"], "?")
+            cell = f"{r['cause']}, {back}" + (" +r" if r["replay"] == "ok" else " R!")
+        else:
+            twin = healthy_end.get(key)
+            gap = (f", end {r['end_loss']:.3g} vs {twin:.3g}"
+                   if twin is not None and r["end_loss"] is not None else "")
+            cell = f"missed (z {r['onset_z']}{gap})"
+        if not r["safe_agrees"]:
+            cell += " NaN!"
+        cells[r["fault"]] = cell
+    cols = ["healthy", "healthy, no scheduler=", *FAULTS]
+    lines = ["| model | way | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+    for (model, way), cells in rows.items():
+        lines.append(f"| {model} | {way} | " + " | ".join(cells.get(c, "") for c in cols)
+                     + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the quick tier only")
     ap.add_argument("--out", type=Path, help="write the results here (JSON)")
+    ap.add_argument("--table", type=Path, help="print the Markdown table of a results file")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table(json.loads(a.table.read_text())))
+        return 0
     runs = []
     todo = plan(a.quick)
     for k, (m, w, f, given) in enumerate(todo):
@@ -337,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{k + 1}/{len(todo)}] {m:<20} {w:<5} {f:<16} sched={'y' if given else 'n'} "
               f"alarms={r.alarms} caught={r.caught} cause={r.cause} replay={r.replay} "
               f"{r.recovered} buffers_finite={r.buffers_finite} safe={r.safe_to_save} "
+              f"z={r.onset_z} end={r.end_loss} "
               f"({r.seconds:.0f} s)", flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

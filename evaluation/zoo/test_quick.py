@@ -1,0 +1,33 @@
+"""The zoo's quick tier, as tests (``make test-zoo``, in the zoo's own environment: torchvision
+and timm cannot load beside the tests' CPU torch). What the issue of "every model people train"
+asked, on the real libraries: replay reproduces a NaN on torchvision's ResNet-18 as it is built
+(in-place ReLU, in-place residual adds, BatchNorm in train mode); a healthy timm-style run (a
+per-epoch warm-up, cosine, clipping, an EMA) raises no alarm with or without ``scheduler=``;
+each planted fault is caught, with replay working and ``safe_to_save()`` never True while the
+model holds NaN."""
+
+import pytest
+
+pytest.importorskip("torchvision")  # the zoo's environment: make zoo-env
+pytest.importorskip("timm")
+
+from evaluation.zoo import zoo  # noqa: E402
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_healthy_timm_run_raises_no_alarm_with_or_without_its_scheduler(given):
+    r = zoo.score("timm_resnet", "timm", "healthy", scheduler_given=given)
+    assert not r.alarms and r.safe_to_save and r.buffers_finite, r
+
+
+def test_replay_reproduces_a_nan_on_torchvisions_resnet18_as_built():
+    r = zoo.score("resnet18", "loop", "nan_sample")
+    assert r.caught and r.cause == "batch" and r.replay == "ok", r
+    assert r.buffers_finite and r.safe_agrees, r
+
+
+@pytest.mark.parametrize("fault", zoo.FAULTS)
+def test_every_fault_is_caught_on_a_timm_resnet_in_timms_loop(fault):
+    r = zoo.score("timm_resnet", "timm", fault)
+    assert r.caught and r.replay == "ok" and r.safe_agrees, r
+    assert r.recovered in ("recovered", "not back"), r
