@@ -241,3 +241,26 @@ def test_the_tensor_norm_rule_decides_as_its_general_path_does():
             else:
                 assert a == b, k
     assert found == [(102, "vanishing_grad"), (200, "exploding_grad"), (260, "exploding_grad")]
+
+
+def test_the_tensor_norm_rule_starts_its_levels_again_when_the_rate_jumps():
+    """A rate 4,500x higher at one step (a per-epoch warm-up from 1e-5 the Monitor was not
+    told of): a tensor whose gradient then falls three orders below its level under the old
+    rate is no collapse; the levels are made anew under the new rate. Without the jump the
+    same fall is a collapse."""
+    from fasthealth.monitor.record import StepHost, StepRecord
+    from fasthealth.monitor.rules.tensor_norm import TensorNorm
+
+    ctx = Context(names=["stem.bias", "head.weight"])
+
+    def run(jump: bool) -> list[tuple[int, str]]:
+        rule, found = TensorNorm(ctx=ctx), []
+        for t in range(80):
+            lr = 0.045 if jump and t >= 40 else 1e-5
+            norm = [1e-5 if t >= 41 else 1.0, 1.0]
+            s = StepRecord(t, dict(grads_finite=1.0, loss=1.0), norm, [0.0, 0.0],
+                           StepHost(t, lr=lr))
+            found += [(t, f.kind) for f in rule.observe(s)]
+        return found
+    assert run(jump=True) == []
+    assert run(jump=False) == [(43, "vanishing_grad")]

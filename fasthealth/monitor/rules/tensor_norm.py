@@ -4,7 +4,11 @@
 the log norm, armed after ``warmup`` steps; collapsed and exploded steps stay out of it. When
 every tensor collapses at once the global rule (``vanishing.py``) speaks. A step whose loss is
 exactly 0 at a fitted floor (``vanishing.FitFloor``) is passed over: its gradients are float32's
-rounding noise."""
+rounding noise. A rate that rose more than ``ScheduleConfig.rise`` times at one step, whoever
+set it, starts the levels again, as a restart of a known schedule does: a tensor's usual
+gradient under a rate thousands of times lower says nothing of its size under the new one (a
+per-epoch warm-up from 1e-5 without ``scheduler=``: a ConvNeXt stem's bias gradient fell
+below 0.001 of its level three steps after the warm-up's jump, evaluation/zoo)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 
 from ..record import StepRecord
 from ..robust import WARMUP_STEPS
+from ..schedule import ScheduleConfig
 from .base import Context, Finding, Rule, listed
 from .vanishing import FitFloor
 
@@ -43,10 +48,10 @@ class TensorNorm(FitFloor, Rule[TensorNormConfig]):
     kinds = ("vanishing_grad", "exploding_grad")
     Config = TensorNormConfig
     STATE = ("level", "seen", "low", "reported_low", "reported_high", "first_losses",
-             "last_fitted")
+             "last_fitted", "lr")
     # added since the state's format (state.py): a resumed rule gathers its first losses anew
     STATE_ADDED: dict[str, Callable[[dict], Any]] = {
-        "first_losses": lambda f: [], "last_fitted": lambda f: None}
+        "first_losses": lambda f: [], "last_fitted": lambda f: None, "lr": lambda f: None}
     DERIVED = ("_settled", "_level", "_level_of")  # caches: _steady's check, the first level
     REARM = True
 
@@ -62,9 +67,15 @@ class TensorNorm(FitFloor, Rule[TensorNormConfig]):
         self._settled: tuple[torch.Tensor, ...] = ()  # see _steady
         self.first_losses = []
         self.last_fitted = None
+        self.lr: float | None = None  # the step before's rate
 
     def observe(self, s: StepRecord) -> list[Finding]:
         c = self.config
+        lr = s.host.lr
+        if lr is not None and math.isfinite(lr):
+            if self.lr and lr > ScheduleConfig.rise * self.lr:  # a new regime: levels anew
+                self.rearm()
+            self.lr = lr
         loss = s.values["loss"]
         if self.note_loss(s.step, loss, c.warmup) and loss == 0:
             return []  # a fitted batch rounded to 0: its gradients are rounding noise
