@@ -362,7 +362,8 @@ def table(entry: dict) -> str:
         cells[r["fault"]] = cell
     cols = ["healthy", "healthy, no scheduler=", *FAULTS]
     lines = ["| model | way | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    for (model, way), cells in rows.items():
+    for (model, way), cells in sorted(rows.items(), key=lambda kv: (MODELS.index(kv[0][0]),
+                                                                      kv[0][1])):
         lines.append(f"| {model} | {way} | " + " | ".join(cells.get(c, "") for c in cols)
                      + " |")
     return "\n".join(lines)
@@ -373,12 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick tier only")
     ap.add_argument("--out", type=Path, help="write the results here (JSON)")
     ap.add_argument("--table", type=Path, help="print the Markdown table of a results file")
+    ap.add_argument("--models", nargs="+", choices=MODELS,
+                    help="only these models; with --out, their rows replace those in the file")
     a = ap.parse_args(argv)
     if a.table:
         print(table(json.loads(a.table.read_text())))
         return 0
     runs = []
-    todo = plan(a.quick)
+    todo = [x for x in plan(a.quick) if a.models is None or x[0] in a.models]
     for k, (m, w, f, given) in enumerate(todo):
         try:
             r = score(m, w, f, given)
@@ -396,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
                  "python": sys.version.split()[0], "torch": torch.__version__,
                  "tier": "quick" if a.quick else "whole", "steps": STEPS, "onset": ONSET,
                  "runs": [asdict(r) for r in runs]}
+        if a.models and a.out.exists():  # the other models' rows as they were, and when
+            old = json.loads(a.out.read_text())
+            kept = [r for r in old["runs"] if r["model"] not in a.models]
+            entry["runs"] = kept + entry["runs"]
+            entry["rerun"] = {**old.get("rerun", {}),
+                              **{m: entry["date"] for m in a.models}}
+            entry["date"] = old["date"]
         a.out.write_text(json.dumps(entry, indent=1) + "\n")
     return 0
 
