@@ -154,7 +154,8 @@ register(
          "#393b79", severity=NOTICE, cause="learning_rate"),
     Kind("lr_jump", "the learning rate more than 3x the highest it has been at once, more "
          "than 1.5x it after climbing three steps in a row, or more than 2x the step before's "
-         "where the known scheduler did not set it",
+         "where the known scheduler did not set it; never a change the known scheduler made, "
+         "and without one a notice until the loss suffers from it",
          "the scheduler (stepped per batch instead of per epoch? resumed state? "
          "a growth factor above 1?), then the run's configuration", "#637939",
          explained_by=frozenset(), delayed=True, cause="learning_rate"),
