@@ -185,7 +185,8 @@ gpu-prebuilt:
 	@ls -l $(PREBUILT_DIR)
 
 # The zoo (evaluation/zoo/zoo.py): torchvision's, timm's and Hugging Face's models, trained
-# tiny on CPU by a hand-written loop and timm's training loop, healthy and with planted faults.
+# tiny on CPU by a hand-written loop, timm's training loop and the Hugging Face Trainer,
+# healthy and with planted faults.
 # torchvision and timm need a torch build that matches them (PyPI's torchvision links against
 # a CUDA build, which runs on the CPU): their own environment, apart from the tests' .venv.
 # fasthealth is run from this tree there, on the 'torch' backend (the .venv's _C is built for

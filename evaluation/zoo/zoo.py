@@ -2,10 +2,13 @@
 it was built with. Each model is built from config (random weights: nothing is downloaded),
 trained tiny on CPU on real data (scikit-learn's digits: 8x8 images upsampled to 32x32 for the
 vision models, their 64 pixels as a sequence of 17-level tokens for the language models), by
-two ways of training:
+three ways of training:
 
 - ``loop``: a hand-written loop as the README writes it (``mon.step`` where
   ``optimizer.step()`` was), with a torch scheduler passed as ``scheduler=``;
+- ``hf``: ``transformers.Trainer`` with fasthealth's ``HealthCallback`` at its defaults, for
+  the Hugging Face models (the model faults planted by a callback at their step, the data
+  faults in the dataset's batches, taken in order);
 - ``timm``: the shape of timm's ``train.py`` (``train_one_epoch``): timm's
   ``CosineLRScheduler`` with a one-epoch warm-up stepped per epoch (``step(epoch)``),
   ``--clip-grad 1.0``, ``ModelEmaV3``, SGD with momentum; run with and without ``scheduler=``.
@@ -153,6 +156,7 @@ MODELS = ("resnet18", "mobilenet_v3_small", "timm_resnet", "timm_efficientnet",
           "lstm_lm")
 QUICK = [("resnet18", "loop"), ("timm_resnet", "timm"), ("gpt2", "loop")]
 TIMM_LOOP = ("resnet18", "timm_resnet", "timm_efficientnet", "timm_convnext", "vit")
+HF_TRAINER = ("bert", "gpt2")
 
 
 def loss_fn_for(task: str):
@@ -283,9 +287,75 @@ def train(name: str, way: str, fault: str, scheduler_given: bool = True, seed: i
     return run, mon, model
 
 
+class _Stream(torch.utils.data.Dataset):
+    """The Trainer's data: ``STEPS`` batches of ``batches(task)`` in step order (the Trainer
+    takes them with ``train_sampling_strategy="sequential"`` in batches of ``BATCH``), the
+    data faults planted in the batches of their steps."""
+
+    def __init__(self, task: str, fault: str, seed: int) -> None:
+        data, self.rows = batches(task, seed), []
+        for t in range(STEPS):
+            x, y, _ = next(data)
+            if fault in ("labels_shuffled", "garbage_batch"):
+                x, y = plant(fault, t, nn.Identity(), None, x, y, task)
+            for i in range(BATCH):
+                self.rows.append({"input_ids": x[i], "labels": y[i] if task == "tokens"
+                                  else x[i]})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def train_hf(name: str, fault: str, seed: int, log_dir: str
+             ) -> tuple[Run, fh.Monitor, nn.Module]:
+    """A Hugging Face model through ``transformers.Trainer`` with fasthealth's
+    ``HealthCallback`` at its defaults; the model faults planted by a callback at the step."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from fasthealth.integrations.transformers import HealthCallback
+
+    torch.manual_seed(seed)
+    model, task = build(name)
+    if fault == "nan_buffer" and not any(b.is_floating_point() for b in model.buffers()):
+        raise StopIteration  # nothing to plant it in, as in train()
+
+    class Plant(TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kw):
+            t = state.global_step
+            if fault in ("nan_sample", "weight_x1e4", "nan_buffer") and t == ONSET:
+                plant(fault, t, model, optimizer, torch.zeros(BATCH, 2, dtype=torch.long),
+                      None, task)
+            if fault == "lr_burst" and ONSET <= t < ONSET + STRETCH:
+                for grp in optimizer.param_groups:  # the scheduler sets it again each step
+                    grp["lr"] *= 20
+    health = HealthCallback(log_dir=log_dir, flush_every=10)
+    args = TrainingArguments(log_dir, per_device_train_batch_size=BATCH, max_steps=STEPS,
+                             report_to=[], use_cpu=True, save_strategy="no", seed=seed,
+                             learning_rate=1e-3, logging_steps=10, disable_tqdm=True,
+                             train_sampling_strategy="sequential", lr_scheduler_type="cosine")
+    trainer = Trainer(model, args, train_dataset=_Stream(task, fault, seed),
+                      callbacks=[health, Plant()])
+    run = Run(name, "hf", fault, True)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    run.seconds = time.perf_counter() - t0
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    run.end_loss = losses[-1] if losses else None
+    assert health.monitor is not None
+    return run, health.monitor, model
+
+
 def score(name: str, way: str, fault: str, scheduler_given: bool = True) -> Run:
     with tempfile.TemporaryDirectory() as d:
-        run, mon, model = train(name, way, fault, scheduler_given, log_dir=d)
+        if way == "hf":
+            run, mon, model = train_hf(name, fault, 0, d)
+        else:
+            run, mon, model = train(name, way, fault, scheduler_given, log_dir=d)
         alarms = [i for i in mon.incidents if i.severity == "alarm"]
         run.alarms = [(i.start, i.trigger, i.cause) for i in alarms]
         bufs = [b for b in model.buffers() if b.is_floating_point()]
@@ -306,7 +376,8 @@ def score(name: str, way: str, fault: str, scheduler_given: bool = True) -> Run:
                     run.replay = "no dump"
                 else:
                     try:
-                        fh.replay(dump, model, loss_fn_for(build_task(name)))
+                        fh.replay(dump, model, (lambda m, b: m(**b).loss) if way == "hf"
+                                  else loss_fn_for(build_task(name)))
                         run.replay = "ok"
                     except Exception as e:  # what a user would see
                         run.replay = f"{type(e).__name__}: {e}"[:200]
@@ -319,8 +390,9 @@ def build_task(name: str) -> str:
 
 
 def plan(quick: bool) -> list[tuple[str, str, str, bool]]:
-    pairs = QUICK if quick else [(m, w) for m in MODELS for w in ("loop", "timm")
-                                 if w == "loop" or m in TIMM_LOOP]
+    pairs = QUICK if quick else [(m, w) for m in MODELS for w in ("loop", "timm", "hf")
+                                 if w == "loop" or m in TIMM_LOOP
+                                 or (w == "hf" and m in HF_TRAINER)]
     out = []
     for m, w in pairs:
         out.append((m, w, "healthy", True))
