@@ -4,7 +4,7 @@ asked, on the real libraries: replay reproduces a NaN on torchvision's ResNet-18
 (in-place ReLU, in-place residual adds, BatchNorm in train mode); a healthy timm-style run (a
 per-epoch warm-up, cosine, clipping, an EMA) raises no alarm with or without ``scheduler=``;
 each planted fault is caught, with replay working and ``safe_to_save()`` never True while the
-model holds NaN."""
+model holds NaN; GPT-2 through ``transformers.Trainer`` with ``HealthCallback()``."""
 
 import pytest
 
@@ -44,3 +44,12 @@ def test_every_fault_is_caught_on_a_timm_resnet_in_timms_loop(fault):
     assert r.safe_agrees, r  # never safe_to_save() with NaN in the model, caught or not
     assert r.caught and r.replay == "ok", r
     assert r.recovered in ("recovered", "not back"), r
+
+
+@pytest.mark.parametrize("fault", ["healthy", "nan_sample", "lr_burst", "weight_x1e4"])
+def test_gpt2_through_the_trainer_with_the_callbacks_defaults(fault):
+    r = zoo.score("gpt2", "hf", fault)
+    if fault == "healthy":
+        assert not r.alarms, r
+    else:
+        assert r.caught and r.replay == "ok" and r.safe_agrees, r
