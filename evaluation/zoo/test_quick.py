@@ -1,6 +1,6 @@
 """The zoo's quick tier, as tests (``make test-zoo``, in the zoo's own environment: torchvision
-and timm cannot load beside the tests' CPU torch). What the issue of "every model people train"
-asked, on the real libraries: replay reproduces a NaN on torchvision's ResNet-18 as it is built
+and timm cannot load beside the tests' CPU torch). What a user of those libraries needs
+first, on the real libraries: replay reproduces a NaN on torchvision's ResNet-18 as it is built
 (in-place ReLU, in-place residual adds, BatchNorm in train mode); a healthy timm-style run (a
 per-epoch warm-up, cosine, clipping, an EMA) raises no alarm with or without ``scheduler=``;
 each planted fault is caught, with replay working and ``safe_to_save()`` never True while the
