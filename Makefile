@@ -200,7 +200,7 @@ zoo-env: $(ZOO_STAMP)
 $(ZOO_STAMP): Makefile
 	test -x $(ZOO_PY) || $(PYTHON) -m venv $(ZOO_VENV)
 	$(ZOO_PY) -m pip install -q $(ZOO_TORCH) timm==1.0.31 transformers==5.24.0 \
-		$(CORPUS) numpy pytest pytest-xdist==3.8.0
+		accelerate==1.15.0 $(CORPUS) numpy pytest pytest-xdist==3.8.0
 	touch $@
 
 # the quick tier's tests (evaluation/zoo/test_quick.py: ResNet-18's replay, timm's loop healthy
