@@ -203,6 +203,9 @@ class Run:
     seconds: float = 0.0
 
 
+_BURST: dict[int, float] = {}  # a parameter group's rate while the burst holds it
+
+
 def plant(fault: str, t: int, model: nn.Module, opt, x, y, task: str):
     """The fault at step ``t`` (the onset, or within its stretch): the batch it gives back."""
     if fault == "nan_sample" and t == ONSET:
@@ -214,8 +217,11 @@ def plant(fault: str, t: int, model: nn.Module, opt, x, y, task: str):
                 emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
                 emb.weight[int(x[2, 0])] = math.nan
     if fault == "lr_burst" and t in (ONSET, ONSET + STRETCH):
-        for grp in opt.param_groups:
-            grp["lr"] *= 20 if t == ONSET else 1 / 20
+        for grp in opt.param_groups:  # at its end, back to the rate before it, unless the
+            if t == ONSET:            # scheduler has set its own since (timm's, per epoch)
+                grp["lr"] = _BURST[id(grp)] = grp["lr"] * 20
+            elif grp["lr"] == _BURST.pop(id(grp), None):
+                grp["lr"] /= 20
     if fault == "weight_x1e4" and t == ONSET:
         with torch.no_grad():  # its largest element: a jump of 1e4 over the tensor's level
             w = next(p for p in model.parameters() if p.dim() > 1).view(-1)

@@ -302,8 +302,9 @@ def _warmup_per_epoch(scheduler, bad_rate=None, steps=240, epoch=40, seed=0):
 
     def rate(e):  # per epoch, as a share of 0.5
         return 2e-5 if e == 0 else 0.5 * (1 + math.cos(math.pi * e / (steps // epoch)))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate) if scheduler != "none" else None
-    mon = fh.Monitor(m, opt, scheduler=sched if scheduler == "given" else None)
+    sched = (_PositionScheduler(opt, lambda e: 0.5 * rate(e)) if scheduler == "timm" else
+             torch.optim.lr_scheduler.LambdaLR(opt, rate) if scheduler != "none" else None)
+    mon = fh.Monitor(m, opt, scheduler=sched if scheduler in ("given", "timm") else None)
     for t in range(steps):
         if scheduler == "none":
             for grp in opt.param_groups:
@@ -317,24 +318,50 @@ def _warmup_per_epoch(scheduler, bad_rate=None, steps=240, epoch=40, seed=0):
         loss.backward()
         mon.step(loss, batch=(X[i], Y[i]))
         if sched is not None and (t + 1) % epoch == 0:
-            sched.step()
+            sched.step((t + 1) // epoch) if scheduler == "timm" else sched.step()
     mon.close()
     return mon
 
 
-@pytest.mark.parametrize("scheduler", ["given", "hidden", "none"])
+class _PositionScheduler:
+    """timm's ``Scheduler`` as it is (timm needs torchvision, which this environment's torch
+    cannot load; the zoo runs the real one): the rate a pure function ``_get_lr(t)`` of the
+    position the loop passes to ``step(epoch)``, set into the groups; no last rate kept."""
+
+    def __init__(self, optimizer, rate):
+        self.optimizer, self.rate, self.t_in_epochs = optimizer, rate, True
+        self.update_groups(self._get_lr(0))
+
+    def _get_lr(self, t):
+        return [self.rate(t) for _ in self.optimizer.param_groups]
+
+    def step(self, epoch, metric=None):
+        self.update_groups(self._get_lr(epoch))
+
+    def update_groups(self, values):
+        for grp, v in zip(self.optimizer.param_groups, values):
+            grp["lr"] = v
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("scheduler", ["given", "timm", "hidden", "none"])
 def test_a_warm_up_stepped_per_epoch_raises_no_alarm_with_or_without_the_scheduler(scheduler):
     mon = _warmup_per_epoch(scheduler)
     assert not _alarms(mon), [(e.step, e.kind, e.message) for e in mon.events]
     jumps = [e for e in mon.events if e.kind == "lr_jump"]
-    if scheduler == "given":  # the scheduler set it: no finding at all
+    if scheduler in ("given", "timm"):  # the scheduler set it: no finding at all
         assert not jumps
     else:  # not known: a notice that says why it is no alarm
         assert [e.step for e in jumps] == [40] and jumps[0].severity == "notice"
         assert "no scheduler is known" in jumps[0].message
 
 
-@pytest.mark.parametrize("scheduler", ["given", "none"])
+@pytest.mark.parametrize("scheduler", ["given", "timm", "none"])
 def test_a_rate_bug_the_loss_suffers_from_is_an_lr_jump_alarm(scheduler):
     mon = _warmup_per_epoch(scheduler, bad_rate=(150, 40.0))
     jumps = [e for e in mon.events if e.kind == "lr_jump" and e.severity == "alarm"]
@@ -367,3 +394,28 @@ def test_a_scheduler_with_step_and_state_is_accepted():
     mon.close()
     with pytest.raises(TypeError, match="timm's"):
         fh.Monitor(m, opt, scheduler=object())
+
+
+def test_a_position_scheduler_s_rate_is_found_and_a_rate_it_did_not_set_is_unexplained():
+    """A timm-shaped scheduler keeps no last rate: the rate it set is found among its
+    positions (near the last one, or anywhere in its cycle after a resume); a rate that is no
+    position's is told apart at once, with no loss needed, and costs no rescan while it holds."""
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = _PositionScheduler(opt, lambda e: 0.1 * 0.5 ** e)
+    src = schedule.ScheduleSource(opt, sched)
+    assert src.rates() == (0.1, 0.1)
+    sched.step(1)
+    assert src.rates() == (0.05, 0.05)
+    sched.step(7)  # a jump ahead, as a resumed run makes: found by the wider scan
+    assert src.rates() == (0.1 * 0.5 ** 7, 0.1 * 0.5 ** 7)
+    opt.param_groups[0]["lr"] = 0.3  # by hand
+    calls = []
+    real = sched._get_lr
+    sched._get_lr = lambda t: calls.append(t) or real(t)
+    assert src.rates() == (0.3, 0.1 * 0.5 ** 7)
+    scanned = len(calls)
+    assert scanned > 0 and src.rates() == (0.3, 0.1 * 0.5 ** 7) and len(calls) == scanned
+    view = schedule.ScheduleView()
+    assert view.observe(0.1 * 0.5 ** 7, 0.1 * 0.5 ** 7) == (False, False)
+    assert view.observe(0.3, 0.1 * 0.5 ** 7) == (False, True)
