@@ -24,8 +24,9 @@ from .events import Event, Incident, NonFiniteError, Observation
 from .incidents import IncidentConfig
 from .monitor import Monitor, analyser_for
 from .option_groups import ActOptions, DetectOptions, LogOptions, MeasureOptions, PrecursorOptions
+from .quarantine import skip_quarantined
 from .replay import ReplayResult, replay
-from .rollback import RollbackBudgetError, RollbackConfig, skip_quarantined
+from .rollback import RollbackBudgetError, RollbackConfig
 from .sinks import steps_from_log
 
 __all__ = ["ActOptions", "Analyser", "CauseConfig", "DetectOptions", "Event", "Filing", "Incident",

@@ -111,6 +111,9 @@ class Incident:
     why: str = ""
     recovered: bool | None = None
     basis: str = ""
+    rolled_back: bool = False
+    """Closed by a rollback (``rollback.py``): the state from before it was restored, so the
+    run is back where it was (``recovered``); the fault coming back is a new incident."""
 
     @property
     def message(self) -> str:
@@ -130,7 +133,8 @@ class Incident:
                 "trigger": self.trigger, "check_first": self.check_first, "why": self.why,
                 "severity": self.severity, "events": len(self.events),
                 "counts": dict(self.counts), "dump": self.dump, "message": self.message,
-                "recovered": self.recovered, "basis": self.basis}
+                "recovered": self.recovered, "basis": self.basis,
+                "rolled_back": self.rolled_back}
 
 
 @dataclass

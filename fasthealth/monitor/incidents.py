@@ -449,6 +449,17 @@ class IncidentTracker:
         self._judge()
         return cur, opened, cur.severity == ALARM and not was_alarm, kept
 
+    def rolled_back(self, inc: Incident) -> None:
+        """Closes ``inc``, the open incident, as rolled back (``Incident.rolled_back``): the
+        state from before it is restored, the run is back. ``take_closed`` reports it."""
+        if self.current is not inc:
+            return
+        inc.rolled_back = True
+        self.harmed = False
+        closed = self._close()
+        closed.recovered = True if closed.severity == ALARM else None
+        self.closed_early.append(closed)
+
     def close_all(self) -> list[Incident]:
         """Closes the open incident (the run ended); returns it in a list, or an empty one.
         ``ended`` keeps it: what was open when the run ended still judges its last state

@@ -344,7 +344,8 @@ class Monitor(LongRun):
         pg = self.process_group
         # a batch holding a sample a rollback quarantined: skipped as well (rollback.py), on
         # every rank when any rank's batch holds one
-        held = None if self.rollback is None else self.rollback.holds(sample_ids, self.device)
+        held = None if self.rollback is None else self.rollback.holds(sample_ids, self.device,
+                                                                      batch, t)
         stats = self._grad_pass(grads, names, process_group=pg, extra_bad=~loss_ok,
                                 replica_group=self.replica_group,
                                 extra_loss=loss_d if self.skip_rule is not None else None,

@@ -14,19 +14,38 @@ snapshot from before the incident's first step is copied back into the model, th
 the scaler and the scheduler, in place, and training goes on with the next batch the loop
 gives: the steps since the snapshot are lost (at most ``every`` plus a flush), and their
 batches are not trained on again, as a person who restarts from an earlier checkpoint and skips
-the bad stretch of data would do (PaLM, Chowdhery et al. 2022). The sample ids of the
-incident's steps (``sample_ids=`` of ``mon.step``) are put in ``quarantine``, which the
-Monitor's state keeps across a resume. ``fh.skip_quarantined`` drops them from a plain loop's
+the bad stretch of data would do (PaLM, Chowdhery et al. 2022). The detectors' windows go back
+with the state (``snapshots.py``) and the incident closes as rolled back: the same fault coming
+back is a new incident, and a new rollback.
+
+Quarantine, for an incident whose cause is the data (``batch``, or the replay's verdict): with
+``replay=``, the culprits of the incident's batches, found on the restored state
+(``culprits.py``: the fewest samples whose removal brings their batch back to a healthy
+loss); without it, every sample of the incident's steps. With ``replay=`` the quarantine then
+widens: for ``every`` steps after a data rollback, each step's batch is searched the same way
+before its update (one forward without gradients, where the replay gives one loss per sample,
+and a host sync), its culprits quarantined without a rollback and its step skipped: bad
+samples the incident's batches did not hold, which come back too quietly to raise an alarm of
+their own and which the model, restored to before them, would otherwise learn by heart. Under any
+other cause (the weights, the learning rate, the numeric range, the optimizer's state) no
+sample is put aside. The
+sample ids (``sample_ids=`` of ``mon.step``) go into ``quarantine``, which the Monitor's state
+keeps across a resume. ``fh.skip_quarantined`` drops them from a plain loop's
 sampler; wherever the loop's own sampler still serves one (the Hugging Face Trainer's and
 Lightning's data loading, whose callbacks pass each batch's sample ids), the step whose batch
 holds it is skipped on the device, like a non-finite one, and recorded as ``quarantine_skip``
 (not counted in ``max_skips``).
 
-Once per incident: an incident that stays open after its rollback is not rolled back again.
-The *budget* stops a run that keeps going wrong: more than ``max_in_row`` rollbacks without a
-good snapshot between them, or ``max_total`` in all, raise ``RollbackBudgetError`` at the flush
-(the incidents in its message), as do more than ``max_skips`` skipped steps in all (NaN or
-spike skips), instead of skipping a real bug forever.
+The *ladder* (``RollbackConfig.ladder``, by cause) and the *budget* stop a run that keeps going
+wrong, with ``RollbackBudgetError`` at the flush, naming the cause and what to check. Rollbacks
+are "in a row" until the run has gone ``every`` steps after the last one and a snapshot is
+taken (no snapshot is taken sooner after a rollback). The default ladder: a rollback for
+data that quarantined new culprits among good samples does not count (it made progress), one
+whose batches were bad as a whole (the source is bad, not some samples) counts, once; any other cause once: a rate still too
+high after a restore is the code's (``lr_jump`` says so at once after a rollback), weights
+damaged again without new data are not a batch's doing. More than ``max_in_row`` rollbacks
+in a row or ``max_total`` in all stop it too, as do more than ``max_skips`` skipped steps in
+all (NaN or spike skips), instead of skipping a real bug forever.
 
 Each rollback is written to the run's ``rollbacks.jsonl`` (with a ``log_dir``) and kept in
 ``Monitor.rollbacks``; a warning says what was done. Rolling back needs the optimizer, and is
@@ -36,28 +55,44 @@ not yet supported under a ``process_group`` (every rank would have to take the s
 from __future__ import annotations
 
 import copy
-import json
 import math
 import warnings
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ..distributed import comm_device
 from . import say
+from .causes import CHECK_FIRST, DIRECT
 from .events import Event, Incident
 from .guard import incident_reason, nonfinite_state
-from .record import StepRecord, map_tensors
+from .quarantine import Quarantine
+from .record import StepRecord
+from .robust import noise_unit
+from .snapshots import Snapshot, detector_state, nbytes, rewind, settle, to_host
 
-INNOCENT_DATA = frozenset({"learning_rate", "numeric_range"})
-"""Incident causes that name something other than the data: their samples are not quarantined
-(under any other cause they are: a few samples set aside for nothing cost little, a bad one
-trained on again after a resume costs the rollback)."""
+LADDER: dict[str, int] = {"batch": 1, "weights": 1, "learning_rate": 1,
+                          "optimizer_state": 1, "numeric_range": 1, "outside": 1}
+"""Rollbacks in a row an incident of each cause may call for (``RollbackConfig.ladder``'s
+default); the next one stops the run. A rollback for data that quarantined new samples is not
+counted (it made progress; ``max_total`` bounds them): for data, the count is of rollbacks
+whose batches were bad as a whole (the source is bad, not some samples) or found nothing. One for every cause: a
+restore that did not hold says the cause is not in the state (the recovery evaluation,
+bench/results/recovery.json)."""
+
+STOP_ADVICE = {
+    "batch": "bad data keeps coming: look at the quarantined samples (rollbacks.jsonl) and the "
+             "data source (a corrupted shard, a broken transform)",
+    "learning_rate": "the learning rate is still too high after a restore: the code sets it "
+                     "(the scheduler, a factor applied by hand), not the state",
+    "weights": "the weights were damaged again without new data: a numerical bug in the model "
+               "or the update, not a batch",
+}
+"""What a stop by the ladder says to check, by cause (else the cause's own advice)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +113,9 @@ class RollbackConfig:
     stopped: the same fault coming back after each is not a batch."""
     max_total: int = 20
     """Rollbacks in all before the run is stopped."""
+    ladder: dict[str, int] | None = None
+    """Rollbacks in a row allowed by cause (``kinds.CAUSES``), the next one stopping the run;
+    a cause left out: ``max_in_row``. None: ``LADDER``."""
     max_skips: int | None = None
     """Skipped steps (non-finite, or spikes under ``on_spike="skip"``) in all before the run is
     stopped; None: no limit."""
@@ -90,16 +128,20 @@ class RollbackConfig:
     it, that the batch was bad only with the state the run had reached (``"state"``). It needs
     the steps' batches (``mon.step(loss, batch=...)``), which the Monitor then keeps by
     reference until their flush, and an alarm's batch until its incident is rolled back or
-    closed. None: no replay, since the Monitor does not know the loss."""
+    closed. It also finds the culprits a data incident quarantines (``culprits.py``; a
+    function that returns one loss per sample runs each batch once). None: no replay, since
+    the Monitor does not know the loss."""
 
 
 class RollbackBudgetError(RuntimeError):
     """Raised at a flush when the rollback budget is spent (``RollbackConfig``): the run keeps
     going wrong, and skipping more would hide it. ``incidents``: the run's alarm incidents."""
 
-    def __init__(self, message: str, incidents: list[Incident]) -> None:
+    def __init__(self, message: str, incidents: list[Incident], cause: str | None = None
+                 ) -> None:
         super().__init__(message)
         self.incidents = incidents
+        self.cause = cause  # the cause the ladder stopped on; None: the budget's counts
 
 
 @dataclass
@@ -128,71 +170,13 @@ class RollbackRecord:
                 "replay_loss": self.replay_loss, "level": self.level}
 
 
-@dataclass
-class Snapshot:
-    """The training state at the end of ``step``, in host memory."""
-
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scaler: dict[str, Any] | None
-    scheduler: dict[str, Any] | None
-    nbytes: int
-    averaged: list[dict[str, torch.Tensor]] = field(default_factory=list)  # EMA/SWA models'
-
-
-def _to_host(x: Any, into: Any = None) -> Any:
-    """``x`` with every tensor copied to host memory (always a copy: the live tensors change in
-    place), into the tensors of ``into`` (an older snapshot of the same structure) where their
-    shape and dtype match, else into new ones: a buffer used again is not faulted in again.
-    From a GPU the copies go to pinned memory without waiting (``_settle`` waits for them)."""
-    if isinstance(x, torch.Tensor):
-        t = x.detach()
-        if not (isinstance(into, torch.Tensor) and into.shape == t.shape
-                and into.dtype == t.dtype):
-            into = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                               pin_memory=t.is_cuda and torch.cuda.is_available())
-        return into.copy_(t, non_blocking=t.is_cuda)
-    if isinstance(x, dict):
-        olds: dict = into if isinstance(into, dict) else {}
-        return {k: _to_host(v, olds.get(k)) for k, v in x.items()}
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-        items = list(into) if isinstance(into, (list, tuple)) and len(into) == len(x) \
-            else [None] * len(x)
-        return type(x)(_to_host(v, o) for v, o in zip(x, items))
-    return map_tensors(_to_host, x)
-
-
-def _settle() -> None:
-    """Waits for a snapshot's copies from a GPU (made without waiting) to land."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _nbytes(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, dict):
-        return sum(_nbytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(v) for v in x)
-    return 0
-
-
-def _ids(sample_ids: Any) -> list[int]:
-    """Sample ids as Python ints (a tensor, a list of ints); [] for anything else."""
-    if isinstance(sample_ids, torch.Tensor):
-        return [int(i) for i in sample_ids.detach().cpu().flatten().tolist()]
-    if isinstance(sample_ids, (list, tuple)) and all(isinstance(i, int) for i in sample_ids):
-        return list(sample_ids)
-    return []
-
-
 class Rollback:
     """The snapshots, the budget and the quarantine of one Monitor (the module docstring).
     ``STATE``: what a resume keeps (the snapshots are copies of the model: never saved)."""
 
-    STATE = ("history", "quarantine", "in_row", "skips", "done")
+    STATE = ("history", "quarantine", "in_row", "skips", "done", "rolled_at", "row")
+    STATE_ADDED: ClassVar[dict[str, Callable[[dict], Any]]] = {
+        "rolled_at": lambda f: None, "row": lambda f: []}
     # what happened to the run, whatever the settings it resumes with (a larger budget, a
     # longer interval): its quarantine and its history are kept
     STATE_UNDER_ANY_CONFIG = True
@@ -206,54 +190,32 @@ class Rollback:
         self.averaged = list(averaged or [])  # EMA/SWA models, rolled back with the model
         self.snapshots: list[Snapshot] = []
         self.history: list[RollbackRecord] = []
-        self.quarantine: list[int] = []  # sorted, each once
+        self.samples = Quarantine(model, config.replay, config.every)  # ``quarantine``'s
         self.in_row = 0  # rollbacks since the last good snapshot
         self.skips = 0
         self.done: list[int] = []  # incidents rolled back (once each)
+        self.rolled_at: int | None = None  # the flush step of the last rollback
+        self.row: list[str] = []  # the causes of the rollbacks in a row
         self.off_reason: str | None = None
-        self._ids: dict[int, list[int]] = {}  # step -> its sample ids, steps since a snapshot
-        self._held: tuple[int, torch.Tensor] | None = None  # the quarantine on the device
         self._alarm_batches: dict[int, Any] = {}  # incident id -> its first alarm's batch
 
-    def holds(self, sample_ids: Any, device: torch.device) -> torch.Tensor | None:
-        """Whether a batch of ``sample_ids`` holds a quarantined sample, as a 0-dim bool on
-        ``device`` for the step's gate (no host sync where the ids are on the device); None
-        while nothing is quarantined or without ids (a tensor or a list of ints)."""
-        if not self.quarantine or sample_ids is None:
-            return None
-        if isinstance(sample_ids, torch.Tensor):
-            ids = sample_ids.detach().flatten()
-        elif isinstance(sample_ids, (list, tuple)) and sample_ids \
-                and all(isinstance(i, int) for i in sample_ids):
-            ids = torch.tensor(sample_ids)
-        else:
-            return None
-        if ids.dtype == torch.bool or ids.is_complex():
-            return None  # not ids; whole-valued floats count, as the quarantine took them
-        if self._held is None or self._held[0] != len(self.quarantine) \
-                or self._held[1].device != ids.device:
-            # the quarantine only grows: its length says whether the copy is current
-            self._held = (len(self.quarantine), torch.tensor(self.quarantine, dtype=torch.int64,
-                                                             device=ids.device))
-        return torch.isin(ids.to(torch.int64), self._held[1]).any().to(device,
-                                                                        non_blocking=True)
+    @property
+    def quarantine(self) -> list[int]:
+        """The quarantined sample ids, sorted (``quarantine.py``)."""
+        return self.samples.ids
+
+    @quarantine.setter
+    def quarantine(self, ids: Iterable[int]) -> None:  # a resumed state's
+        self.samples.ids = sorted(set(ids))
+
+    def holds(self, sample_ids: Any, device: torch.device, batch: Any = None,
+              step: int | None = None) -> torch.Tensor | None:
+        """``Quarantine.holds``: whether the step's batch holds a quarantined sample."""
+        return self.samples.holds(sample_ids, device, batch, step)
 
     def quarantine_logged(self, run_dir: Path | None) -> None:
-        """Adds to the quarantine every sample the run's ``rollbacks.jsonl`` says was
-        quarantined (a resumed run's, when it continues a run): a checkpoint older than a
-        rollback holds a state without its quarantine, and the run's log keeps it. A line
-        that cannot be read is passed over."""
-        path = run_dir / "rollbacks.jsonl" if run_dir is not None else None
-        if path is None or not path.is_file():
-            return
-        ids: set[int] = set()
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                ids.update(int(i) for i in json.loads(line).get("quarantined") or [])
-            except (ValueError, TypeError, AttributeError):
-                continue
-        if ids - set(self.quarantine):
-            self.quarantine = sorted(set(self.quarantine) | ids)
+        """``Quarantine.logged``: the quarantine the run's ``rollbacks.jsonl`` holds."""
+        self.samples.logged(run_dir)
 
     @classmethod
     def build(cls, option: Any, model: torch.nn.Module, optimizer: Any, scaler: Any = None,
@@ -273,24 +235,23 @@ class Rollback:
         if not steps:
             return
         c = self.config
-        for s in steps:
-            ids = _ids(s.host.sample_ids)
-            if ids:
-                self._ids[s.step] = ids
-            # a quarantined sample's skip is the quarantine at work, not a fault's
+        for s in steps:  # a quarantined sample's skip is the quarantine at work, not a fault's
             self.skips += s.values["skipped"] > 0 and not s.values["quarantine_skip"] > 0
+        self.samples.note(steps, (c.keep + 2) * c.every + len(steps))
         if c.replay is not None:
             self._keep_alarm_batches(mon, steps, found)
-        while len(self._ids) > (c.keep + 2) * c.every + len(steps):  # no snapshot for long:
-            del self._ids[next(iter(self._ids))]  # an incident older than these has none
         last = steps[-1].step
+        swept = self.samples.take_swept(mon, last, self.rolled_at)
+        if swept and self.history:
+            self.history[-1].quarantined += swept
         if c.max_skips is not None and self.skips > c.max_skips:
             raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
                              f"{c.max_skips}")
         damaged = incident_reason(mon)
         mine = damaged is not None and damaged[0].id not in self.done
         newest = self.snapshots[-1].step if self.snapshots else None
-        due = self.off_reason is None and (newest is None or last - newest >= c.every)
+        due = self.off_reason is None and (newest is None or last - newest >= c.every) \
+            and (self.rolled_at is None or last - self.rolled_at >= c.every)  # safe that long
         # a sync, every `every` steps: a snapshot only of a state without NaN/Inf
         bad_state = due and damaged is None and not bool(nonfinite_state(mon).sum().cpu() == 0)
         # under a process group every rank decides alike: back when any rank's incident says
@@ -303,30 +264,30 @@ class Rollback:
                 (None, "an incident on another rank")
             self._roll_back(mon, incident, why, last, found, int(start))
         elif not held and due and not unsafe:
-            self._take(last)
+            self._take(last, mon)
 
-    def _take(self, step: int) -> None:
+    def _take(self, step: int, mon: Any = None) -> None:
         c = self.config
         # the oldest snapshot's buffers are used again when it is the one to go
         old = self.snapshots[0] if len(self.snapshots) >= c.keep else None
-        snap = Snapshot(step, _to_host(self.model.state_dict(), old and old.model),
-                        _to_host(self.optimizer.state_dict(), old and old.optimizer),
-                        _to_host(self.scaler.state_dict()) if self.scaler is not None else None,
+        snap = Snapshot(step, to_host(self.model.state_dict(), old and old.model),
+                        to_host(self.optimizer.state_dict(), old and old.optimizer),
+                        to_host(self.scaler.state_dict()) if self.scaler is not None else None,
                         copy.deepcopy(self.scheduler.state_dict())
                         if self.scheduler is not None else None, 0,
-                        [_to_host(m.state_dict(), old and i < len(old.averaged)
+                        [to_host(m.state_dict(), old and i < len(old.averaged)
                                   and old.averaged[i]) for i, m in enumerate(self.averaged)])
-        snap.nbytes = _nbytes(snap.model) + _nbytes(snap.optimizer) + _nbytes(snap.averaged)
+        snap.nbytes = nbytes(snap.model) + nbytes(snap.optimizer) + nbytes(snap.averaged)
         if snap.nbytes * c.keep > c.max_bytes:
             self.off_reason = (f"a snapshot takes {snap.nbytes / 2**20:.0f} MiB, and {c.keep} of "
                                f"them more than max_bytes={c.max_bytes}")
             say.warn(f"fasthealth: rollback is off: {self.off_reason}; raise "
                      "RollbackConfig.max_bytes or lower keep")
             return
+        snap.detect = detector_state(mon) if mon is not None else {}
         self.snapshots = [*self.snapshots, snap][-c.keep:]
-        self.in_row = 0
-        oldest = self.snapshots[0].step
-        self._ids = {k: v for k, v in self._ids.items() if k > oldest}
+        self.in_row, self.row = 0, []
+        self.samples.forget_before(self.snapshots[0].step)
 
     def _roll_back(self, mon: Any, incident: Incident | None, why: str, last: int,
                    found: list[Event], start: int) -> None:
@@ -351,22 +312,38 @@ class Rollback:
         if len(self.history) + 1 > c.max_total:
             raise self._stop(mon, f"{len(self.history) + 1} rollbacks, more than max_total="
                              f"{c.max_total}")
+        tracker = mon.analyser.tracker
+        level = tracker.baseline[0]
+        noise = noise_unit(list(target.detect.get("tracker", {}).get("losses", [])))
         rate_kept = self._restore(target)
         mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
         verdict = self._replay(mon, incident) if incident is not None else (None, None, None)
+        if incident is not None and verdict[0] == "batch" and incident.basis != DIRECT:
+            incident.cause, incident.basis = "batch", "replay"  # the replay re-ran it
+            incident.why = "its first alarm's batch is bad on the restored state too"
+        cause = incident.cause if incident is not None else "outside"
+        allowed = (c.ladder if c.ladder is not None else LADDER).get(cause, c.max_in_row)
+        if self.row.count(cause) + 1 > allowed:  # stopped on the restored, known-good state
+            raise self._stop(mon, f"{name} (cause {cause}) came after {self.row.count(cause)} "
+                             f"rollback(s) for {cause} in a row, the most the ladder allows "
+                             f"({allowed}): {STOP_ADVICE.get(cause, CHECK_FIRST[cause])}. The "
+                             f"state is restored to the end of step {target.step}", cause)
+        if target.detect:
+            rewind(mon, target.detect)  # the detectors as they were: a fault coming back shows
         ids: list[int] = []
-        if incident is not None and incident.cause not in INNOCENT_DATA:
-            # the incident's steps: from its first to its last event (a run of bad batches
-            # does not show an event at each of its steps)
-            seen = [e.step for e in [*mon.events, *found] if e.incident == incident.id]
-            end = max(seen, default=incident.start)
-            ids = sorted({i for t, batch in self._ids.items() if incident.start <= t <= end
-                          for i in batch})
-        self.quarantine = sorted(set(self.quarantine) | set(ids))
+        source = True
+        if incident is not None:
+            tracker.rolled_back(incident)
+            if cause == "batch":
+                ids, source = self.samples.culprits(mon, incident, found, level, noise)
+        new = self.samples.add(ids) and not source  # culprits among good samples: progress
         record = RollbackRecord(last, target.step, incident.id if incident is not None else -1,
                                 why, ids, *verdict)
         self.history.append(record)
-        self.in_row += 1
+        self.rolled_at = last
+        if not new:  # a rollback that set new samples aside made progress: not in the row
+            self.in_row += 1
+            self.row.append(cause)
         # the snapshots after the target hold the fault's start: never restored again
         self.snapshots = [s for s in self.snapshots if s.step <= target.step]
         jsonl = mon.journal.jsonl
@@ -394,9 +371,11 @@ class Rollback:
         say.warn(message)
 
     def _keep_alarm_batches(self, mon: Any, steps: list[StepRecord], found: list[Event]) -> None:
-        """Keeps (a reference to) the batch of each new incident's first alarm, and lets go of
-        those of incidents closed since."""
+        """Keeps (a reference to) the batch of each new incident's first alarm, and the open
+        incident's batches for the culprit search (``Quarantine.keep_batches``), and lets go
+        of those of incidents closed since."""
         batches = {s.step: s.host.batch for s in steps if s.host.batch is not None}
+        self.samples.keep_batches(mon, batches)
         for e in sorted(found, key=lambda e: e.step):
             if e.severity == "alarm" and e.incident is not None and e.step in batches \
                     and e.incident not in self._alarm_batches and e.incident not in self.done:
@@ -434,7 +413,7 @@ class Rollback:
         the scheduler sets them from the loop's counter: ``_schedule_now``; returns whether it
         did); the snapshot itself is copied first: a loaded state may share the tensors it is
         given."""
-        _settle()
+        settle()
         self.model.load_state_dict(snap.model)
         for m, state in zip(self.averaged, snap.averaged):
             m.load_state_dict(state)
@@ -460,30 +439,14 @@ class Rollback:
         keys = {"lr", getattr(sched, "param_group_field", "lr")}
         return [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
 
-    def _stop(self, mon: Any, why: str) -> RollbackBudgetError:
+    def _stop(self, mon: Any, why: str, cause: str | None = None) -> RollbackBudgetError:
         alarms = [i for i in mon.incidents if i.severity == "alarm"]
         listed = "; ".join(f"#{i.id} steps {i.start}-{i.end} {i.trigger} (cause {i.cause})"
                            for i in alarms[-5:])
         return RollbackBudgetError(
             f"fasthealth: the run is stopped: {why}. Its alarm incidents: {listed or 'none'}. "
             "Look at them (fasthealth report LOG_DIR) before going on: a fault that keeps "
-            "coming back is a bug or bad data, which skipping hides", alarms)
-
-
-def skip_quarantined(indices: Iterable[int], mon: Any) -> Iterator[int]:
-    """The sample indices of ``indices`` (a sampler, a range) that ``mon`` has not
-    quarantined: wrap a loop's sampler so that a resumed run skips the samples a rollback put
-    aside (``sample_ids`` must be these indices)."""
-    rollback = getattr(mon, "rollback", None)
-    for i in indices:
-        if rollback is None or not _quarantined(rollback.quarantine, int(i)):
-            yield i
-
-
-def _quarantined(sorted_ids: list[int], i: int) -> bool:
-    k = bisect_left(sorted_ids, i)
-    return k < len(sorted_ids) and sorted_ids[k] == i
-
+            "coming back is a bug or bad data, which skipping hides", alarms, cause)
 
 
 def _agree(mon: Any, most: list[float], least: list[float]) -> tuple[list[float], list[float]]:

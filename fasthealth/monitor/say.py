@@ -52,7 +52,9 @@ def incident_opened(inc: Incident, step: int) -> None:
 
 def incident_closed(inc: Incident) -> None:
     """One line when an incident closes: whether the run came back from it."""
-    if inc.recovered is None:
+    if inc.rolled_back:
+        how = "rolled back: the state from before it is restored"
+    elif inc.recovered is None:
         how = "the run ended with it open"
     else:
         how = "the loss came back" if inc.recovered else "the loss did not come back"

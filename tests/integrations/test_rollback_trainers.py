@@ -129,12 +129,12 @@ CORRUPT = range(AT * 8, (AT + 10) * 8)  # the samples of steps 150-159
 
 def _shard_rolled_back(mon):
     """The one rollback of a run through the corrupt shard, and its incident: back to before
-    step 150, the replay saying the batch is bad, the samples of the incident's steps (its
-    first event to its last), all of the shard, quarantined."""
+    step 150, the replay saying the batch is bad, the incident's batches bad as a whole on the
+    restored state, so every sample of them quarantined: of the shard, and nothing else."""
     (rb,) = mon.rollbacks
     assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
     inc = next(i for i in mon.incidents if i.id == rb.incident)
-    assert rb.quarantined == list(range(inc.start * 8, (inc.end + 1) * 8)), (rb, inc)
+    assert inc.cause == "batch" and inc.rolled_back, inc
     assert set(rb.quarantined) <= set(CORRUPT) and len(rb.quarantined) >= 64
     return rb, inc
 
@@ -160,7 +160,7 @@ def test_hf_the_replay_is_the_trainers_own_loss(tmp_path, accumulate, smoothing)
     """With gradient accumulation (the replay averages the step's micro-batches) and the
     Trainer's label smoothing (a loss the model does not compute, whose floor is far above
     0): the corrupt shard's incident is rolled back and its batch, replayed through the
-    Trainer's compute_loss on the restored state, is judged bad (the data), its samples
+    Trainer's compute_loss on the restored state, is judged bad (the data), the shard's samples
     quarantined."""
     per_step = 8 * accumulate
     bad = range(AT * per_step, (AT + 10) * per_step)
@@ -169,10 +169,10 @@ def test_hf_the_replay_is_the_trainers_own_loss(tmp_path, accumulate, smoothing)
     (rb,) = mon.rollbacks
     assert rb.to_step < AT <= rb.step < AT + 10 and rb.replay == "batch", rb
     assert rb.replay_loss > 2 * rb.level, rb
-    inc = next(i for i in mon.incidents if i.id == rb.incident)
-    assert rb.quarantined == list(range(inc.start * per_step, (inc.end + 1) * per_step)), (
-        rb, inc)
-    assert set(rb.quarantined) <= set(bad), rb
+    # its batches, bad as a whole on the restored state: the samples of the shard's steps up
+    # to the rollback (the last step's own batch, under accumulation, may not have reached
+    # it), and no other
+    assert set(rb.quarantined) <= set(bad) and len(rb.quarantined) >= len(bad) - per_step, rb
 
 
 @pytest.mark.slow
@@ -199,7 +199,7 @@ def test_hf_a_run_of_bad_batches_is_rolled_back_quarantined_and_skipped_after_a_
     steps = {r["step"]: r for r in map(json.loads, (resumed.run_dir / "steps.jsonl").open())
              if r["step"] >= 140}
     held = {t for t in range(140, STEPS) if set(range(t * 8, t * 8 + 8)) & set(rb.quarantined)}
-    assert held == set(range(inc.start, inc.end + 1))
+    assert set(range(inc.start, inc.end + 1)) <= held <= set(range(AT, AT + 10))
     assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
 
 

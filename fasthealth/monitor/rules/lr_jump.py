@@ -17,7 +17,9 @@ epoch, then the peak), a restart. No finding. A rise it did not make is an alarm
 known scheduler (no ``scheduler=``), a jump is a notice at once, and an alarm when the loss
 suffers from it: a non-finite loss, or a loss ``suffer_z`` noise units above its level before
 the jump, within ``confirm_steps`` steps; a library's schedule that the Monitor was not told
-of (a per-epoch warm-up, a hand-written one) raises no alarm on a healthy run.
+of (a per-epoch warm-up, a hand-written one) raises no alarm on a healthy run. Within
+``confirm_steps`` steps of a rollback (``rewound``) a jump is an alarm at once: the restore
+put the rate back, so a rate still too high is the code's.
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ class LRJump(Rule[LRJumpConfig]):
     name = "lr_jump"
     kinds = ("lr_jump",)
     Config = LRJumpConfig
-    STATE = ("last", "peak", "seen", "settled", "since", "losses", "pending")
+    STATE = ("last", "peak", "seen", "settled", "since", "losses", "pending", "strict")
     # added since the state's format (state.py): a state saved before starts them again
     STATE_ADDED: ClassVar[dict[str, Callable[[dict], Any]]] = {
-        "losses": lambda f: [], "pending": lambda f: None}
+        "losses": lambda f: [], "pending": lambda f: None, "strict": lambda f: 0}
 
     def __init__(self, config: LRJumpConfig | None = None, ctx: Context | None = None):
         super().__init__(config, ctx)
@@ -89,6 +91,15 @@ class LRJump(Rule[LRJumpConfig]):
         # a jump no scheduler is known to have made, waiting for the loss: (its step, the
         # loss's level and noise before it, its message)
         self.pending: tuple[int, float, float, str] | None = None
+        self.strict = 0  # steps left in which a jump is an alarm whoever made it (``rewound``)
+
+    def rewound(self) -> None:
+        """A rollback has put this rule's state back to a snapshot's (``snapshots.py``): for
+        the next ``confirm_steps`` steps a jump is an alarm at once, scheduler known or not.
+        The restore put the rate back with the optimizer's state; a rate still far above the
+        peak before is set by the code (a factor applied by hand, a schedule stepped wrong),
+        and waiting for the loss to suffer again only repeats the damage."""
+        self.strict = self.config.confirm_steps
 
     def observe(self, s: StepRecord) -> list[Finding]:
         loss = s.values.get("loss", math.nan)
@@ -122,6 +133,7 @@ class LRJump(Rule[LRJumpConfig]):
         if lr is None or not math.isfinite(lr):
             return []
         self.seen += 1
+        strict, self.strict = self.strict > 0, max(self.strict - 1, 0)
         peak, self.peak = self.peak, max(self.peak, lr)
         last = self.last
         rose = last is not None and lr > last
@@ -155,6 +167,9 @@ class LRJump(Rule[LRJumpConfig]):
         details = {"lr": lr, "previous_peak": ref, "ratio": lr / ref, "climb_steps": self.since}
         if s.host.unexplained:
             return [Finding("lr_jump", text, details)]
+        if strict:
+            return [Finding("lr_jump", text + "; after a rollback, which restored the rate: the "
+                            "code sets it, not the state", details)]
         # no scheduler known: a schedule's change or a bug, which the loss tells apart
         level, noise = (level_and_noise(self.losses) if len(self.losses) >= 3
                         else (math.nan, 0.0))

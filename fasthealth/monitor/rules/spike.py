@@ -168,8 +168,12 @@ class _Series:
 
     def __setstate__(self, state: dict) -> None:
         """A series made from a state of the format before (its attributes, the window's
-        values among them): the window rebuilt from them."""
+        values among them): the window rebuilt from them; a copy's (``copy.deepcopy``: a
+        rollback's snapshot of the detectors) has its window already."""
         state = dict(state)
+        if "window" in state:
+            self.__dict__.update(state)
+            return
         values = state.pop("values")
         state.setdefault("scored", 0)  # a state saved before the run's tail was kept
         state.setdefault("top", [])
