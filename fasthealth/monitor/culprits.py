@@ -10,7 +10,9 @@ the incident, plus the larger of ``recover`` of it and ``zscore`` noise units of
 losses before it: what a healthy batch reaches) holds no culprit. In a batch above it, the
 culprits are the fewest samples, the highest losses first (any non-finite one first of all),
 whose removal brings the rest under it: the samples that alone make the batch bad, not the
-bystanders beside them. A sample of ordinary difficulty is never one: removing the bad ones
+bystanders beside them. A sample whose loss stands far above the pool of all the samples
+searched (``OUTLIER_SPREAD``) is one too, in any batch: one bad sample among 32 seldom lifts
+its batch that far. A sample of ordinary difficulty is never one: removing the bad ones
 already brought its batch back. A batch that needs more than half its samples removed is bad
 as a whole at this state: no few samples explain it, and all of its samples are culprits (a
 corrupt shard served again after a resume must not be trained on). When most of the bad
@@ -87,15 +89,41 @@ def sample_losses(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any], ba
             m.training = mode
 
 
+OUTLIER_SPREAD = 2.0
+"""A sample is also a culprit, whatever its batch, when its loss stands this many times the
+pool's log-spread (the log of its 0.9 quantile over its median) above the pool's median: the
+pool of every sample searched, clean for the most part. In the recovery evaluation's tuning
+families the clean samples' losses on the restored state reached 3.1-3.9 at most (of 7,000 or
+more each), garbage samples mostly 4-55; their spread put the bar at 3.0-3.1 (at 2.5, 4.0 and
+5.5: half the garbage passed). A bad sample rarely lifts its batch of 32 past the batch's own
+threshold (``threshold``: 6 noise units of the batch losses), which alone found half of them."""
+MIN_POOL = 64
+"""Samples a pool needs before its outlier bar is used (the watch's single batches use the
+bar of the rollback's pool)."""
+
+
+def outlier_bar(losses: Sequence[float]) -> float:
+    """The per-sample bar of a pool of losses (``OUTLIER_SPREAD``); inf for a pool smaller
+    than ``MIN_POOL`` or without a positive median."""
+    finite = sorted(v for v in losses if math.isfinite(v))
+    if len(finite) < MIN_POOL:
+        return math.inf
+    median, q90 = finite[len(finite) // 2], finite[int(0.9 * (len(finite) - 1))]
+    if not median > 0 or not q90 > median:
+        return math.inf
+    return median * (q90 / median) ** OUTLIER_SPREAD
+
+
 @dataclass
 class Found:
     """What ``search`` found: the culprits' sample ids, the samples run again, the batches
-    above the threshold and those of them bad as a whole."""
+    above the threshold and those of them bad as a whole, and the pool's outlier bar."""
 
     ids: list[int] = field(default_factory=list)
     ran: int = 0
     bad: int = 0
     whole: int = 0
+    bar: float = math.inf
 
     @property
     def source(self) -> bool:
@@ -104,10 +132,13 @@ class Found:
 
 
 def search(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any],
-           batches: Sequence[tuple[list[int], Any]], limit: float) -> Found:
-    """The culprits of ``batches``, (ids, batch) pairs (the module docstring); a batch whose
-    ids do not match its rows is passed over."""
+           batches: Sequence[tuple[list[int], Any]], limit: float,
+           bar: float = math.inf) -> Found:
+    """The culprits of ``batches``, (ids, batch) pairs (the module docstring), and the samples
+    above the outlier bar (``outlier_bar`` of the pool, or ``bar`` where the pool is smaller);
+    a batch whose ids do not match its rows is passed over."""
     out, ids_found = Found(), set[int]()
+    pool: list[tuple[int, float]] = []
     for ids, batch in batches:
         if not ids or out.ran + len(ids) > MAX_SAMPLES:
             continue
@@ -115,9 +146,15 @@ def search(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any],
         if losses is None:
             continue
         out.ran += len(ids)
+        pool += zip(ids, losses)
         where = culprits(losses, limit)
         out.bad += where is None or bool(where)
         out.whole += where is None
         ids_found.update(ids if where is None else [ids[i] for i in where])
+    own = outlier_bar([v for _, v in pool])
+    out.bar = own if own < math.inf else bar
+    bar = max(out.bar, limit)
+    if not out.source:
+        ids_found.update(i for i, v in pool if v > bar)
     out.ids = sorted(ids_found)
     return out

@@ -52,7 +52,8 @@ class Quarantine:
         self.ids: list[int] = []
         self.steps: dict[int, list[int]] = {}  # step -> its sample ids, since a snapshot
         self._batches: dict[int, list[tuple[int, Any]]] = {}  # incident -> (step, batch)
-        self._watch: tuple[int, float] | None = None  # after a data rollback: (until, limit)
+        # after a data rollback: (until, the batch threshold, the pool's outlier bar)
+        self._watch: tuple[int, float, float] | None = None
         self._swept: list[int] = []  # set aside by the watch since the last flush
         self._held: tuple[int, torch.Tensor] | None = None  # ``ids`` on the device
 
@@ -97,11 +98,11 @@ class Quarantine:
 
     def _sweep(self, batch: Any, ids: Any, step: int) -> None:
         assert self._watch is not None and self.replay is not None
-        until, limit = self._watch
+        until, limit, bar = self._watch
         if step > until:
             self._watch = None
             return
-        found = search(self.model, self.replay, [(sample_ids(ids), batch)], limit)
+        found = search(self.model, self.replay, [(sample_ids(ids), batch)], limit, bar)
         if not found.whole:  # a batch bad as a whole is the source's: the ladder's to judge
             self._swept += self.add(found.ids)
 
@@ -141,9 +142,9 @@ class Quarantine:
         self._batches.clear()
         if self.replay is not None and kept and level is not None:
             limit = threshold(level, noise, mon.analyser.tracker.recover, SPIKE_ZSCORE)
-            self._watch = (mon._next_step + self.every, limit)
             got = search(self.model, self.replay, [(self.steps.get(t, []), b) for t, b in kept],
                          limit)
+            self._watch = (mon._next_step + self.every, limit, got.bar)
             if got.ran:
                 return got.ids, got.source
         # no replay (or no batch it could split): the incident's steps, from its first to its

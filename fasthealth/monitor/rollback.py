@@ -40,12 +40,13 @@ The *ladder* (``RollbackConfig.ladder``, by cause) and the *budget* stop a run t
 wrong, with ``RollbackBudgetError`` at the flush, naming the cause and what to check. Rollbacks
 are "in a row" until the run has gone ``every`` steps after the last one and a snapshot is
 taken (no snapshot is taken sooner after a rollback). The default ladder: a rollback for
-data that quarantined new culprits among good samples does not count (it made progress), one
-whose batches were bad as a whole (the source is bad, not some samples) counts, once; any other cause once: a rate still too
-high after a restore is the code's (``lr_jump`` says so at once after a rollback), weights
-damaged again without new data are not a batch's doing. More than ``max_in_row`` rollbacks
-in a row or ``max_total`` in all stop it too, as do more than ``max_skips`` skipped steps in
-all (NaN or spike skips), instead of skipping a real bug forever.
+data that quarantined new culprits among good samples does not count (it made progress); one
+whose batches were bad as a whole (the source is bad, not some samples) counts, once; any
+other cause once: a rate still too high after a restore is the code's (``lr_jump`` says so at
+once after a rollback), weights damaged again without new data are not a batch's doing.
+More than ``max_in_row`` rollbacks in a row or ``max_total`` in all stop it too, as do more
+than ``max_skips`` skipped steps in all (NaN or spike skips), instead of skipping a real bug
+forever.
 
 Each rollback is written to the run's ``rollbacks.jsonl`` (with a ``log_dir``) and kept in
 ``Monitor.rollbacks``; a warning says what was done. Rolling back needs the optimizer, and is
@@ -80,9 +81,9 @@ LADDER: dict[str, int] = {"batch": 1, "weights": 1, "learning_rate": 1,
 """Rollbacks in a row an incident of each cause may call for (``RollbackConfig.ladder``'s
 default); the next one stops the run. A rollback for data that quarantined new samples is not
 counted (it made progress; ``max_total`` bounds them): for data, the count is of rollbacks
-whose batches were bad as a whole (the source is bad, not some samples) or found nothing. One for every cause: a
-restore that did not hold says the cause is not in the state (the recovery evaluation,
-bench/results/recovery.json)."""
+whose batches were bad as a whole (the source is bad, not some samples) or found nothing.
+One for every cause: a restore that did not hold says the cause is not in the state (the
+recovery evaluation, bench/results/recovery.json)."""
 
 STOP_ADVICE = {
     "batch": "bad data keeps coming: look at the quarantined samples (rollbacks.jsonl) and the "
