@@ -253,6 +253,10 @@ def judge(runs: list[Run]) -> list[dict]:
                 f"stopped ({r.stopped})"
         else:
             row["verdict"] = "within the gap" if abs(delta) <= 1 else "outside the gap"
+        alone = next((x for x in runs if (x.family, x.fault, x.seed) == (r.family, r.fault, r.seed)
+                      and not x.rollback), None)
+        row["left_alone_in_gaps"] = (round((alone.eval_loss - twin.eval_loss) / gap, 2)
+                                     if alone and twin and gap > 0 else None)
         if r.planted:
             row["precision"] = round(r.quarantined_bad / r.quarantined, 3) if r.quarantined \
                 else None
@@ -262,13 +266,45 @@ def judge(runs: list[Run]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | fault | seed | rollback | end (seed gaps) | verdict | rollbacks | "
+    lines = ["| family | fault | seed | end (seed gaps) | left alone | verdict | rollbacks | "
              "quarantine (precision, recall) |", "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["family"], r["fault"], r["seed"], not r["rollback"])):
+    for r in sorted(rows, key=lambda r: (r["family"], r["fault"], r["seed"])):
+        if not r["rollback"]:
+            continue
         q = "" if not r["planted"] else f"{r['quarantined']} ({r['precision']}, {r['recall']})"
-        lines.append(f"| {r['family']} | {r['fault']} | {r['seed']} | {r['rollback']} | "
-                     f"{r['end_in_gaps']} | {r['verdict']} | {len(r['rollbacks'])} | {q} |")
+        alone = "" if r["left_alone_in_gaps"] is None else r["left_alone_in_gaps"]
+        lines.append(f"| {r['family']} | {r['fault']} | {r['seed']} | {r['end_in_gaps']} | "
+                     f"{alone} | {r['verdict']} | {len(r['rollbacks'])} | {q} |")
     return "\n".join(lines)
+
+
+def runs_of(rows: list[dict]) -> list[Run]:
+    """The runs a results file's rows were judged from."""
+    names = set(Run.__dataclass_fields__)
+    return [Run(**{k: v for k, v in r.items() if k in names}) for r in rows]
+
+
+def summary(rows: list[dict]) -> str:
+    """Totals per split: false alarms, faulted runs within the gap or stopped with the right
+    cause, and the quarantine's precision and recall over all planted samples."""
+    out = []
+    for split, fams in (("tuning", TUNING), ("held out", HELD_OUT)):
+        mine = [r for r in rows if r["family"] in fams and r["rollback"]]
+        if not mine:
+            continue
+        healthy = [r for r in mine if r["fault"] == "healthy"]
+        faulted = [r for r in mine if r["fault"] != "healthy"]
+        good = [r for r in faulted if r["verdict"] in ("within the gap", "stopped, right cause")]
+        seeded = [r for r in faulted if r["planted"]]  # the faults with bad samples to find
+        planted = sum(r["planted"] for r in seeded)
+        caught = sum(r["quarantined_bad"] for r in seeded)
+        held = sum(r["quarantined"] for r in seeded)
+        out.append(f"{split}: healthy {len(healthy)} runs, "
+                   f"{sum(r['verdict'] != 'ok' for r in healthy)} with an alarm or a rollback; "
+                   f"faulted {len(good)}/{len(faulted)} within the seed gap or stopped with the "
+                   f"right cause; quarantine precision {caught / held if held else 0:.3f}, "
+                   f"recall {caught / planted if planted else 0:.3f}")
+    return "\n".join(out)
 
 
 def _commit() -> str:
@@ -288,7 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label")
     ap.add_argument("--out", default=str(RESULTS / "recovery.json"))
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--table", metavar="LABEL", help="print the table of --out's entry LABEL "
+                    "(judged again from its runs) and stop")
     args = ap.parse_args(argv)
+    if args.table:
+        entry = json.loads(Path(args.out).read_text())[args.table]
+        rows = judge(runs_of(entry["runs"]))
+        print(table(rows))
+        print(summary(rows))
+        return 0
     only = set(args.only.split(",")) if args.only else None
     fams = [f for f in TUNING + (HELD_OUT if args.final else ())
             if only is None or f in only or not only & set(TUNING + HELD_OUT)]
@@ -308,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     rows = judge(runs)
     print(table(rows))
+    print(summary(rows))
     label = args.label or f"{time.strftime('%Y-%m-%d')} {_commit()}"
     path = Path(args.out)
     doc = json.loads(path.read_text()) if path.is_file() else {}

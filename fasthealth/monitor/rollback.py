@@ -85,6 +85,13 @@ whose batches were bad as a whole (the source is bad, not some samples) or found
 One for every cause: a restore that did not hold says the cause is not in the state (the
 recovery evaluation, bench/results/recovery.json)."""
 
+STOP_ON_RETURN = frozenset({"learning_rate"})
+"""Causes whose alarm after their rollback stops the run at once (the ladder's count reached),
+before it damages the state again: a rate still too high after a restore is set by the code,
+and another restore cannot change it. In the recovery evaluation a rate bug (30x under a step
+schedule) ran on after its rollback, the loss hurt but back within 20%, and ended 20 seed gaps
+from its twin."""
+
 STOP_ADVICE = {
     "batch": "bad data keeps coming: look at the quarantined samples (rollbacks.jsonl) and the "
              "data source (a corrupted shard, a broken transform)",
@@ -248,6 +255,7 @@ class Rollback:
         if c.max_skips is not None and self.skips > c.max_skips:
             raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
                              f"{c.max_skips}")
+        self._returned(mon)
         damaged = incident_reason(mon)
         mine = damaged is not None and damaged[0].id not in self.done
         newest = self.snapshots[-1].step if self.snapshots else None
@@ -266,6 +274,19 @@ class Rollback:
             self._roll_back(mon, incident, why, last, found, int(start))
         elif not held and due and not unsafe:
             self._take(last, mon)
+
+    def _returned(self, mon: Any) -> None:
+        """Stops the run when an alarm of a cause in ``STOP_ON_RETURN`` opens again while its
+        rollback is still in the row, damage or not: the restore did not remove its cause."""
+        cur = mon.analyser.tracker.current
+        if cur is None or cur.severity != "alarm" or cur.id in self.done \
+                or cur.cause not in STOP_ON_RETURN or cur.cause not in self.row:
+            return
+        allowed = (self.config.ladder or LADDER).get(cur.cause, self.config.max_in_row)
+        if self.row.count(cur.cause) >= allowed:
+            raise self._stop(mon, f"incident #{cur.id} (cause {cur.cause}) opened after "
+                             f"{self.row.count(cur.cause)} rollback(s) for {cur.cause} in a row: "
+                             f"{STOP_ADVICE[cur.cause]}", cur.cause)
 
     def _take(self, step: int, mon: Any = None) -> None:
         c = self.config
