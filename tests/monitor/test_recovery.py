@@ -164,3 +164,38 @@ def test_healthy_runs_never_roll_back():
         mon, _, stop, _ = _train(None, seed=seed)
         assert stop is None and not mon.rollbacks
         assert not [i for i in mon.incidents if i.severity == "alarm"]
+
+
+def test_a_batchnorm_cnn_with_in_place_relu_rolls_back_twice_when_the_fault_comes_back():
+    """BatchNorm's running statistics are in the snapshot and come back with it; a weight fault
+    planted again after the run was safe for a snapshot's interval is a new incident and a
+    second rollback (the detectors rewound), and the run ends finite and safe to save."""
+    x, y = _digits()
+    x = x.view(-1, 1, 8, 8)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    mon = fh.Monitor(model, opt, rollback=fh.RollbackConfig(every=50, replay=_per_sample))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for t in range(700):
+            ids = torch.randint(0, N_TRAIN, (BATCH,), generator=g)
+            loss = F.cross_entropy(model(x[ids]), y[ids])
+            opt.zero_grad()
+            loss.backward()
+            mon.step(loss, batch=(x[ids], y[ids]), sample_ids=ids)
+            if t in (300, 500):
+                with torch.no_grad():
+                    w = model[0].weight.view(-1)
+                    w[w.abs().argmax()] *= 1e4
+        mon.close()
+    assert len(mon.rollbacks) == 2, mon.rollbacks
+    assert [r.to_step < s for r, s in zip(mon.rollbacks, (300, 500))] == [True, True]
+    assert all(not r.quarantined for r in mon.rollbacks)
+    assert all(torch.isfinite(b).all() for b in model.buffers() if b.is_floating_point())
+    assert mon.safe_to_save()
