@@ -169,7 +169,9 @@ def test_healthy_runs_never_roll_back():
 def test_a_batchnorm_cnn_with_in_place_relu_rolls_back_twice_when_the_fault_comes_back():
     """BatchNorm's running statistics are in the snapshot and come back with it; a weight fault
     planted again after the run was safe for a snapshot's interval is a new incident and a
-    second rollback (the detectors rewound), and the run ends finite and safe to save."""
+    second rollback, and the run ends finite and safe to save. (Here the first incident would
+    have closed by itself before the second fault: the rewind is what the stream and rate-bug
+    tests above fail without.)"""
     x, y = _digits()
     x = x.view(-1, 1, 8, 8)
     torch.manual_seed(0)
