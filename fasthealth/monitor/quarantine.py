@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import say
-from .culprits import search, threshold
+from .culprits import PullLine, search, threshold
 from .events import Event, Incident
 from .record import StepRecord
 from .robust import SPIKE_ZSCORE
@@ -52,8 +52,9 @@ class Quarantine:
         self.ids: list[int] = []
         self.steps: dict[int, list[int]] = {}  # step -> its sample ids, since a snapshot
         self._batches: dict[int, list[tuple[int, Any]]] = {}  # incident -> (step, batch)
-        # after a data rollback: (until, the batch threshold, the pool's outlier bar)
-        self._watch: tuple[int, float, float] | None = None
+        # after a data rollback: (until, the batch threshold, the pool's outlier bar and its
+        # pull line)
+        self._watch: tuple[int, float, float, PullLine | None] | None = None
         self._swept: list[int] = []  # set aside by the watch since the last flush
         self._held: tuple[int, torch.Tensor] | None = None  # ``ids`` on the device
 
@@ -98,11 +99,11 @@ class Quarantine:
 
     def _sweep(self, batch: Any, ids: Any, step: int) -> None:
         assert self._watch is not None and self.replay is not None
-        until, limit, bar = self._watch
+        until, limit, bar, line = self._watch
         if step > until:
             self._watch = None
             return
-        found = search(self.model, self.replay, [(sample_ids(ids), batch)], limit, bar)
+        found = search(self.model, self.replay, [(sample_ids(ids), batch)], limit, bar, line)
         if not found.whole:  # a batch bad as a whole is the source's: the ladder's to judge
             self._swept += self.add(found.ids)
 
@@ -144,7 +145,7 @@ class Quarantine:
             limit = threshold(level, noise, mon.analyser.tracker.recover, SPIKE_ZSCORE)
             got = search(self.model, self.replay, [(self.steps.get(t, []), b) for t, b in kept],
                          limit)
-            self._watch = (mon._next_step + self.every, limit, got.bar)
+            self._watch = (mon._next_step + self.every, limit, got.bar, got.line)
             if got.ran:
                 return got.ids, got.source
         # no replay (or no batch it could split): the incident's steps, from its first to its

@@ -97,6 +97,73 @@ def test_culprits_are_the_fewest_samples_that_explain_their_batch():
     assert culprits.threshold(1.0, 0.1, 0.2, 6.0) == pytest.approx(1.6)
 
 
+def test_a_sample_s_pull_is_the_norm_of_its_own_gradient_per_sample_loss_or_not():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(5, 3))
+    model[0].bias.requires_grad_(False)  # frozen: not part of a pull
+    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    want = []
+    for i in range(7):
+        model.eval()
+        loss = F.cross_entropy(model(x[i:i + 1]), y[i:i + 1])
+        gs = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        want.append(float(sum(g.pow(2).sum() for g in gs).sqrt()))
+    model.train()
+
+    def mean(m, batch):  # one loss per batch: each sample is run alone
+        return _per_sample(m, batch).mean()
+
+    for fn in (_per_sample, mean):
+        got = culprits.sample_pulls(model, fn, (x, y), 7)
+        assert got == pytest.approx(want, rel=1e-5)
+        assert model.training and all(p.grad is None for p in model.parameters())
+    assert culprits.sample_pulls(model, lambda m, b: torch.zeros(7), (x, y), 7) is None
+    assert culprits.sample_pulls(model, _per_sample, (x, y[:3]), 7) is None
+
+
+def test_the_pull_line_flags_samples_far_above_it_and_none_on_it():
+    g = torch.Generator().manual_seed(0)
+    loss = torch.exp(torch.randn(500, generator=g) * 2)
+    pull = 3 * loss ** 0.8 * torch.exp(torch.randn(500, generator=g) * 0.1)
+    points = list(zip(loss.tolist(), pull.tolist()))
+    points += [(1.0, 30.0), (0.1, 5.0)] * 10  # garbage above the line, 20 of 520
+    line = culprits.PullLine.fit(points)
+    assert line is not None and line.b == pytest.approx(0.8, abs=0.05)
+    flagged = [i for i, (v, p) in enumerate(points) if line.above(v, p)]
+    assert flagged == list(range(500, 520))
+    assert not line.above(1.0, 0.3) and not line.above(0.0, 1.0)  # below the line; no loss
+    assert line.above(1.0, math.inf)
+    assert culprits.PullLine.fit(points[:40]) is None  # too few to tell a line
+
+
+def test_garbage_the_model_half_gets_right_is_found_by_its_pull():
+    """Noise inputs labelled with the class the model gives them: losses of a well-learnt
+    sample, which the losses alone leave; their pull on the weights gives them away."""
+    x, y = _digits()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        i = torch.randint(0, 1500, (64,))
+        opt.zero_grad()
+        F.cross_entropy(model(x[i]), y[i]).backward()
+        opt.step()
+    noise = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 3
+    with torch.no_grad():
+        own = model(noise).argmax(1)
+    bx, by = torch.cat([x[:496], noise]), torch.cat([y[:496], own])
+    batches = [(list(range(k, k + 32)), (bx[k:k + 32], by[k:k + 32])) for k in range(0, 512, 32)]
+    found = culprits.search(model, _per_sample, batches, limit=math.inf)
+    assert found.line is not None
+    losses = culprits.sample_losses(model, _per_sample, (bx, by), 512)
+    by_loss = {i for i, v in enumerate(losses) if v > found.bar}
+    assert not by_loss & set(range(496, 512))  # the losses alone miss them all
+    assert len(set(found.ids) & set(range(496, 512))) >= 14
+    assert len(set(found.ids) - set(range(496, 512))) <= 2
+
+
 def test_recurring_bad_samples_are_quarantined_and_the_bystanders_are_not():
     """60 of 1,500 samples turn to garbage and come back every epoch: the rollback's search
     sets aside the ones the incident's batches held, the watch after it those the next batches
