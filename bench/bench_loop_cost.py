@@ -21,8 +21,8 @@ steps of each. Reported per copy: the median and the mean step time (the mean in
 Monitor's flushes) and their cost against the plain twins; and for the Monitor, the time inside
 ``mon.step`` alone, at the steps that flush and at those that do not, against the clip and
 optimizer step it replaces. Where the Monitor's time goes: each rule's host time per flush
-(its ``observe`` timed in the default Monitor's copy), and the LM-head hook's time per forward
-(the precursors' logit statistics, on logits of this run's shape). ``--profile`` adds a
+(its ``observe`` timed in the default Monitor's copy); the precursors' share (the LM-head
+hook among them) is the difference of the two Monitor copies. ``--profile`` adds a
 cProfile of ``mon.step`` over the default Monitor's steps.
 
     python bench/bench_loop_cost.py                      # 400 rounds, ~3 minutes on 2 cores
@@ -142,14 +142,13 @@ class Run:
         t1 = time.perf_counter()
         flushed = False
         if self.mon is not None:
-            before = self.mon.journal.flushes if hasattr(self.mon.journal, "flushes") else None
             if profile is not None:
                 profile.enable()
             self.mon.step(step_loss)
             if profile is not None:
                 profile.disable()
-            flushed = (n + 1) % self.mon.flush_every == 0 if before is None else \
-                self.mon.journal.flushes != before
+            # the Monitor flushes when its record of flush_every steps is full
+            flushed = (n + 1) % self.mon.flush_every == 0
         else:
             if self.arm == "check_grads":
                 fh.check_grads(self.model)
@@ -192,22 +191,6 @@ def summarize(runs: dict[str, Run], warmup: int) -> dict:
     return out
 
 
-def hook_us(run: Run, repeats: int = 2000) -> float | None:
-    """The median time of the precursors' LM-head hook on logits of this run's shape, called
-    alone (warm caches: inside the forward it costs more)."""
-    probe = getattr(run.mon.gate, "precursors", None) if run.mon is not None else None
-    if probe is None or probe.head is None:
-        return None
-    logits = torch.randn(MICRO, CTX, len(CHARS) + 1)
-    times = []
-    for _ in range(repeats):
-        probe._logits = None  # as after a step: the next forward is read
-        t = time.perf_counter()
-        probe._on_logits(probe.head[1], (), logits)
-        times.append(time.perf_counter() - t)
-    return 1e6 * statistics.median(times)
-
-
 def profile_text(prof: cProfile.Profile, top: int = 25) -> str:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
@@ -242,7 +225,6 @@ def main(argv=None) -> int:
                   end="", file=sys.stderr, flush=True)
     if show:
         print(file=sys.stderr)
-    hook = hook_us(runs["monitor"])
     for r in runs.values():
         if r.mon is not None:
             r.mon.close()
@@ -257,8 +239,7 @@ def main(argv=None) -> int:
            "seconds": round(time.perf_counter() - t0, 1),
            "arms": summarize(runs, args.warmup),
            "rule_ms_per_flush": {k: round(1e3 * v / flushes, 3) for k, v in
-                                 sorted(mon.rule_s.items(), key=lambda kv: -kv[1])},
-           "lm_head_hook_us_per_step": hook}
+                                 sorted(mon.rule_s.items(), key=lambda kv: -kv[1])}}
     if prof is not None:
         res["profile"] = profile_text(prof)
     print(f"{'copy':<24} {'median ms':>10} {'mean ms':>9} {'median +':>9} {'mean +':>8} "
@@ -274,9 +255,6 @@ def main(argv=None) -> int:
     rules = res["rule_ms_per_flush"]
     print(f"rules, host ms per flush of {mon.mon.flush_every} steps: {sum(rules.values()):.2f} "
           f"(" + ", ".join(f"{k} {v:.2f}" for k, v in list(rules.items())[:6]) + ", ...)")
-    if hook is not None:
-        print(f"precursors' LM-head hook: {hook:.0f} us per step (its first forward), "
-              "alone on warm caches")
     if prof is not None:
         print(res["profile"])
     out = Path(args.out) if args.out else (

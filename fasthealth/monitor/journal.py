@@ -148,8 +148,11 @@ class Journal:
             return None
         for e in events:
             e.dump = dump
-        incident = self.analyser.incidents[events[0].incident or 0]
-        if incident.dump is None:
+        # the incident the events opened or joined; an event outside any (incidents off)
+        # leaves every incident's dump as it was
+        incident = next((i for i in self.analyser.incidents if i.id == events[0].incident),
+                        None)
+        if incident is not None and incident.dump is None:
             incident.dump = dump
         return dump
 

@@ -279,9 +279,9 @@ class Monitor(LongRun):
             else de.detectors)
         self.scans = Scans.for_rules(self.detectors, lg.flush_every, self.params, me.backend,
                                      me.process_group, me.replica_group, self.buffers)
-        self.skip_rule = (SkipRule(self.device, SkipConfig(de.spike_zscore, de.spike_window,
-                                                           de.warmup_steps))
-                          if ac.on_spike == "skip" else None)
+        self.skip_rule = SkipRule.beside(self.detectors, SkipConfig(
+            de.spike_zscore, de.spike_window, de.warmup_steps), self.device) \
+            if ac.on_spike == "skip" else None
         self.gate = gate.Gate(optimizer, self.scaler, self.record, self.device,
                               guard=ac.on_nonfinite in ("skip", "raise") or ac.on_spike == "skip"
                               or ac.rollback not in (None, False),  # its quarantine skips
@@ -366,8 +366,8 @@ class Monitor(LongRun):
         skip = spike[0] if spike is not None else None  # what skips beside non-finite values
         if held is not None:
             skip = held if skip is None else skip | held
-        skipped = self._act(t, grads, table,
-                            nonfinite_gate if skip is None else nonfinite_gate | skip, take_step)
+        decided = nonfinite_gate if skip is None else nonfinite_gate | skip
+        skipped = self._act(t, grads, table, decided, take_step)
         if self.buffer_guard is not None:
             self.buffer_guard.settle(skipped)
         scalars = _measured(self, t, loss_d, loss_ok, skipped, stats, spike, held, bad)
@@ -380,8 +380,11 @@ class Monitor(LongRun):
         self.steps_seen += 1
         if self.record.full:
             self.flush()
-        return Observation(step=t, skip=bad if skip is None else bad | skip, loss=loss_d,
-                           stats=stats)
+        # the step as taken (a GradScaler's own skip too); without an optimizer, the verdict
+        # the user's own step should follow. Under on_nonfinite="warn" a non-finite step is
+        # taken, as asked, and says so
+        return Observation(step=t, skip=skipped if self.optimizer is not None else decided,
+                           loss=loss_d, stats=stats)
 
     def _act(self, t: int, grads: list[torch.Tensor], table: torch.Tensor, bad: torch.Tensor,
              take_step: bool) -> torch.Tensor:

@@ -36,6 +36,10 @@ SPIKE_WINDOW = 128
 """Recent values a level and its noise are taken from (``DetectOptions.spike_window``)."""
 WARMUP_STEPS = 20
 """Values a window needs before it judges (``DetectOptions.warmup_steps``)."""
+SPIKE_MAX_RUN = 5
+"""Spikes in a row that make a new level: a level that stays is a change of regime, not a
+batch; the host rule takes it into its window and the device rule stops skipping after as
+many (``SpikeConfig.max_run``, ``SkipConfig.max_run``)."""
 
 NOISE_QUANTILE = 0.9
 """The differences' quantile that sets the unit: high enough to measure the body of the noise,

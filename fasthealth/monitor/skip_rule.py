@@ -43,11 +43,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .robust import (
     FLOOR_RISE,
+    SPIKE_MAX_RUN,
     SPIKE_WINDOW,
     SPIKE_ZSCORE,
     WARMUP_STEPS,
@@ -76,9 +78,17 @@ class SkipConfig:
     both. The host rule no longer has this path (bench/results/rules_ablation.json: no tuning
     fault needed it there); the device rule keeps it until evaluation/eval_act.py, which scores the
     skips, says otherwise."""
-    max_run: int = 5
+    max_run: int = SPIKE_MAX_RUN
     """Skips in a row at most: a level that stays is a regime change, which skipping cannot
-    undo and would stall the run (as the host rule's ``max_run``)."""
+    undo and would stall the run (``robust.SPIKE_MAX_RUN``, as the host rule's)."""
+
+    @classmethod
+    def of(cls, spike: Any) -> SkipConfig:
+        """The device rule's config from the host spike rule's (``SpikeConfig``, after the
+        Monitor's keywords and ``rules={"spike": {...}}``): one threshold, window, warm-up and
+        run length for both halves of the spike policy."""
+        return cls(zscore=spike.zscore, window=spike.window, warmup=spike.warmup,
+                   max_run=spike.max_run)
 
 
 class SkipRule:
@@ -87,6 +97,14 @@ class SkipRule:
     window holds fewer than ``warmup`` values)."""
 
     STATE = ("buf", "pos", "run")  # the rings and the run of skips; the rest is the config's
+
+    @classmethod
+    def beside(cls, rules: Any, keywords: SkipConfig, device: torch.device) -> SkipRule:
+        """The device half of the spike policy beside the host ``rules``: on the host spike
+        rule's config (the Monitor's keywords and ``rules={"spike": ...}`` alike), or on
+        ``keywords`` without that rule."""
+        spike = next((r.config for r in rules if getattr(r, "name", None) == "spike"), None)
+        return cls(device, SkipConfig.of(spike) if spike is not None else keywords)
     DERIVED = ("start", "_start")  # the host spike rule's, handed over at a flush
 
     def __init__(self, device: torch.device, config: SkipConfig | None = None) -> None:

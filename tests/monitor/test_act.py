@@ -291,6 +291,21 @@ def test_on_spike_skip_needs_an_optimizer():
         fh.Monitor(m, torch.optim.SGD(m.parameters(), 0.1), on_spike="drop")
 
 
+def test_one_spike_policy_the_device_skip_reads_the_spike_rule_s_settings():
+    m = nn.Linear(3, 1)
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    by_rules = fh.Monitor(m, opt, on_spike="skip",
+                          rules={"spike": {"zscore": 9.0, "window": 64, "max_run": 3}})
+    c = by_rules.skip_rule.config
+    assert (c.zscore, c.window, c.max_run) == (9.0, 64, 3)
+    spike = next(r for r in by_rules.detectors if r.name == "spike")
+    assert (spike.config.zscore, spike.config.window) == (9.0, 64)
+    by_keyword = fh.Monitor(m, opt, on_spike="skip", spike_zscore=7.0, warmup_steps=30)
+    assert (by_keyword.skip_rule.config.zscore, by_keyword.skip_rule.config.warmup) == (7.0, 30)
+    default = next(r for r in by_keyword.detectors if r.name == "spike").config
+    assert SkipConfig().max_run == default.max_run == by_keyword.skip_rule.config.max_run
+
+
 # ---- precursors -----------------------------------------------------------------------------
 
 class TinyLM(nn.Module):

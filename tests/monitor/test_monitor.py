@@ -162,6 +162,29 @@ def test_raise_and_warn_modes():
         fh.Monitor(m, opt, on_nonfinite="ignore")
 
 
+@pytest.mark.parametrize("mode", ["warn", "skip"])
+@pytest.mark.parametrize("with_opt", [True, False])
+def test_obs_skip_says_whether_the_step_was_taken(mode, with_opt):
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    mon = fh.Monitor(m, opt if with_opt else None, on_nonfinite=mode, flush_every=10)
+    x, y = data()
+    skips = []
+    for step in range(4):
+        xb = x.clone()
+        if step == 2:
+            xb[3, 2] = NAN
+        loss = loss_fn(m, (xb, y, torch.ones(64, 1)))
+        opt.zero_grad()
+        loss.backward()
+        skips.append(bool((mon.step(loss) if with_opt else mon.check(loss)).skip))
+        if not with_opt and not skips[-1]:
+            opt.step()  # the user's own step, skipped when obs.skip says so
+    mon.close()
+    assert skips == [False, False, mode == "skip", False]
+    assert all(torch.isfinite(p).all() for p in m.parameters()) == (mode == "skip")
+
+
 def test_loss_and_grad_norm_spike_at_the_right_step():
     def plant(step, batch, model, opt):
         if step == 70:

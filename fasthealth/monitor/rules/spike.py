@@ -38,6 +38,7 @@ from ..kinds import NOTICE
 from ..record import StepRecord
 from ..robust import (
     FLOOR_RISE,
+    SPIKE_MAX_RUN,
     SPIKE_WINDOW,
     SPIKE_ZSCORE,
     TAIL_KEEP,
@@ -118,9 +119,9 @@ class SpikeConfig:
     differences for a stable 0.9 quantile."""
     warmup: int = WARMUP_STEPS
     """Values a window needs before it scores (``warmup_steps``)."""
-    max_run: int = 5
-    """Spikes in a row that make a new level, taken into the window: a level that stays is a
-    change of regime, not a batch (the device rule stops skipping after as many)."""
+    max_run: int = SPIKE_MAX_RUN
+    """Spikes in a row that make a new level, taken into the window (``robust.SPIKE_MAX_RUN``;
+    the device skip rule reads this config)."""
     early_loss: float = 4.0
     """Before the window is armed: a loss this many times its first values is a learning rate
     far too high from the start. Without this path lr_too_high_from_start is caught in 2 runs
