@@ -6,12 +6,13 @@ changes it (tests/integrations/test_trainer_adapters.py).
 
 Tested with transformers 5.24.0 and accelerate 1.15.0 (the Makefile's ``TRAINERS``).
 
-1. ``Trainer.train(resume_from_checkpoint=None, ...)`` (public) is wrapped once, on the class,
-   when the first ``HealthCallback`` is made (``bind_on_train``): before training starts, the
-   wrapper hands the Trainer and the checkpoint it resumes from to each ``HealthCallback`` among
-   its callbacks; a Trainer without one goes straight through. A subclass that overrides
-   ``train`` passes through it when it calls ``super().train``; one that does not is driven
-   without the Trainer (``transformers.py`` says what then changes).
+1. The Trainer and the checkpoint it resumes from are read off the call stack at
+   ``on_train_begin`` (``training_trainer``): the first caller frame whose ``self`` is a
+   ``Trainer`` holding this callback (``_inner_training_loop``, whose
+   ``resume_from_checkpoint`` argument ``train`` has already resolved to a folder). Nothing
+   is installed for that: ``Trainer.train`` stays the library's, for every Trainer of the
+   process. A callback called from elsewhere (no Trainer on the stack) is driven without the
+   Trainer (``transformers.py`` says what then changes).
 2. ``trainer.callback_handler.callbacks`` (an attribute, not documented): where the wrapper
    looks for the callbacks.
 3. ``trainer.training_step(model, inputs, num_items_in_batch)`` (public, documented as the
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,27 +52,28 @@ from ..monitor import Monitor, gate
 from .capture import Capture
 from .checkpoints import Patch, SaveGuard
 
-BOUND = "_fasthealth_binds"  # marks the wrapper of Trainer.train (item 1)
+STACK_DEPTH = 12
+"""Caller frames searched for the Trainer (item 1): ``on_train_begin`` is called three frames
+below ``_inner_training_loop`` (``CallbackHandler.on_train_begin``, ``call_event``)."""
 
 
-def bind_on_train(callback_type: type) -> None:
-    """Wraps ``Trainer.train`` once (item 1): ``callback.bind(trainer, resume_from_checkpoint)``
-    for each ``callback_type`` among the Trainer's callbacks, then the training itself."""
-    train = Trainer.train
-    if getattr(train, BOUND, False):
-        return
-
-    @functools.wraps(train)
-    def wrapper(self: Trainer, resume_from_checkpoint: Any = None, *args: Any,
-                **kwargs: Any) -> Any:
-        for callback in getattr(self.callback_handler, "callbacks", ()):  # item 2
-            bind = getattr(callback, "bind", None)
-            if isinstance(callback, callback_type) and bind is not None:
-                bind(self, resume_from_checkpoint)
-        return train(self, resume_from_checkpoint, *args, **kwargs)
-
-    setattr(wrapper, BOUND, True)
-    Trainer.train = wrapper  # type: ignore[method-assign]
+def training_trainer(callback: Any) -> tuple[Trainer, Any] | None:
+    """(the Trainer whose training calls ``callback`` now, the ``resume_from_checkpoint`` it
+    trains with) from the call stack (item 1); None when no Trainer holding ``callback`` is
+    on it."""
+    frame = sys._getframe(1)
+    try:
+        for _ in range(STACK_DEPTH):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and any(
+                    c is callback for c in getattr(owner.callback_handler, "callbacks", ())):
+                return owner, frame.f_locals.get("resume_from_checkpoint")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame kept would keep every local of the stack alive
 
 
 def checkpoint_folder(trainer: Trainer, resume: Any) -> str | None:

@@ -23,8 +23,8 @@
   the check unscales the gradients (the GradScaler's ``unscale_``), and the Trainer's own
   unscaling before its clipping is then left out for that step, as it is already done (a
   second ``unscale_`` would raise);
-- where the Trainer is not known (the callback driven by something else than
-  ``Trainer.train``, or a subclass whose ``train`` does not call ``super().train``), the loss
+- where the Trainer is not known (the callback driven by something else than a ``Trainer``'s
+  training, so that no Trainer holding it is on the call stack at ``on_train_begin``), the loss
   and the batch come from a forward hook on the model (its output's ``loss``) and the check
   runs at the end of the last backward pass; where no loss can be had at all, one warning at
   the first step says so and how to pass one, and the gradient rules go on.
@@ -43,11 +43,12 @@ the one place every way of computing the loss goes through, and the one the Trai
 loss is made of (a ``training_step`` of a subclass is wrapped as well). It returns after the
 micro-batch's backward and before the Trainer's clipping, so the check still sees the raw
 gradients. The Trainer always gets a scalar tensor from it (it adds it to its running loss), so
-with the Trainer known no forward hook is needed. The Trainer is known because
-``Trainer.train`` hands it to this callback before training starts; that, the wrapper of
-``training_step`` (on that instance, for that ``train()``) and every other place the callback
-goes past the callback API are in ``_hf_trainer.py``, listed at its top with the versions they
-are tested with.
+with the Trainer known no forward hook is needed. The Trainer is known because it is the one
+calling ``on_train_begin`` (read off the call stack: nothing is installed on the ``Trainer``
+class, and a Trainer without this callback is never touched); that, the wrapper of
+``training_step`` (on that instance, for that ``train()``, removed at its end) and every other
+place the callback goes past the callback API are in ``_hf_trainer.py``, listed at its top with
+the versions they are tested with.
 
 ``log_dir`` defaults to ``<output_dir>/fasthealth`` (False: no logs), each training in a run of
 its own there (``run-NNN/``, ``.monitor.run_dir``: steps.jsonl and the rest); the other keywords are
@@ -94,20 +95,14 @@ class HealthCallback(TrainerCallback):
         self._open = False
         self._warned = False
         self.guard: SaveGuard | None = None  # the checkpoint guard, while training
-        self._bound: tuple[Trainer, Any] | None = None  # (trainer, resume_from_checkpoint)
-        adapter.bind_on_train(HealthCallback)
 
-    def bind(self, trainer: Trainer, resume_from_checkpoint: Any) -> None:
-        """Called by ``Trainer.train`` (wrapped: ``_hf_trainer.py``) before training starts,
-        with the Trainer and the checkpoint it resumes from."""
-        self._bound = (trainer, resume_from_checkpoint)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._end_of_run(args)  # a train() that raised never reached on_train_end
         options = log_dir_option(dict(self.options), self.log_dir, args.output_dir)
         # the Trainer's scheduler: the rules take its warm restarts as a new start
         options = with_default(options, "scheduler", kwargs.get("lr_scheduler"))
-        bound, self._bound = self._bound, None
+        bound = adapter.training_trainer(self)  # (trainer, resume), or None without one
         trainer = self.trainer = bound[0] if bound is not None else None
         # after a rollback, the incident's batch run again the Trainer's way (replay.py)
         options = with_replay(options, hf_replay(args.gradient_accumulation_steps, trainer))

@@ -50,13 +50,15 @@ class _Data(torch.utils.data.Dataset):
 
 
 class _Seen(TrainerCallback):
-    """What a callback is given at ``on_train_begin``, and the HealthCallback's binding then."""
+    """What the HealthCallback found at ``on_train_begin`` (called after it), and what the
+    Trainer instance had of its own then."""
 
     def __init__(self, health):
-        self.health, self.at_begin = health, None
+        self.health, self.at_begin, self.own = health, None, None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.at_begin = self.health._bound
+        self.at_begin = self.health.trainer
+        self.own = set(vars(self.health.trainer)) if self.health.trainer is not None else None
 
 
 def _trainer(tmp_path, **kw) -> Trainer:
@@ -69,21 +71,58 @@ def _trainer(tmp_path, **kw) -> Trainer:
 
 # ---- transformers / accelerate: _hf_trainer.py's items -------------------------------------
 
-def test_item_1_and_2_train_hands_the_trainer_and_the_resume_to_the_callback(tmp_path):
-    """``Trainer.train``'s first argument is ``resume_from_checkpoint``, and the callbacks
-    are in ``callback_handler.callbacks``: the wrapper binds before on_train_begin."""
-    assert _params(Trainer.train)[:2] == ["self", "resume_from_checkpoint"]
+def test_item_1_and_2_the_trainer_is_found_on_the_stack_and_left_as_it_was(tmp_path):
+    """The Trainer that calls ``on_train_begin`` is found on the call stack (its
+    ``_inner_training_loop`` with ``resume_from_checkpoint``), the callbacks in
+    ``callback_handler.callbacks``; ``Trainer.train`` is never replaced, the instance's
+    patches last one ``train()``, and a second Trainer in the process is untouched."""
+    train = Trainer.__dict__["train"]
+    assert "resume_from_checkpoint" in _params(Trainer._inner_training_loop)
     trainer = _trainer(tmp_path)
     health = HealthCallback(log_dir=False)
+    assert Trainer.__dict__["train"] is train  # making the callback installs nothing
     seen = _Seen(health)
-    trainer.add_callback(seen)  # before the HealthCallback: it sees the binding unconsumed
     trainer.add_callback(health)
+    trainer.add_callback(seen)  # after the HealthCallback: it sees what health found
     assert health in trainer.callback_handler.callbacks
-    assert getattr(Trainer.train, hf_adapter.BOUND, False)
     trainer.train()
-    assert seen.at_begin is not None and seen.at_begin[0] is trainer
+    assert seen.at_begin is trainer
+    assert {"training_step", "_save_checkpoint"} <= seen.own  # patched while it trains
+    assert not {"training_step", "_save_checkpoint"} & set(vars(trainer))  # its own again
+    assert Trainer.__dict__["train"] is train
     assert health.trainer is None  # let go at the end of training
     assert health.monitor is not None and health.monitor.steps_seen == 4
+
+    other = _trainer(tmp_path / "other")  # no HealthCallback: nothing of ours on it
+    spy = _Spy()
+    other.add_callback(spy)
+    other.train()
+    assert spy.own is not None and not {"training_step", "_save_checkpoint"} & spy.own
+
+
+class _Spy(TrainerCallback):
+    def __init__(self):
+        self.own = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = hf_adapter.training_trainer(self)
+        self.own = set(vars(trainer[0])) if trainer is not None else None
+
+
+def test_item_1_resume_from_checkpoint_reaches_the_callback(tmp_path):
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=2)
+    trainer.add_callback(HealthCallback(log_dir=False))
+    trainer.train()
+    found = []
+
+    class Found(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            found.append(hf_adapter.training_trainer(self))
+
+    again = _trainer(tmp_path, save_strategy="steps", save_steps=2, max_steps=6)
+    again.add_callback(Found())
+    again.train(resume_from_checkpoint=True)
+    assert found[0][0] is again and str(found[0][1]).endswith("checkpoint-4")
 
 
 def test_item_3_training_step_is_looked_up_on_the_instance_and_returns_the_loss(tmp_path):

@@ -164,8 +164,8 @@ def test_hf_without_the_trainer_falls_back_to_the_forward_hook(tmp_path, monkeyp
     still equals the logged loss; where the loss is outside the model (label smoothing), one
     warning says so and the gradient rules go on."""
     caplog.set_level("WARNING", logger="fasthealth")
-    # as a Trainer subclass whose train() does not go through Trainer.train would
-    monkeypatch.setattr(fh_hf.HealthCallback, "bind", lambda self, trainer, resume: None)
+    # as a callback driven by something else than a Trainer's training would be
+    monkeypatch.setattr(fh_hf.adapter, "training_trainer", lambda callback: None)
     trainer, _ = setup_path("model", tmp_path / "a", 12)
     trainer.add_callback(fh_hf.HealthCallback())
     trainer.train()
