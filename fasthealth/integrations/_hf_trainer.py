@@ -42,6 +42,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ def training_trainer(callback: Any) -> tuple[Trainer, Any] | None:
     """(the Trainer whose training calls ``callback`` now, the ``resume_from_checkpoint`` it
     trains with) from the call stack (item 1); None when no Trainer holding ``callback`` is
     on it."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     try:
         for _ in range(STACK_DEPTH):
             if frame is None:
