@@ -56,6 +56,7 @@ from ..ops.layout import COL
 from ..optim import optimizer_state_tensors
 from .causes import back
 from .events import ALARM, Incident
+from .record import StepRecord
 
 # ``mon`` below is a ``Monitor`` (typed Any: monitor.py imports this module, not the reverse)
 DAMAGED_CAUSES = frozenset({"weights", "optimizer_state"})
@@ -110,6 +111,29 @@ def incident_reason(mon: Any, *, pending: bool = False) -> tuple[Incident, str] 
         return cur, (f"the loss it harmed has not come back to its level before step "
                      f"{cur.start} yet, beyond its noise: the weights are finite but damaged")
     return _not_back(tracker, cur)
+
+
+RATE_OFF = 2.0
+"""Times the rate the known scheduler set: a rate this far above it at a flush's last step,
+with a ``learning_rate`` alarm open, is still in force (``rate_not_scheduled``); the factor
+``lr_jump`` calls a rise no scheduler made (``LRJumpConfig.unexplained``)."""
+
+
+def rate_not_scheduled(mon: Any, last: StepRecord) -> tuple[Incident, str] | None:
+    """The open ``learning_rate`` alarm incident (``lr_jump`` in it), and why, while the rate at
+    ``last`` (a flush's last step) is still more than ``RATE_OFF`` times the one the known
+    scheduler set; None otherwise. A reason to roll back (``rollback.py``: the restore puts the
+    optimizer's rate back; the code that set it, if it sets it again, stops the run), not to
+    refuse a save: a loss that is fine says the weights are."""
+    cur = mon.analyser.tracker.current
+    h = last.host
+    if cur is None or not cur.open or cur.severity != ALARM or cur.cause != "learning_rate" \
+            or "lr_jump" not in cur.kinds or not h.unexplained or h.lr is None \
+            or h.lr_scheduled is None or not h.lr > RATE_OFF * h.lr_scheduled > 0:
+        return None
+    return cur, (f"the learning rate at step {last.step} ({h.lr:.4g}) is still "
+                 f"{h.lr / h.lr_scheduled:.3g}x the one the scheduler set "
+                 f"({h.lr_scheduled:.4g})")
 
 
 def _not_back(tracker: Any, cur: Incident) -> tuple[Incident, str] | None:

@@ -43,7 +43,11 @@ taken (no snapshot is taken sooner after a rollback). The default ladder: a roll
 data that quarantined new culprits among good samples does not count (it made progress); one
 whose batches were bad as a whole (the source is bad, not some samples) counts, once; any
 other cause once: a rate still too high after a restore is the code's (``lr_jump`` says so at
-once after a rollback), weights damaged again without new data are not a batch's doing.
+once after a rollback), weights damaged again without new data are not a batch's doing. A
+``learning_rate`` alarm whose rate is still far from the known scheduler's at a flush calls for
+a rollback even where the loss is fine (``guard.rate_not_scheduled``): the rate the user's
+schedule sets is not the one the run trains at, and a restore puts it back; if the code sets it
+again, the run stops.
 More than ``max_in_row`` rollbacks in a row or ``max_total`` in all stop it too, as do more
 than ``max_skips`` skipped steps in all (NaN or spike skips), instead of skipping a real bug
 forever.
@@ -70,7 +74,7 @@ from ..distributed import comm_device
 from . import say
 from .causes import CHECK_FIRST, DIRECT
 from .events import Event, Incident
-from .guard import incident_reason, nonfinite_state
+from .guard import incident_reason, nonfinite_state, rate_not_scheduled
 from .quarantine import Quarantine
 from .record import StepRecord
 from .robust import noise_unit
@@ -256,7 +260,7 @@ class Rollback:
             raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
                              f"{c.max_skips}")
         self._returned(mon)
-        damaged = incident_reason(mon)
+        damaged = incident_reason(mon) or rate_not_scheduled(mon, steps[-1])
         mine = damaged is not None and damaged[0].id not in self.done
         newest = self.snapshots[-1].step if self.snapshots else None
         due = self.off_reason is None and (newest is None or last - newest >= c.every) \

@@ -29,7 +29,7 @@ def _per_sample(model, batch):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-def _train(fault=None, seed=0, replay=_per_sample, **config):
+def _train(fault=None, seed=0, replay=_per_sample, lr=3e-3, **config):
     """An MLP on digits (AdamW, cosine, ``scheduler=``), each epoch a permutation of the 1,500
     training samples without the quarantined ones. ``fault`` from ONSET on: "recurring" (60
     samples turn to noise with random labels, served every epoch), "stream" (every batch
@@ -41,8 +41,8 @@ def _train(fault=None, seed=0, replay=_per_sample, **config):
     g = torch.Generator().manual_seed(100 + seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 10))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS, eta_min=3e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS, eta_min=lr / 10)
     mon = fh.Monitor(model, opt, scheduler=sched,
                      rollback=fh.RollbackConfig(replay=replay, **config))
     xt, yt = x[:N_TRAIN].clone(), y[:N_TRAIN].clone()
@@ -198,6 +198,17 @@ def test_a_rate_bug_in_the_code_stops_after_one_rollback_naming_the_rate():
     assert "still too high after a restore" in str(stop)
     assert len(mon.rollbacks) == 1 and mon.rollbacks[0].quarantined == []
     assert steps - mon.rollbacks[0].step <= 2 * 50
+
+
+def test_a_rate_bug_the_loss_does_not_feel_is_rolled_back_and_stopped_all_the_same():
+    """At 1e-4 the 30x rate the loop sets helps the loss: no harm to roll back for, but the
+    rate is not the one the schedule set, flush after flush; the rollback puts it back, the
+    code sets it again, and the run stops naming the rate."""
+    mon, _, stop, steps = _train("lr_bug", lr=1e-4)
+    assert stop is not None and stop.cause == "learning_rate", stop
+    assert len(mon.rollbacks) == 1 and mon.rollbacks[0].quarantined == []
+    assert "is still 30x the one the scheduler set" in mon.rollbacks[0].reason
+    assert steps - ONSET <= 3 * 50
 
 
 def test_a_weight_fault_is_rolled_back_once_and_quarantines_nothing():
