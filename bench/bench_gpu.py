@@ -41,8 +41,8 @@ launch (torch.profiler), so that a miss says which kernel it is.
 The results file (bench/gpu_results.py: rows, machine, goals) is merged into and rewritten
 atomically after every case.
 
-    python bench/bench_gpu.py [--results bench/results/h200.json] [--reps 5] [--quick]
-        [--backends cuda,triton] [--no-baselines] [--plot bench/results/h200.png]
+    python bench/bench_gpu.py [--results bench/results/<card>.json] [--reps 5] [--quick]
+        [--backends cuda,triton] [--no-baselines] [--plot bench/results/<card>.png]
 """
 
 from __future__ import annotations
@@ -387,7 +387,8 @@ METHOD = ("gpu_ms: the call captured in a CUDA graph, median over rounds of (eve
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", type=Path, default=Path("bench/results/h200.json"))
+    ap.add_argument("--results", type=Path, help="the results file (bench/results/<card>.json, "
+                    "named after this machine's GPU: gpu_results.card)")
     ap.add_argument("--copy", type=Path, action="append", default=[],
                     help="also write the results here")
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds per case")
@@ -405,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     # a shell starts background jobs with SIGINT ignored and Python keeps that; the device
     # script's step limit interrupts with SIGINT, between cases' writes
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.results is None:
+        args.results = Path("bench/results") / f"{gpu_results.card()}.json"
     paths = [args.results, *args.copy]
     names = [b for b in args.backends.split(",") if b in gpu_results.FUSED]
     if not args.fake:

@@ -128,6 +128,12 @@ def parts_for(n: int):
     return parts
 
 
+def _where(package: Path) -> str:
+    """The package measured: "fasthealth" when it is this checkout's, else its path."""
+    here = Path(__file__).resolve().parent.parent / "fasthealth"
+    return "fasthealth" if package.resolve() == here else str(package)
+
+
 def machine() -> dict:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -136,7 +142,7 @@ def machine() -> dict:
         rev = "unknown"
     return {"python": platform.python_version(), "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "commit": rev, "fasthealth": fh.__file__,
+            "commit": rev, "fasthealth": _where(Path(fh.__file__).parent),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 

@@ -155,7 +155,10 @@ def run(dtype: torch.dtype, rounds: int, quick: bool, check: bool) -> list[dict]
 def machine() -> dict:
     return {"load_average": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "kernel_isa": compiled.cpu_isa(), "fasthealth": str(Path(fh.__file__).parent),
+            "kernel_isa": compiled.cpu_isa(),
+            "fasthealth": "fasthealth" if Path(fh.__file__).resolve().parent
+            == Path(__file__).resolve().parent.parent / "fasthealth"
+            else str(Path(fh.__file__).parent),  # the checkout's own, or where it was
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

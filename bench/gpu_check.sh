@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU step in one run on a machine with an NVIDIA GPU, and a results file whatever happens:
-# $OUT/h200.json (bench/gpu_results.py; OUT is build/gpu-check unless set) is rewritten after
+# $OUT/<card>.json (bench/gpu_results.py; the card's name from nvidia-smi, h200.json on an H200;
+# OUT is build/gpu-check unless set) is rewritten after
 # every benchmark case and every step, so a step that fails, hangs or is skipped, or the whole
-# run cut short, still leaves every case that ran and every step's status. The file keeps the
-# name of the first GPU it was written for; its "machine" entry names the GPU it ran on.
+# run cut short, still leaves every case that ran and every step's status. Its "machine" entry
+# names the GPU and the versions it ran with.
 #
 # Usage, from the repo root: bash bench/gpu_check.sh [--quick]
 # (to skip the build there: `make gpu-prebuilt` on a build machine, then copy build/prebuilt/
@@ -26,7 +27,7 @@
 #   bench-cuda   120 / 30   ~50 s  bench/bench_gpu.py: cuda and every baseline  -> bench.txt
 #   bench-triton  80 / 20   ~40 s  the same for triton, in its own process (an illegal address
 #                                  in one backend cannot poison the other)
-#   selftest      90 / 30   ~45 s  fasthealth selftest; its record goes into h200.json
+#   selftest      90 / 30   ~45 s  fasthealth selftest; its record goes into <card>.json
 #                                                                               -> selftest.txt
 #   tests        130 / 30   ~90 s  tests/ops/test_gpu.py, one pytest process per backend, side by
 #                                  side; a per-test limit fails that test only; one stuck past
@@ -36,16 +37,16 @@
 #                                  rollback's snapshots cost training (GPT-2 small built on the
 #                                  GPU, about 170 training steps: 20 at a time, with and
 #                                  without a snapshot; needs transformers); its record goes
-#                                  into h200.json too
+#                                  into <card>.json too
 #                                                                 -> rollback.txt, rollback.json
-#   finish        30 / 10   ~5 s   the goals and h200.png
+#   finish        30 / 10   ~5 s   the goals and <card>.png
 # The last recorded run took 381 s with the prebuilt (bench/results/h200.json's steps), before
 # the rollback step was added. A step gets at most its own limit, and never more than the
 # deadline leaves after the needs of every step still to come: one that overruns cannot starve
 # the ones after it, and finish always has its time. At its limit a step gets SIGINT (pytest
 # still prints its summary, the benchmark stops between writes), then SIGKILL 10 s later.
 # Written under $OUT (10 files): summary.txt env.txt build.txt bench.txt selftest.txt tests.txt
-# rollback.txt rollback.json (when that step ends well) h200.json h200.png; h200.json is copied
+# rollback.txt rollback.json (when that step ends well) <card>.json <card>.png; <card>.json is copied
 # into bench/results/ too.
 #
 # Knobs, for the dry run here (bench/tests/test_gpu_check.py) and for reruns:
@@ -57,7 +58,8 @@
 #   FORCE_FAIL=a,b          these steps fail at once; FORCE_HANG=a,b: they hang to their limit
 #   FASTHEALTH_GPU_LIMITS=name=S,...   a step's own limit
 #   FASTHEALTH_GPU_TEST_FILES="..."    the test files (tests/ops/test_gpu.py)
-#   FASTHEALTH_GPU_COPY=PATH           the copy of h200.json (bench/results/h200.json; none in
+#   FASTHEALTH_GPU_CARD=NAME           the results file's stem (bench/gpu_results.py card)
+#   FASTHEALTH_GPU_COPY=PATH           the copy of <card>.json (bench/results/<card>.json; none in
 #                                      a dry run), empty for none
 #   PYTHON                             the interpreter (python3)
 #   FASTHEALTH_PREBUILT=DIR            the prebuilt library and its manifest (build/prebuilt)
@@ -76,8 +78,9 @@ DEADLINE=${DEADLINE:-480}
 DRY=${FASTHEALTH_GPU_DRY:-}
 QUICK=
 [ "${1:-}" = --quick ] && QUICK=--quick
-RESULTS=$OUT/h200.json
-COPY=${FASTHEALTH_GPU_COPY-bench/results/h200.json}
+CARD=${FASTHEALTH_GPU_CARD:-$($PY bench/gpu_results.py card)}
+RESULTS=$OUT/$CARD.json
+COPY=${FASTHEALTH_GPU_COPY-bench/results/$CARD.json}
 [ -n "$DRY" ] && COPY=${FASTHEALTH_GPU_COPY:-}  # a dry run writes into the tree only if told
 TEST_FILES=${FASTHEALTH_GPU_TEST_FILES:-tests/ops/test_gpu.py}
 TEST_LIMIT=${FASTHEALTH_TEST_TIMEOUT:-40}  # per test; stuck in C code: 15 s more, then exit
@@ -125,7 +128,7 @@ reserve() {
   echo "$sum"
 }
 
-# record NAME STATUS SECONDS LIMIT RC [NOTE]: summary.txt, and the steps into h200.json (the
+# record NAME STATUS SECONDS LIMIT RC [NOTE]: summary.txt, and the steps into <card>.json (the
 # note too); STATUS "not run": a step that was not needed (it does not fail the run)
 record() {
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "$5" "${6:-}" >> "$WORK/steps.tsv"
@@ -425,7 +428,7 @@ step rollback "$OUT/rollback.txt" "$PY" bench/bench_rollback.py --device cuda --
   >> "$SUMMARY" 2>&1
 
 step finish "$OUT/bench.txt" "$PY" bench/gpu_results.py "${results[@]}" finish \
-  --plot "$OUT/h200.png"
+  --plot "$OUT/$CARD.png"
 
 # exit status 0 when every step that ran was ok, those not needed aside (the files come back
 # either way)

@@ -1,6 +1,6 @@
-"""The GPU results file (h200.json): read, merged into and rewritten after every case and every
-step of bench/gpu_check.sh, so that a run cut short at any point leaves a whole file with what
-it did.
+"""The GPU results file (<card>.json, named after the GPU it ran on: h200.json,
+h100-80gb-hbm3.json): read, merged into and rewritten after every case and every step of
+bench/gpu_check.sh, so that a run cut short at any point leaves a whole file with what it did.
 
 Standard library only: the device script records its steps here even where torch or the build
 is broken. One JSON object:
@@ -26,6 +26,7 @@ killed mid-write) sees the old file or the new one, never half of one.
     python bench/gpu_results.py --results R.json attach selftest SELFTEST.json
     python bench/gpu_results.py --results R.json attach rollback ROLLBACK.json
     python bench/gpu_results.py --results R.json finish [--plot R.png]
+    python bench/gpu_results.py card        # the file name's stem for this machine's GPU
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -194,7 +197,30 @@ def plot(doc: dict, path: Path) -> None:
                                    "wall time where it cannot be captured)")
 
 
+def card_slug(name: str) -> str:
+    """A GPU's name as a file name's stem: lower case, the vendor dropped, any other run of
+    characters but letters and digits one dash ("NVIDIA H100 80GB HBM3" -> "h100-80gb-hbm3",
+    "NVIDIA H200" -> "h200"); "gpu" for an empty name."""
+    words = re.sub(r"[^a-z0-9]+", " ", name.lower()).split()
+    return "-".join(w for w in words if w not in ("nvidia", "corporation")) or "gpu"
+
+
+def card() -> str:
+    """This machine's first GPU as ``card_slug`` names it (nvidia-smi, the standard library
+    only); "no-gpu" where none answers."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "no-gpu"
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    return card_slug(first) if first else "no-gpu"
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (argv if argv is not None else sys.argv[1:])[:1] == ["card"]:
+        print(card())
+        return 0
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, required=True)

@@ -404,9 +404,10 @@ def provenance() -> dict:
             return None
 
     package = Path(fasthealth.__file__).resolve().parent
+    own = package == HERE.parent / "fasthealth"  # a path of this machine's names nothing
     out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cpus": os.cpu_count(), "fasthealth": str(package)}
-    if package == HERE.parent / "fasthealth":
+           "cpus": os.cpu_count(), "fasthealth": "fasthealth" if own else str(package)}
+    if own:
         out["commit"] = git("rev-parse", "HEAD")
         out["monitor_modified"] = bool(git("status", "--porcelain", "--", "fasthealth/monitor"))
     elif (package.parent / "COMMIT").exists():  # an exported copy: the commit it was taken at

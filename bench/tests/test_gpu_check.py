@@ -63,6 +63,23 @@ def test_4_after_the_stuck_one():
 """
 
 
+CARD = "dry-card"  # the results file's stem in the dry runs (FASTHEALTH_GPU_CARD)
+
+
+def test_a_results_file_is_named_after_its_card():
+    assert gpu_results.card_slug("NVIDIA H200") == "h200"
+    assert gpu_results.card_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert gpu_results.card_slug("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
+    assert gpu_results.card_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert gpu_results.card_slug("") == "gpu"
+
+
+@pytest.mark.device_script
+def test_without_a_card_name_given_the_file_is_named_by_nvidia_smi(tmp_path):
+    p, out, doc = dry_run(tmp_path, FASTHEALTH_GPU_CARD="", FORCE_FAIL="bench-cuda")
+    assert (out / f"{gpu_results.card()}.json").exists()
+
+
 def dry_run(tmp_path, test_files=None, **env):
     out = tmp_path / "out"
     if test_files is None:
@@ -72,12 +89,14 @@ def dry_run(tmp_path, test_files=None, **env):
     full = {**os.environ, "OUT": str(out), "FASTHEALTH_GPU_DRY": "1", "PYTHON": sys.executable,
             "FASTHEALTH_GPU_TEST_FILES": str(test_files), "FASTHEALTH_BENCH_FAKE_SLEEP": "0.05",
             "FASTHEALTH_PREBUILT": str(tmp_path / "no-prebuilt"),
-            "FASTHEALTH_PREBUILT_PKG": str(tmp_path / "pkg"), **env}
+            "FASTHEALTH_PREBUILT_PKG": str(tmp_path / "pkg"), "FASTHEALTH_GPU_CARD": CARD,
+            **env}
     full.pop("FASTHEALTH_GPU_COPY", None)
     p = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True,
                        text=True, timeout=300)
-    assert (out / "h200.json").exists(), p.stdout + p.stderr
-    doc = json.loads((out / "h200.json").read_text())
+    name = full["FASTHEALTH_GPU_CARD"] or gpu_results.card()
+    assert (out / f"{name}.json").exists(), p.stdout + p.stderr
+    doc = json.loads((out / f"{name}.json").read_text())
     return p, out, doc
 
 
@@ -101,8 +120,8 @@ def written(out):
 
 
 def assert_fake_rollback(doc, out):
-    """The rollback step's record, in h200.json and as its own file: the dry run's fake one,
-    with the GPU fields."""
+    """The rollback step's record, in the card's results file and as its own file: the dry
+    run's fake one, with the GPU fields."""
     own = json.loads((out / "rollback.json").read_text())
     assert doc["rollback"] == own and own["fake"] is True and own["device"] == "cuda"
     assert own["snapshot_overlap_s"] > 0 and set(own["share_of_training"]) == {"100", "500"}
@@ -122,7 +141,7 @@ def assert_every_written_case_is_there(doc, wrote):
 
 @pytest.mark.device_script
 def test_dry_run_every_step_ok(tmp_path):
-    copy = ROOT / "bench" / "results" / "h200.json"
+    copy = ROOT / "bench" / "results" / f"{CARD}.json"
     before = copy.stat().st_mtime_ns if copy.exists() else None
     p, out, doc = dry_run(tmp_path, test_files="tests/ops/test_gpu.py")
     assert p.returncode == 0, p.stdout
@@ -138,10 +157,10 @@ def test_dry_run_every_step_ok(tmp_path):
     assert doc["selftest"] == {"key": "dry run", "results": {}}
     assert_fake_rollback(doc, out)
     assert "bench_rollback.py --device cuda --repeats 3" in (out / "rollback.txt").read_text()
-    assert doc["run"]["dry_run"] and doc["goals"] and (out / "h200.png").exists()
-    assert sorted(f.name for f in out.iterdir()) == [
-        "bench.txt", "build.txt", "env.txt", "h200.json", "h200.png", "rollback.json",
-        "rollback.txt", "selftest.txt", "summary.txt", "tests.txt"]
+    assert doc["run"]["dry_run"] and doc["goals"] and (out / f"{CARD}.png").exists()
+    assert sorted(f.name for f in out.iterdir()) == sorted([
+        "bench.txt", "build.txt", "env.txt", f"{CARD}.json", f"{CARD}.png", "rollback.json",
+        "rollback.txt", "selftest.txt", "summary.txt", "tests.txt"])
     tests = (out / "tests.txt").read_text()
     # one process per backend; tests/ops/test_gpu.py skips itself here, with its reason
     assert "== tests, backend cuda, process 1" in tests
@@ -178,7 +197,7 @@ def test_dry_run_with_a_step_forced_to_fail(tmp_path, step):
     elif step == "selftest":
         assert "missing" in doc["selftest"]
     elif step == "finish":
-        assert not (out / "h200.png").exists()
+        assert not (out / f"{CARD}.png").exists()
     else:
         assert len(doc["rows"]) == N_CASES * FUSED_ROWS
 
