@@ -71,7 +71,7 @@ class CauseConfig:
     """A weight that jumped by orders of magnitude and stayed finite (``weight_corruption``'s
     ``jumps``) names the weights even after broken optimizer state: a 1e37 weight's gradient
     squared overflows the second moments (Adafactor's were non-finite 10 steps before the
-    weight scan saw the weight, evaluation/trainers hf_bert_digits_adafactor_bf16), while broken
+    weight scan saw the weight, the trainer evaluation), while broken
     moments make the weights they update NaN or Inf, not finite and huge."""
     weight_kinds: frozenset[str] = frozenset({"weight_corruption"})
     """Kinds that name the weights wherever they stand in the incident: a parameter seen

@@ -66,7 +66,7 @@ class MeasureOptions:
     """Also measure the modules' activations with an ``fh.ActivationMonitor`` (docs/spec.md
     section 7): True for every leaf module, a regex over module names, or a list of names.
     None: off, because hooks on every leaf module add some 7% to the forward and backward
-    (bench/results/activation_overhead.json)."""
+    (docs/performance.md)."""
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class LogOptions:
     the logs are written. Events carry their own step but surface up to this many steps
     late, and dumps keep this many parameter snapshots (``snapshot_max_bytes``). 50: events
     within 50 steps, and copies rarer than at 5, where the Monitor's cost is already below
-    noise (bench/results/monitor_overhead.json)."""
+    noise (docs/performance.md)."""
     per_tensor_every: int = 50
     """Steps between the per-tensor norms in the JSONL log (each record has the totals, and
     a step with an event has its per-tensor norms as well): once a flush keeps the log small."""

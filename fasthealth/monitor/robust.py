@@ -52,8 +52,8 @@ descent within a few steps and ignores up to 15 outliers."""
 MIN_LOG_NOISE = 0.005
 """The smallest noise unit on the log scale: at a plateau whose losses differ by 0.1% a step a
 1.4% bump scored 7 units; with the floor a spike stands at least 3% above the level (6 units),
-and that family raises no alarm (the detector evaluation, bench/results/detectors.json,
-digits_mlp_sgd_momentum_plateau)."""
+and that family (digits under SGD with momentum, on a plateau) raises no alarm (the detector
+evaluation)."""
 
 FLOOR_RISE: float = 0.1
 """A loss spike is an alarm only when it rises at least this share of the loss the run
@@ -62,9 +62,9 @@ its recent median; a smaller one is a notice. At a floor the noise unit shrinks 
 noise: a converged classifier under label smoothing (floor 0.52, from 2.3) has healthy batches
 5-20% above its median scoring 6-9 units, and a memorised small set (floor 1e-6, from 1.05)
 batches at 0.004-0.06 scoring hundreds: over 8,000 steps, 15 and 13 alarms a run that nothing
-caused, each gone the next step (evaluation/eval_long_runs.py). Those rise 1-6% of the start;
+caused, each gone the next step (the long runs). Those rise 1-6% of the start;
 the corpus's bad batches at their step 82% and more (garbage 0.82-1.5, mislabelled 1.7-1.9, a
-target x50 thousands: evaluation/detectors, short and long runs). The spike rule's alarms and
+target x50 thousands: the detector corpus, short and long runs). The spike rule's alarms and
 the device skip rule's loss paths both need it (``rules/spike.py``, ``skip_rule.py``)."""
 
 TAIL_STEPS: int = 2000
@@ -79,7 +79,7 @@ TAIL_MARGIN: float = 2.0
 """A loss spike scoring less than this many times the run's tail is a notice: the run's own
 batches reach that far a few times per thousand steps (heavy-tailed noise, dropout at a
 floor), and a fault to catch stands beyond them. On the long runs' tuning part
-(evaluation/eval_long_runs.py) the only healthy alarms, two outlier batches of a regression
+(the long runs) the only healthy alarms, two outlier batches of a regression
 with heavy-tailed noise, scored 1.27x and 1.30x their run's tail; of the faults planted late
 that spike the loss, a garbage batch scored 5.1x and the others 17x to millions, but for
 weights growing in a family unstable by then (0.7-0.9x: caught by its other rules). The
@@ -94,7 +94,7 @@ the loss the run started from above its recent median. Heavy-tailed healthy batc
 at most (a regression's outlier batches, 4.5x its median) and a sample missed under dropout at
 a memorised floor 40% (0.26 from 2e-4, start 0.65); in a run that had grown unstable
 (RMSprop at a floor, its own tail 8.8 units), weights starting to explode rose 87% in the
-step the rule must catch them at (evaluation/eval_long_runs.py's tuning part)."""
+step the rule must catch them at (the long runs' tuning part)."""
 
 TAIL_KEEP: int = 64
 """Largest scores kept (the tail's k is at most this: past 64,000 steps, the 64th largest)."""
@@ -160,7 +160,7 @@ def spike_scores(values: list[float], x: float) -> tuple[float, float]:
     and no negative value; a value of exactly 0 (a loss that underflowed on a batch the model
     fits) is a gap there, not minus infinity, nor a reason to drop the log scale: a fitted
     classifier's losses span orders of magnitude, and on the linear scale alone its ordinary
-    hard batch scored 8.8 units (evaluation/trainers, pl_digits_rmsprop_one_cycle). Without a
+    hard batch scored 8.8 units (the trainer evaluation, under Lightning). Without a
     positive value among the recent ones the log score is the linear one."""
     lin = _z(values, x)
     if x > 0 and min(values) >= 0:

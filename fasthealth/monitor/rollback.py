@@ -87,7 +87,7 @@ default); the next one stops the run. A rollback for data that quarantined new s
 counted (it made progress; ``max_total`` bounds them): for data, the count is of rollbacks
 whose batches were bad as a whole (the source is bad, not some samples) or found nothing.
 One for every cause: a restore that did not hold says the cause is not in the state (the
-recovery evaluation, bench/results/recovery.json)."""
+recovery evaluation)."""
 
 STOP_ON_RETURN = frozenset({"learning_rate"})
 """Causes whose alarm after their rollback stops the run at once (the ladder's count reached),

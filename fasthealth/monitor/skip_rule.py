@@ -72,11 +72,11 @@ class SkipConfig:
     grad_factor: float = GRAD_FACTOR
     """Times ``zscore`` the gradient norm alone must stand out: it climbs several-fold while a
     healthy run leaves its plateau or warms up, whereas a bad batch puts it hundreds of units
-    out (bench/results/act.json)."""
+    out (docs/performance.md)."""
     joint: float = 0.85
     """The loss and the gradient norm both above this share of ``zscore``: a bad batch moves
-    both. The host rule no longer has this path (bench/results/rules_ablation.json: no tuning
-    fault needed it there); the device rule keeps it until evaluation/eval_act.py, which scores the
+    both. The host rule no longer has this path (the rules' ablation: no tuning
+    fault needed it there); the device rule keeps it until the skip evaluation, which scores the
     skips, says otherwise."""
     max_run: int = SPIKE_MAX_RUN
     """Skips in a row at most: a level that stays is a regime change, which skipping cannot

@@ -36,18 +36,18 @@ above its best is an alarm at once: the loss back where the run began has undone
 the phase's end will show. A regression memorised under Nesterov momentum (from 0.84 to 2e-4),
 thrown back to a rate of 0.01 every 2,000 steps, climbed 28% of its first loss 74-97 steps
 after a restart and was back at its level 700 steps later, within the phase
-(evaluation/eval_long_runs.py, diabetes_mlp_nesterov_restarts)."""
+(the long runs)."""
 
 
 @dataclass(frozen=True)
 class DivergenceConfig:
     window: int = 40
     """Losses the line is fitted through: long enough for minibatch noise to average out,
-    short enough to fire within the corpus's allowed delays (slow_divergence: 13-19 steps of the
-    40 allowed, the detector evaluation, bench/results/detectors.json)."""
+    short enough to fire within the corpus's allowed delays (a slow divergence: 13-19 steps of the
+    40 allowed, the detector evaluation)."""
     t_min: float = 5.0
     """The slope's t-statistic: a climb that stands out of the noise; no healthy run of the
-    corpus reaches it (the detector evaluation, bench/results/detectors.json)."""
+    corpus reaches it (the detector evaluation)."""
     rise: float = 0.2
     """The rise over the window and above the best level: a 20% climb is what a user would act
     on."""
@@ -72,7 +72,7 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
     10-loss medians of a long noisy run is the noise's, not the loss's (a word-level
     transformer whose batches' losses spread 2-3.5: after 5,000 steps its best 10-median stood
     17% below its level, and an ordinary noisy stretch read as 23% above it, a divergence
-    alarm; evaluation/eval_long_runs.py)."""
+    alarm; the long runs)."""
 
     def __init__(self, config: DivergenceConfig | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)

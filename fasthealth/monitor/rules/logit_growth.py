@@ -31,8 +31,8 @@ EARLY_SPAN: int = 30
 class LogitConfig:
     ratio: float = 4.0
     """Times the early level: beyond the sharpening a model's logits show as it learns; the
-    value evaluation/eval_precursors.py measured the precursors with
-    (bench/results/precursors.json)."""
+    value the precursor evaluation measured the precursors with
+    (docs/performance.md)."""
     logit_floor: float = 30.0
     """The largest output logit must also pass it: below 30, softmax is far from saturated."""
     drift: float = 10.0

@@ -51,8 +51,8 @@ class LRJumpConfig:
     """A climb past this many times that peak is no schedule's: a restart returns to its old
     peak, and 1.5x is what the schedule test itself grants a cycle whose peak grows
     (``ScheduleConfig.peak_slack``). At 3x (``ratio``), a rate growing 10% a step from a
-    schedule decayed to 16% of its peak was found 31 steps after it began, at 2.9x the peak (the
-    long runs' lr_ramp planted late, evaluation/eval_long_runs.py); at 1.5x, 24 steps."""
+    schedule decayed to 16% of its peak was found 31 steps after it began, at 2.9x the peak (a
+    rate ramp planted late in the long runs); at 1.5x, 24 steps."""
     climb_steps: int = 3
     """Steps in a row the rate must have risen for ``climb_ratio``: a warm-up stepped per epoch
     doubles the rate in one step at its second epoch, a rise of one step that ``ratio``

@@ -31,8 +31,7 @@ class OscillationConfig:
     steps that alternate."""
     amplitude: float = 3.0
     """Times the run's usual swing: tests/monitor/test_monitor.py plants swings 5x the noise
-    (found); the corpus's healthy runs raise none (the detector evaluation,
-    bench/results/detectors.json)."""
+    (found); the corpus's healthy runs raise none (the detector evaluation)."""
     warmup: int = WARMUP_STEPS
     """Losses seen before the rule judges (``warmup_steps``)."""
 

@@ -72,12 +72,12 @@ RESTART_LOSS: float = 10.0
 """At a warm restart of the schedule (``rearm``), until the new window is armed: a loss this
 many times the largest of the window before the restart (which spans the cycle's higher losses,
 not only its low end at a rate near 0: against the last few values, the climb after a restart
-from a floor of 0.01 reached 10x and alarmed, evaluation/trainers
-hf_mlp_digits_sgd_warm_restarts). A loss x100 at the restart's own step is still seen
-(hf_llama_chars_torch_warm_restarts, loss_x100 planted at a restart). Nor less than this many
+from a floor of 0.01 reached 10x and alarmed, the trainer evaluation). A loss x100 at the
+restart's own step is still seen (a Llama through the HF Trainer, its loss x100 planted at a
+restart). Nor less than this many
 times the loss the run started from: a restart after a long cycle at a rate near 0 may undo
 much of the run (a conv autoencoder 8,000 steps long, at its 5th and 6th restarts: 12x and
-45x the window before, 3x and 7x its first loss; evaluation/eval_long_runs.py), while a bad
+45x the window before, 3x and 7x its first loss; the long runs), while a bad
 batch at a floor goes far past where the run began. The gradient norm keeps
 ``early_grad_norm``."""
 
@@ -88,10 +88,10 @@ notice when it rose less than this many times the loss the run started from (``T
 elsewhere). A set memorised under dropout, thrown back to a rate of 0.05 under Nesterov
 momentum, lost it for tens of steps 89-149 steps after its restarts: batches at 1.99 and 0.81
 from a level of 5e-3 and 1e-4 (rises of 196% and 80% of its first loss), scoring 1.3x the
-run's tail on the log scale (evaluation/eval_long_runs.py, iris_mlp_dropout_nesterov_restarts):
+run's tail on the log scale (the long runs):
 the schedule's doing, gone by itself. Twice the largest rise seen. The tail is the guard
 still: a batch of garbage words planted in a restart's high-rate phase rose 221% and scored
-6.8x the run's tail (descr_word_transformer_restarts, garbage_batch_words)."""
+6.8x the run's tail (a word-level transformer under warm restarts, in the detector corpus)."""
 
 
 LINEAR_RISE: float = 2.0
@@ -101,9 +101,9 @@ times the loss the run started from (``RESTART_RISE`` in a warm restart's high-r
 whichever is larger), before the run's tail exists as after. On the long runs' tuning part
 such spikes of healthy runs rose 0.94x the first loss at most outside a restart's phase (a
 set memorised under Adam losing it for some steps, 885 steps in, log score 5.9) and 1.96x in
-one (evaluation/eval_long_runs.py). No late fault of the long runs was found by that path;
+one (the long runs). No late fault of the long runs was found by that path;
 the short corpus's faults it found rose 500x or more, and a batch of shuffled labels at a noisy
-floor 10x (evaluation/trainers: hf_mlp_digits_sgd_warm_restarts). Twice the largest healthy
+floor 10x (the trainer evaluation). Twice the largest healthy
 rise."""
 
 
@@ -113,7 +113,7 @@ class SpikeConfig:
     """Noise units above the recent median (``spike_zscore``). At 6 no healthy tuning family
     alarms and every garbage batch of the held-out part is caught; 11, which leave-one-out
     prefers on the tuning part, misses 5 of 6 held-out garbage-word batches
-    (the detector evaluation, bench/results/detectors.json)."""
+    (the detector evaluation)."""
     window: int = SPIKE_WINDOW
     """Finite, non-spike values the noise is measured over (``spike_window``): enough
     differences for a stable 0.9 quantile."""
@@ -124,8 +124,8 @@ class SpikeConfig:
     the device skip rule reads this config)."""
     early_loss: float = 4.0
     """Before the window is armed: a loss this many times its first values is a learning rate
-    far too high from the start. Without this path lr_too_high_from_start is caught in 2 runs
-    fewer of 6 (bench/results/rules_ablation.json)."""
+    far too high from the start. Without this path a rate too high from the start is caught in
+    2 runs fewer of 6 (the rules' ablation)."""
     early_grad_norm: float = 100.0
     """The same for the gradient norm, set far higher: the first steps' gradient norms move
     much more than their losses."""
@@ -134,7 +134,7 @@ class SpikeConfig:
     scale, is a spike whatever the log scale says. At a noisy loss floor (a classifier of
     batch 16 whose healthy losses swing 30x from one batch to the next) the log-scale noise
     unit is so wide that a loss 28x the window's largest (shuffled labels, 0.85 -> 24.4)
-    scored 1.7 there (evaluation/trainers: hf_mlp_digits_sgd_warm_restarts). The largest of 128
+    scored 1.7 there (the trainer evaluation). The largest of 128
     healthy values is the tail already: 5x beyond it is not noise. Only with the window at
     least half full (its largest is then a tail), or after a restart against the larger of
     the new window's and the old one's largest: the loss climbing after a restart outgrew a

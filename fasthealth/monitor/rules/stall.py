@@ -95,7 +95,7 @@ class Stall(Rule[StallConfig]):
         bias: softmax ignores what it adds to every score; a bias just before a normalisation,
         whose mean it removes). A BERT has both: its key biases' gradients sit below 1e-5 of
         the largest from the first step, and a BERT on its initial plateau (100 steps under
-        AdamW, evaluation/trainers) raised a false stall when they counted."""
+        AdamW, the trainer evaluation) raised a false stall when they counted."""
         if i >= len(self.ctx.params):
             return True  # no tensors known (a rule fed recorded steps): every one counts
         return getattr(self.ctx.params[i][1], "ndim", 2) >= 2

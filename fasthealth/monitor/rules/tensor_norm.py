@@ -8,7 +8,7 @@ rounding noise. A rate that rose more than ``ScheduleConfig.rise`` times at one 
 set it, starts the levels again, as a restart of a known schedule does: a tensor's usual
 gradient under a rate thousands of times lower says nothing of its size under the new one (a
 per-epoch warm-up from 1e-5 without ``scheduler=``: a ConvNeXt stem's bias gradient fell
-below 0.001 of its level three steps after the warm-up's jump, evaluation/zoo)."""
+below 0.001 of its level three steps after the warm-up's jump, the zoo)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ ALPHA: float = 0.05
 class TensorNormConfig:
     collapse: float = 1e-3
     """Share of its own level below which a tensor's gradient has collapsed: three orders
-    below its usual size; no healthy run of the corpus alarms (the detector evaluation,
-    bench/results/detectors.json)."""
+    below its usual size; no healthy run of the corpus alarms (the detector evaluation)."""
     explode: float = 100.0
     """Times its own level above which a tensor's gradient has exploded."""
     patience: int = 3

@@ -20,7 +20,7 @@ FITTED: float = 1e-3
 """A step whose loss is below this share of the run's first level is a batch the model fits: its
 gradient vanishes with its loss (cross-entropy's gradient is p - y), which is convergence, not a
 fault. A memorised digits batch at a loss of 2e-7 (first level 2.3) had a gradient norm of 8e-6
-against a median of 1.5 and alarmed (evaluation/trainers, pl_digits_rmsprop_one_cycle). A loss
+against a median of 1.5 and alarmed (the trainer evaluation, under Lightning). A loss
 of exactly 0 is exempt only at a fitted floor (``FLOOR_STEPS``): a masked-out or
 multiplied-away loss is 0 at every step."""
 
@@ -30,7 +30,7 @@ came at most this many steps before it: float32 rounds a fitted batch's loss to 
 sample's probability rounds to 1, and its gradient is then rounding noise, a thousand times
 below the fitted batches' around it. A set memorised under dropout (wine, loss 1e-8 from
 0.66) had three such steps in a row, whose per-tensor gradient norms collapsed and alarmed
-(evaluation/eval_long_runs.py). A loss that drops to 0 from a normal level is a masked loss at
+(the long runs). A loss that drops to 0 from a normal level is a masked loss at
 once; one masked at a fitted floor is one from this many steps on."""
 
 
@@ -73,7 +73,7 @@ class VanishingConfig:
     that size moves no weight measurably."""
     rel_drop: float = 1e4
     """Times below the recent median: far beyond the fall of healthy norms within a window;
-    no healthy run of the corpus alarms (the detector evaluation, bench/results/detectors.json)."""
+    no healthy run of the corpus alarms (the detector evaluation)."""
     patience: int = 3
     """Steps in a row: one batch of all-masked tokens is not a fault."""
     window: int = SPIKE_WINDOW

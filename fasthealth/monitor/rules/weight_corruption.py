@@ -36,7 +36,7 @@ class WeightCorruptionConfig:
     every: int = 0
     """Steps between weight scans; 0: once per flush (``flush_every``), and never more than
     that. One fused read of every weight, a small share of a step once per flush
-    (bench/results/new_alarms_cost.json); corrupted weights stay corrupted, so a scan per flush
+    (docs/performance.md); corrupted weights stay corrupted, so a scan per flush
     finds them by the flush that reports them."""
     factor: float = 1e3
     """Times above a tensor's level at the scan before: three orders of magnitude. A healthy
