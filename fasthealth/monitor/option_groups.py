@@ -41,7 +41,13 @@ from typing import Any
 
 from .incidents import IncidentConfig
 from .options import shown
-from .robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
+from .robust import (
+    MIN_LOSS_SCALE,
+    SPIKE_WINDOW,
+    SPIKE_ZSCORE,
+    VANISHING_THRESHOLD,
+    WARMUP_STEPS,
+)
 from .rules import Rule
 
 
@@ -85,10 +91,10 @@ class DetectOptions:
     warmup_steps: int = WARMUP_STEPS
     """Finite values a window needs before it scores: the first steps of a run move too much
     to have a level. At most ``spike_window``, or no spike would ever be scored."""
-    vanishing_threshold: float = 1e-8
+    vanishing_threshold: float = VANISHING_THRESHOLD
     """A global gradient norm below it, for 3 steps in a row, is ``vanishing_grad``: updates
     that small vanish against float32 weights of order 1e-2 (``rules/vanishing.py``)."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = MIN_LOSS_SCALE
     """A GradScaler scale below it, or NaN, is ``loss_scale_collapse``: a scale below 1
     shrinks the loss, the opposite of its purpose (``rules/loss_scale.py``)."""
     optimizer_check_every: int = 10

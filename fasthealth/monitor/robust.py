@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# The defaults of the thresholds the spike scoring shares, defined here once: ``DetectOptions``
+# The defaults of the thresholds the Monitor's keywords set, defined here once: ``DetectOptions``
 # and the Monitor's keywords (where their reasons are written), ``rules.Context``, each rule's
 # ``Config`` and the device skip rule read them.
 SPIKE_ZSCORE = 6.0
@@ -36,6 +36,12 @@ SPIKE_WINDOW = 128
 """Recent values a level and its noise are taken from (``DetectOptions.spike_window``)."""
 WARMUP_STEPS = 20
 """Values a window needs before it judges (``DetectOptions.warmup_steps``)."""
+VANISHING_THRESHOLD = 1e-8
+"""A global gradient norm below it has stopped training (``vanishing_threshold``,
+``VanishingConfig.abs_threshold``)."""
+MIN_LOSS_SCALE = 1.0
+"""A GradScaler scale below it shrinks the loss (``min_loss_scale``,
+``LossScaleConfig.min_loss_scale``)."""
 SPIKE_MAX_RUN = 5
 """Spikes in a row that make a new level: a level that stays is a change of regime, not a
 batch; the host rule takes it into its window and the device rule stops skipping after as

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, SPIKE_ZSCORE, WARMUP_STEPS
+from ..robust import (
+    MIN_LOSS_SCALE,
+    SPIKE_WINDOW,
+    SPIKE_ZSCORE,
+    VANISHING_THRESHOLD,
+    WARMUP_STEPS,
+)
 
 
 @dataclass
@@ -49,8 +55,8 @@ class Context:
     spike_zscore: float = SPIKE_ZSCORE
     spike_window: int = SPIKE_WINDOW
     warmup_steps: int = WARMUP_STEPS
-    vanishing_threshold: float = 1e-8
-    min_loss_scale: float = 1.0
+    vanishing_threshold: float = VANISHING_THRESHOLD
+    min_loss_scale: float = MIN_LOSS_SCALE
     probe: Any = None  # precursors.PrecursorProbe, or None with precursors off
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -9,12 +9,13 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..record import StepRecord
+from ..robust import MIN_LOSS_SCALE
 from .base import Context, Finding, Rule
 
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = MIN_LOSS_SCALE
     """A scale below 1 shrinks the loss, the opposite of its purpose (``min_loss_scale``)."""
     drop: float = 8.0
     """Three back-offs (each halves): one overflow is the scaler at work, three in a row the

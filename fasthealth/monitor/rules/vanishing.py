@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..record import StepRecord
-from ..robust import SPIKE_WINDOW, WARMUP_STEPS, RollingMedian, WindowValues
+from ..robust import (
+    SPIKE_WINDOW,
+    VANISHING_THRESHOLD,
+    WARMUP_STEPS,
+    RollingMedian,
+    WindowValues,
+)
 from .base import Context, Finding, Rule
 
 FITTED: float = 1e-3
@@ -68,7 +74,7 @@ class FitFloor:
 
 @dataclass(frozen=True)
 class VanishingConfig:
-    abs_threshold: float = 1e-8
+    abs_threshold: float = VANISHING_THRESHOLD
     """A global norm below it has stopped training (``vanishing_threshold``): a gradient of
     that size moves no weight measurably."""
     rel_drop: float = 1e4
