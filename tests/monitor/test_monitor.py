@@ -66,6 +66,17 @@ def test_clean_run_has_no_events(fused):
     assert mon.steps_seen == 120
 
 
+def _backward(m, opt, x, y, nan=False):
+    """One batch's loss, its gradients computed (a NaN input planted when ``nan``)."""
+    xb = x.clone()
+    if nan:
+        xb[0, 0] = NAN
+    loss = loss_fn(m, (xb, y, torch.ones(64, 1)))
+    opt.zero_grad()
+    loss.backward()
+    return loss
+
+
 def nan_batch_at(k):
     def plant(step, batch, model, opt):
         if step == k:
@@ -126,12 +137,7 @@ def test_fused_skip_needs_no_host_sync(monkeypatch):
         raise AssertionError("host sync in Monitor.step")
 
     for step in range(5):
-        xb = x.clone()
-        if step == 3:
-            xb[0, 0] = NAN
-        loss = loss_fn(m, (xb, y, torch.ones(64, 1)))
-        opt.zero_grad()
-        loss.backward()
+        loss = _backward(m, opt, x, y, nan=step == 3)
         with monkeypatch.context() as mp:
             mp.setattr(torch.Tensor, "item", boom)
             mp.setattr(torch.Tensor, "__bool__", boom)
@@ -171,12 +177,7 @@ def test_obs_skip_says_whether_the_step_was_taken(mode, with_opt):
     x, y = data()
     skips = []
     for step in range(4):
-        xb = x.clone()
-        if step == 2:
-            xb[3, 2] = NAN
-        loss = loss_fn(m, (xb, y, torch.ones(64, 1)))
-        opt.zero_grad()
-        loss.backward()
+        loss = _backward(m, opt, x, y, nan=step == 2)
         skips.append(bool((mon.step(loss) if with_opt else mon.check(loss)).skip))
         if not with_opt and not skips[-1]:
             opt.step()  # the user's own step, skipped when obs.skip says so
