@@ -12,8 +12,10 @@ An incident names one of ``kinds.CAUSES`` from the evidence it has, by the first
    under a GradScaler: ``numeric_range``; a repeated batch: ``batch``;
 5. a loss spike, a non-finite loss or gradient (or an alarmed gradient spike) whose loss comes
    back within ``BACK_WITHIN`` steps: ``batch`` (replay it); one that persists: ``weights``
-   (the model state was damaged); until that is known, a loss ``ASTRONOMICAL`` times its level
-   at the first alarm's step is ``weights`` already;
+   (the model state was damaged), unless a loss spike on weights from ordinary steps opened it
+   and the losses stayed finite (``data_first``: the data from that step on); until that is
+   known, a loss ``ASTRONOMICAL`` times its level at the first alarm's step is ``weights``
+   already;
 6. otherwise the default cause of its first alarm's kind (``Kind.cause``).
 
 The judgement is made again at every step while the incident is open: rule 5 needs the steps
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .events import ALARM, SEVERAL_TENSORS, Incident
+from .events import ALARM, SEVERAL_TENSORS, Event, Incident
 from .kinds import cause_of
 
 CHECK_FIRST = {
@@ -96,6 +98,15 @@ class CauseConfig:
     back_share: float = 0.2
     """Back: a finite loss at most this share above its level before the incident (the
     tracker's ``recover``)."""
+    data_first: frozenset[str] = frozenset({"loss_spike"})
+    """First alarms whose loss, staying up, names the data rather than the weights (rule 5),
+    when the step before the alarm raised no event (its update was ordinary) and every loss
+    since has been finite and short of ``ASTRONOMICAL``: the loss jumped on weights that
+    ordinary steps made, so what changed at that step was the batch, and what holds it up is
+    more such batches (a stretch of shuffled labels or random tokens) or the update the first
+    one made. Weights damaged from outside the step show in the weight scans (a direct cause)
+    or as non-finite losses. Before, 20 steps of shuffled labels on the zoo's CNNs were named
+    ``weights``."""
 
 
 def back(loss: float, level: float | None, share: float) -> bool:
@@ -108,6 +119,18 @@ DIRECT, RECOVERY, DEFAULT = "direct", "recovery", "default"
 directly (rules 1-4), whether the loss came back (rule 5), or its first alarm's default (rule
 6). A replay of the incident's dump re-runs the step: its cause replaces one named by the
 recovery or by default, not one named directly (the report shows one cause)."""
+
+
+def _data_held(inc: Incident, first: Event | None, after: list[float], level: float,
+               c: CauseConfig) -> bool:
+    """Whether an incident whose loss stayed up is the data's (``CauseConfig.data_first``)."""
+    if first is None or first.kind not in c.data_first:
+        return False
+    if any(first.step - 1 <= e.step < first.step for e in inc.events):
+        return False  # the update before the spike raised an event itself
+    jumped = first.details.get("step_loss", first.details.get("value"))
+    losses = [*after, jumped] if isinstance(jumped, float) else after
+    return all(math.isfinite(x) and x < ASTRONOMICAL * level for x in losses)
 
 
 def judge(inc: Incident, after: list[float] | None, level: float | None, scaled: bool,
@@ -141,6 +164,11 @@ def judge(inc: Incident, after: list[float] | None, level: float | None, scaled:
             return ("batch", f"the loss came back within {BACK_WITHIN} steps of {trigger}",
                     RECOVERY)
         if len(after) >= BACK_WITHIN and level is not None:
+            if _data_held(inc, first, after, level, c):
+                return "batch", (f"the loss jumped at {trigger} on weights from ordinary "
+                                 "steps and stayed up, finite: the data from that step on (a "
+                                 "stretch of bad batches, or the update the first one made)"), \
+                    RECOVERY
             return "weights", (f"the loss stayed up (or non-finite) {BACK_WITHIN} steps "
                                f"after {trigger}: the model state was damaged"), RECOVERY
         loss = first.details.get("step_loss") if first is not None else None

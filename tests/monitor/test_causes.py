@@ -4,6 +4,7 @@ of a Hugging Face model; an incident that stays open while the run is broken."""
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 import fasthealth as fh
 from fasthealth import report
 from fasthealth.monitor.causes import CHECK_FIRST
-from fasthealth.monitor.events import Event
+from fasthealth.monitor.events import ALARM, Event
 from fasthealth.monitor.incidents import IncidentTracker
 
 N = 16  # samples a batch
@@ -356,3 +357,41 @@ def test_weights_that_all_jumped_in_an_lr_incident_leave_it_the_learning_rate(se
         assert causes == [(["lr_jump", "weight_corruption"], "learning_rate")], causes
     else:
         assert causes == [(["lr_jump"], "learning_rate"), (["weight_corruption"], "weights")]
+
+
+def _stretch_run(trigger, losses, alarm_at=20, before=None):
+    """An incident tracker fed ``losses`` (a level of 0.3 before ``alarm_at``), ``trigger``
+    an alarm at ``alarm_at`` (its value the loss there), ``before`` a notice of that kind at
+    the step before; its incidents."""
+    t = IncidentTracker()
+    for step, loss in enumerate(losses):
+        t.advance(step)
+        events = [Event(step, trigger, trigger, {"value": loss}, ALARM)] if step == alarm_at \
+            else [Event(step, before, before, {}, "notice")] if step == alarm_at - 1 and before \
+            else []
+        t.file(step, events)
+        t.observe(loss, math.nan, 1.0, True, step=step)
+    t.close_all()
+    return t.incidents
+
+
+def test_a_loss_that_jumps_on_ordinary_weights_and_stays_up_is_the_data():
+    """Shuffled labels for 20 steps: the loss jumps to 2.3 (noisy) from a level of 0.3 at a step
+    whose weights ordinary steps made, holds there while the stretch lasts, and comes down
+    slowly after it (the stretch harmed the model): ``batch``, from the steps it stood up on,
+    whether it came back or not. The weights are named where the update before the jump raised
+    an event itself (a gradient norm spike), or for a divergence (its default: the rate)."""
+    rng = random.Random(0)
+    level = [0.3 + rng.uniform(-0.05, 0.05) for _ in range(20)]
+    stretch = [2.3 + rng.uniform(-0.4, 0.4) for _ in range(20)]
+    healing = [0.3 + 1.5 * 0.9 ** k for k in range(40)]
+    (inc,) = _stretch_run("loss_spike", level + stretch + healing)
+    assert inc.cause == "batch" and "the data from that step on" in inc.why, inc.why
+    (inc,) = _stretch_run("loss_spike", level + stretch[:5])  # still up at the end
+    assert inc.cause == "batch" and not inc.recovered, inc.why
+    (inc,) = _stretch_run("loss_spike", level + stretch + healing, before="grad_norm_spike")
+    assert inc.cause == "weights", inc.why
+    (inc,) = _stretch_run("divergence", level + stretch + healing)
+    assert inc.cause == "learning_rate", inc.why
+    (inc,) = _stretch_run("loss_spike", level + [1e9] * 10)  # astronomical: broken weights
+    assert inc.cause == "weights", inc.why
