@@ -185,10 +185,13 @@ def sample_pulls(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any], bat
     """Each of the ``n`` samples' pulls: the norm of the gradient its loss alone gives the
     model's trainable parameters, on the model as it is, in eval mode (no sample then depends
     on another), the RNG put back after and no ``.grad`` touched; None where it cannot be
-    computed (a batch that cannot be split by sample, a loss without a gradient). Where the
-    loss is per sample, one forward of the batch and one backward per sample; else each sample
-    alone. Not ``torch.func.vmap``: the user's loss runs the model, and whatever its hooks
-    keep (the Monitor's own probes among them) would keep vmap's batched tensors past it."""
+    computed (a batch that cannot be split by sample, a loss without a gradient). Each sample
+    alone, a forward and a backward of one: about a training step's arithmetic for the batch
+    in all. One backward per sample through the whole batch's graph costs a batch's backward
+    each: a search took 12x a training step on a small CNN (batch 16), 2-2.3x this way
+    (docs/performance.md, "The watch after a rollback"). Not
+    ``torch.func.vmap``: the user's loss runs the model, and whatever its hooks keep (the
+    Monitor's own probes among them) would keep vmap's batched tensors past it."""
     params = [p for p in model.parameters() if p.requires_grad]
     if n < 1 or not params or not _shares_first_dim(batch, n):
         return None
@@ -198,11 +201,6 @@ def sample_pulls(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any], bat
         model.eval()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 torch.enable_grad():
-            whole = torch.as_tensor(loss_fn(model, batch)).float().flatten()
-            if whole.numel() == n and n > 1:
-                return [_norm(torch.autograd.grad(whole[i], params, retain_graph=i < n - 1,
-                                                  allow_unused=True)) for i in range(n)]
-            del whole
             return [_norm(torch.autograd.grad(
                 torch.as_tensor(loss_fn(model, _split(batch, n, torch.tensor([i])))).float()
                 .sum(), params, allow_unused=True)) for i in range(n)]
