@@ -18,7 +18,7 @@ BUILD_STAMP := $(VENV)/.build-stamp
 SOURCES := $(shell find csrc -type f) setup.py pyproject.toml
 
 .PHONY: env build test test-fast test-eval bench demo lint clean cuda-check gpu-prebuilt \
-	zoo-env zoo zoo-all test-zoo
+	zoo-env zoo zoo-all test-zoo docs
 
 env: $(ENV_STAMP)
 $(ENV_STAMP): Makefile
@@ -99,6 +99,15 @@ demo: build
 	$(PY) -m fasthealth demo --log-dir build/demo-run
 
 # ruff over the code, then mypy over fasthealth/ (its settings: [tool.mypy] in pyproject.toml)
+# the documentation site (MkDocs, Material, mkdocstrings) into build/site: --strict, so a broken
+# link, a page left out of the nav or an API name that no longer exists fails the build
+DOCS_STAMP := $(VENV)/.docs-deps
+$(DOCS_STAMP): docs/requirements.txt $(ENV_STAMP)
+	$(PY) -m pip install -q -r docs/requirements.txt
+	touch $@
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
 lint: env
 	$(PY) -m ruff check fasthealth tests bench evaluation triton_kernels examples
 	$(PY) -m mypy

@@ -4,9 +4,9 @@ A ``Kind`` says what a finding of that kind is (its one-line ``doc``), how grave
 default (``severity``), which open incidents can be its cause (``explained_by``), the colour the
 report draws it in, and what to check first (``advice``). The rules (``rules/``) declare the
 kinds they raise; events take their severity from here, the incident tracker what explains what,
-the report its colours, an incident its default likely ``cause``, and the tables in the README
-and docs/spec.md are printed from here (``python -m fasthealth.monitor.kinds``) and checked
-against it by a test.
+the report its colours, an incident its default likely ``cause``, and the tables in
+docs/guide/events.md and docs/spec.md are printed from here (``python -m
+fasthealth.monitor.kinds``) and checked against it by a test.
 
 A new rule adds its kinds with ``register``; nothing else has to know about it.
 """
@@ -110,7 +110,7 @@ def fatal_kinds() -> frozenset[str]:
 
 
 def table() -> str:
-    """The Markdown table of every registered kind (README, docs/spec.md)."""
+    """The Markdown table of every registered kind (docs/guide/events.md, docs/spec.md)."""
     rows = ["| event | severity | what it means | what to check first |", "|---|---|---|---|"]
     for k in KINDS.values():
         rows.append(f"| `{k.name}` | {k.severity} | {k.doc} | {k.advice} |")

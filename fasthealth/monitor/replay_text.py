@@ -12,7 +12,7 @@ NOT_THE_BATCH = (
     "the dump may not hold the batch that was trained on (a prefetched next batch, the last "
     "micro-batch of an accumulation step, or a loss scaled differently, e.g. divided by the "
     "accumulation steps: pass the step's micro-batches and their summed scaled losses, see "
-    "the README's 'Gradient accumulation and prefetching')")
+    "docs/guide/loops.md, 'Gradient accumulation and prefetching')")
 
 
 def loss_far(d: dict, loss: float) -> str | None:

@@ -183,7 +183,7 @@ def test_every_rule_raises_only_registered_kinds_and_is_built_by_default():
     assert built == {r for r in rules.RULES if not r.precursor}
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/spec.md"])
+@pytest.mark.parametrize("doc", ["docs/guide/events.md", "docs/spec.md"])
 def test_the_docs_list_every_kind_from_the_registry(doc):
     """The kinds tables are printed by ``python -m fasthealth.monitor.kinds``."""
     text = (ROOT / doc).read_text()
