@@ -7,8 +7,9 @@ as a public tool.
 - ``BitFlip(module, at, bit, where=...)``: that flip in a module's matmul output at its
   ``at``-th call (counted from 0): the forward's output (``"forward"``), the gradient the
   module hands back to its input (``"grad_input"``), or its weight's gradient
-  (``"grad_weight"``). A handle: ``remove()`` takes the hooks off; ``flipped`` holds
-  (call, index, value before, value after) once it has fired.
+  (``"grad_weight"``), in an element drawn at random (``seed``) unless ``element`` says which.
+  A handle: ``remove()`` takes the hooks off; ``flipped`` holds (call, index, value before,
+  value after) once it has fired.
 - ``nan_sample(batch, sample=0)``: one sample's first value of a float tensor made NaN (a copy).
 - ``scaled_lr(optimizer, factor)``: a context in which every group's rate is ``factor`` times
   what it was (an LR burst), put back after.
@@ -62,20 +63,23 @@ def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
 class BitFlip:
     """One bit flipped in ``module``'s output (``where="forward"``), in the gradient it hands
     back to its input (``"grad_input"``: the backward's matmul output), or in its weight's
-    gradient (``"grad_weight"``), at its ``at``-th call, element ``element`` (default: the
-    largest in magnitude, the one a flip harms most). The module is typically an
-    ``nn.Linear``; any module whose output (or input gradient) is one floating tensor works."""
+    gradient (``"grad_weight"``), at its ``at``-th call, element ``element`` of the flattened
+    tensor, or one drawn uniformly with ``seed`` (a GPU's fault lands on any element; what it
+    does depends on the value: the top exponent bit multiplies a value below 2 by 2^128 and
+    divides one of 2 or more by as much). The module is typically an ``nn.Linear``; any module
+    whose output (or input gradient) is one floating tensor works."""
 
     WHERE = ("forward", "grad_input", "grad_weight")
 
     def __init__(self, module: torch.nn.Module, at: int, bit: int, where: str = "forward",
-                 element: int | None = None) -> None:
+                 element: int | None = None, seed: int = 0) -> None:
         if where not in self.WHERE:
             raise ValueError(f"fasthealth.faults.BitFlip: where must be one of {self.WHERE}, "
                              f"got {where!r}")
         if at < 0:
             raise ValueError(f"fasthealth.faults.BitFlip: at must be >= 0, got {at}")
         self.module, self.at, self.bit, self.where, self.element = module, at, bit, where, element
+        self.seed = seed
         self.calls = 0
         self.flipped: tuple[int, int, float, float] | None = None
         self._handles = [module.register_forward_hook(self._forward)]
@@ -92,7 +96,8 @@ class BitFlip:
         return self.flipped is None and self.calls - 1 == self.at
 
     def _flip(self, t: torch.Tensor) -> None:
-        i = self.element if self.element is not None else int(t.detach().abs().argmax())
+        i = self.element if self.element is not None else int(torch.randint(
+            t.numel(), (), generator=torch.Generator().manual_seed(self.seed)))
         before, after = flip_bit(t, i, self.bit)
         self.flipped = (self.at, i, before, after)
 
