@@ -36,3 +36,11 @@ RETIRED: dict[str, list[tuple[int, str, Any]]] = {
     "CauseConfig": [(8, "back_within", causes.BACK_WITHIN),
                     (9, "astronomical", causes.ASTRONOMICAL)],
 }
+
+ADDED: dict[str, tuple[str, ...]] = {
+    "CauseConfig": ("data_first",),
+}
+"""The config fields a release added, by config class: a state saved before them spells its
+configs without them, and ``state.py`` compares such a config with them left out, so that a
+run resumes warm across the release (its open incident among what it keeps)."""
+

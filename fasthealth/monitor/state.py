@@ -11,30 +11,28 @@ decide them; a rule whose config changed starts cold, with a warning), reference
 optimizer and the precursor probe's copies of the weights (the probe copies them again at its next
 due step), the batches kept for the dump.
 
-The state stays small however long and noisy the run (events.jsonl and incidents.jsonl hold the
-whole history): of the events it keeps the last ``EVENTS_KEPT`` (256) and the open incident's (the
-first of each kind, on which its later repeats are counted), of the incidents the last
-``INCIDENTS_KEPT`` (64, the open one among them). After ``load_state_dict``, ``mon.events`` holds
-those kept events followed by the ones the resumed run raises, and ``mon.incidents`` holds every
-incident in its place (an incident's ``id`` is its index), those before the kept ones as
-``Forgotten`` placeholders (their id only, closed). Nothing a rule or the tracker decides on is
-lost: the tracker counts repeats on the open incident's events and numbers new incidents from the
-count, so a resumed run raises the same events and incidents after the stop as the run
-uninterrupted.
+The state stays small however long and noisy the run: of the events it keeps the last
+``EVENTS_KEPT`` (256) and the open incident's (the first of each kind, on which its later repeats
+are counted), of the incidents the last ``INCIDENTS_KEPT`` (64, the open one among them). After
+``load_state_dict``, ``mon.events`` holds those kept events followed by the ones the resumed run
+raises, and ``mon.incidents`` every incident in its place (an incident's ``id`` is its index),
+those before the kept ones as ``Forgotten`` placeholders (their id only, closed). Nothing a rule
+or the tracker decides on is lost: the tracker counts repeats on the open incident's events and
+numbers new incidents from the count, so a resumed run raises the same events and incidents
+after the stop as the run uninterrupted.
 
-State by name: each stateful class lists its state fields in ``STATE`` (a rule's windows and
-counters, the tracker's incidents, the skip rule's rings; ``Rule.STATE`` says what belongs there),
-and only those are saved and restored, into the objects the resumed Monitor made from its own
-options. What a class makes from its state to be fast (a window's values kept sorted, a cached
-check) it lists in ``DERIVED``: never saved, rebuilt when the state is set (a property's setter;
-``__setstate__`` for a part a migrated state makes whole). With ``rollback=`` the rollbacks'
-history, the quarantine and the budget's counts are state; the snapshots are not (copies of the
-model). A record (``Event``, ``Incident``) is saved by its dataclass fields. An object becomes
-``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same object twice
-becomes a reference to its ``id``: an incident's events are the Monitor's events), a deque, tuple,
-set or dict a tagged list. Decoding makes records only of classes defined in fasthealth's own
-modules, and restores a part of a rule (a spike rule's series) into the part the resumed rule has;
-anything else in a state is refused with the path to it. A user's rule
+State by name: each stateful class lists its state fields in ``STATE`` (``Rule.STATE`` says what
+belongs there), and only those are saved and restored, into the objects the resumed Monitor made
+from its own options. What a class makes from its state to be fast (a window's values kept
+sorted, a cached check) it lists in ``DERIVED``: never saved, rebuilt when the state is set (a
+property's setter; ``__setstate__`` for a part a migrated state makes whole). With ``rollback=``
+the rollbacks' history, the quarantine and the budget's counts are state; the snapshots (copies
+of the model) are not. A record (``Event``, ``Incident``) is saved by its dataclass fields. An
+object becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same
+object twice becomes a reference to its ``id``: an incident's events are the Monitor's events),
+a deque, tuple, set or dict a tagged list. Decoding makes records only of classes defined in
+fasthealth's own modules, and restores a part of a rule (a spike rule's series) into the part
+the resumed rule has; anything else in a state is refused with the path to it. A user's rule
 (``DetectOptions(detectors=...)``) of its own class keeps its state through its own
 ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a warning)
 otherwise.
@@ -47,7 +45,7 @@ that lacks a listed field starts cold, with a warning that names it. A format th
 does not know, or a component whose fields differ from its list in a state of this format, is
 refused with a StateError before anything is applied: never half-loaded. A rule resumes warm
 only under the settings it was saved with (its config); a config saved before some of its fields
-became named constants (``retired.py``) is read as it was then.
+became named constants, or came (``retired.py``), is read as it was then.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ from typing import Any, Protocol
 import torch
 
 from .events import Incident
-from .retired import RETIRED
+from .retired import ADDED, RETIRED
 
 
 class Monitor(Protocol):
@@ -285,24 +283,26 @@ def _rule_key(rule: Any, i: int) -> str:
     return f"{i}:{getattr(rule, 'name', '') or type(rule).__qualname__}"
 
 
-def _canonical(v: Any, retired: dict[str, list[tuple[int, str, Any]]] | None = None) -> Any:
+def _canonical(v: Any, retired: dict[str, list[tuple[int, str, Any]]] | None = None,
+               added: dict[str, tuple[str, ...]] | None = None) -> Any:
     """``v`` with its sets sorted and dataclasses spelled field by field: a config's repr that
-    does not depend on the process (a frozenset's order follows the hash seed, which differs
-    between two processes). With ``retired``, spelled as before those fields left the configs."""
+    does not depend on the process (a frozenset's order follows the hash seed). With
+    ``retired`` (``added``), spelled as before those fields left the configs (came)."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         name = type(v).__qualname__
-        fields = [(f.name, _canonical(getattr(v, f.name), retired))
-                  for f in dataclasses.fields(v)]
+        new = (added or {}).get(name, ())
+        fields = [(f.name, _canonical(getattr(v, f.name), retired, added))
+                  for f in dataclasses.fields(v) if f.name not in new]
         for at, field, value in (retired or {}).get(name, []):
             fields.insert(at, (field, value))
         return (name, tuple(fields))
     if isinstance(v, (set, frozenset)):
-        return ("set", tuple(sorted(repr(_canonical(x, retired)) for x in v)))
+        return ("set", tuple(sorted(repr(_canonical(x, retired, added)) for x in v)))
     if isinstance(v, dict):
-        return ("dict", tuple(sorted((repr(k), repr(_canonical(x, retired)))
+        return ("dict", tuple(sorted((repr(k), repr(_canonical(x, retired, added)))
                                      for k, x in v.items())))
     if isinstance(v, (list, tuple)):
-        return tuple(_canonical(x, retired) for x in v)
+        return tuple(_canonical(x, retired, added) for x in v)
     return v
 
 
@@ -312,11 +312,12 @@ def _config(obj: Any) -> str:
 
 
 def _same_config(saved: str, obj: Any) -> bool:
-    """Whether a saved config is ``obj``'s, spelled now or as before fields were retired."""
+    """Whether a saved config is ``obj``'s, spelled now or before fields left or came."""
     if saved == _config(obj):
         return True
     c = getattr(obj, "config", None)
-    return dataclasses.is_dataclass(c) and saved == repr(_canonical(c, RETIRED))
+    return dataclasses.is_dataclass(c) and saved in (repr(_canonical(c, *a)) for a in (
+        (RETIRED,), (None, ADDED), (RETIRED, ADDED)))
 
 
 def _host_state(mon: Monitor) -> dict[str, Any]:
