@@ -404,7 +404,7 @@ def build_task(name: str) -> str:
 
 def plan(quick: bool) -> list[tuple[str, str, str, bool]]:
     pairs = QUICK if quick else [(m, w) for m in MODELS for w in ("loop", "timm", "hf")
-                                 if w == "loop" or m in TIMM_LOOP
+                                 if w == "loop" or (w == "timm" and m in TIMM_LOOP)
                                  or (w == "hf" and m in HF_TRAINER)]
     out = []
     for m, w in pairs:
