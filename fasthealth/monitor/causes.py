@@ -105,8 +105,7 @@ class CauseConfig:
     ordinary steps made, so what changed at that step was the batch, and what holds it up is
     more such batches (a stretch of shuffled labels or random tokens) or the update the first
     one made. Weights damaged from outside the step show in the weight scans (a direct cause)
-    or as non-finite losses. Before, 20 steps of shuffled labels on the zoo's CNNs were named
-    ``weights``."""
+    or as non-finite losses. (20 steps of shuffled labels on the zoo's CNNs: the data.)"""
 
 
 def back(loss: float, level: float | None, share: float) -> bool:

@@ -187,9 +187,8 @@ def sample_pulls(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any], bat
     on another), the RNG put back after and no ``.grad`` touched; None where it cannot be
     computed (a batch that cannot be split by sample, a loss without a gradient). Each sample
     alone, a forward and a backward of one: about a training step's arithmetic for the batch
-    in all. One backward per sample through the whole batch's graph costs a batch's backward
-    each: a search took 12x a training step on a small CNN (batch 16), 2-2.3x this way
-    (docs/performance.md, "The watch after a rollback"). Not
+    in all, where one backward per sample through the whole batch's graph would cost a
+    batch's backward each (docs/performance.md, "The watch after a rollback"). Not
     ``torch.func.vmap``: the user's loss runs the model, and whatever its hooks keep (the
     Monitor's own probes among them) would keep vmap's batched tensors past it."""
     params = [p for p in model.parameters() if p.requires_grad]
