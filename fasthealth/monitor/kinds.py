@@ -148,6 +148,10 @@ register(
     Kind("divergence", "the loss has been rising steadily",
          "the learning rate (schedule, end of warm-up), then a shift in the data, then the "
          "optimizer state", "#e377c2", cause="learning_rate"),
+    Kind("loss_shift", "the loss stepped up to a higher level and stayed there (the median of "
+         "the last steps far above the level before)", "the data of those steps (shuffled or "
+         "wrong labels, a shard or source that changed: replay the dump), then the learning "
+         "rate", "#f7b6d2", cause="batch"),
     Kind("exploding_grad", "a tensor's gradient far above its own level, or the global norm "
          "climbing for many steps; an alarm once the loss confirms it",
          "those weights (`fh.check_params`), their learning rate and weight decay, clipping",

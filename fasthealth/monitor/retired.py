@@ -2,7 +2,8 @@
 rule's method that no run needs to move), by config class: (the field's place among the fields
 then, its name, its value, the constant's). A Monitor state saved before spells its rules'
 configs with them; ``state.py`` reads such a config as it was then, so that under the same
-values the rules resume warm."""
+values the rules resume warm. A rule is saved under its place and name; a release that adds a
+rule before it moves its place, and the state's rule is then found by its name (``saved_key``)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ ADDED: dict[str, tuple[str, ...]] = {
 configs without them, and ``state.py`` compares such a config with them left out, so that a
 run resumes warm across the release (its open incident among what it keeps)."""
 
+
+
+def saved_key(saved: dict[str, Any], key: str) -> str:
+    """The key (``"place:name"``) under which a state saved a rule that is at ``key`` now: the
+    same, or the one rule of that name at another place (a release added a rule before it)."""
+    if key in saved:
+        return key
+    name = key.split(":", 1)[1]
+    same = [k for k in saved if k.split(":", 1)[1] == name]
+    return same[0] if len(same) == 1 else key

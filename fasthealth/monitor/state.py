@@ -61,7 +61,7 @@ from typing import Any, Protocol
 import torch
 
 from .events import Incident
-from .retired import ADDED, RETIRED
+from .retired import ADDED, RETIRED, saved_key
 
 
 class Monitor(Protocol):
@@ -438,7 +438,7 @@ def _plan(mon: Monitor, sd: dict[str, Any], rules: dict[str, Any], objects: dict
             continue
         restore.append((obj, fields, name))
     for i, rule in enumerate(mon.detectors):
-        key = _rule_key(rule, i)
+        key = saved_key(sd["rules"], _rule_key(rule, i))
         saved = sd["rules"].get(key)
         if saved is None:
             cold.append(key.split(":", 1)[1])

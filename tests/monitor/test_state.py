@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import math
 import warnings
 from pathlib import Path
@@ -247,4 +248,30 @@ def test_a_state_saved_before_a_rule_listed_new_fields_resumes_it_warm():
     mon = _fresh()
     with pytest.raises(StateError, match="vanishing.* has the fields"):
         mon.load_state_dict(sd)
+    mon.close()
+
+
+def test_a_state_saved_before_a_rule_was_added_resumes_the_other_rules_warm():
+    """A release that adds a rule before others moves their places: a state saved without
+    ``level_shift`` (the rules after it one place earlier) resumes every other rule warm, and
+    the new rule starts cold, named."""
+    sd = _state()
+    old = copy.deepcopy(sd)
+    keys = list(old["rules"])
+    at = next(i for i, k in enumerate(keys) if k.endswith(":level_shift"))
+    rules = {}
+    for k in keys:
+        place, name = k.split(":", 1)
+        if name != "level_shift":
+            rules[f"{int(place) - (int(place) > at)}:{name}"] = old["rules"][k]
+    old["rules"] = rules
+    mon = _fresh()
+    with pytest.warns(RuntimeWarning, match=r"start cold .*: level_shift$"):
+        mon.load_state_dict(old)
+
+    def others(state):
+        return json.dumps({k: v for k, v in state["rules"].items()
+                           if not k.endswith(":level_shift")}, default=lambda t: t.tolist())
+
+    assert others(mon.state_dict()) == others(sd)
     mon.close()

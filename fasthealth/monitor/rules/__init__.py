@@ -14,6 +14,7 @@ from .adam_eps import AdamEps
 from .base import Context, Finding, Rule, as_finding
 from .divergence import Divergence
 from .grad_trend import GradNormTrend
+from .level_shift import LevelShift
 from .logit_growth import LogitGrowth
 from .loss_scale import LossScale
 from .lr_jump import LRJump
@@ -32,7 +33,7 @@ from .vanishing import Vanishing
 from .weight_corruption import WeightCorruption
 
 RULES: list[type[Rule]] = [
-    NonFiniteLoss, NonFiniteGrad, Spike, Divergence, GradNormTrend, LRJump, Oscillation,
+    NonFiniteLoss, NonFiniteGrad, Spike, Divergence, LevelShift, GradNormTrend, LRJump, Oscillation,
     Vanishing, TensorNorm, Stall, OptimizerState, ReplicaDivergence, LossScale,
     AdamEps, UpdateRatio, LogitGrowth, NoGrad, WeightCorruption, RepeatedBatch, OverflowStreak,
 ]
