@@ -52,3 +52,12 @@ def test_gpt2_through_the_trainer_with_the_callbacks_defaults(fault):
         assert not r.alarms, r
     else:
         assert r.caught and r.replay == "ok" and r.safe_agrees, r
+
+
+def test_shuffled_labels_on_mobilenet_v3_are_caught_and_named_the_data():
+    """20 batches of shuffled labels on MobileNetV3 in a hand-written loop: each batch under
+    the spike threshold, the loss stepped up and held (the end loss 3x the twin's): the
+    level-shift rule's alarm, its cause the data."""
+    r = zoo.score("mobilenet_v3_small", "loop", "labels_shuffled")
+    assert r.caught and r.cause == "batch" and r.replay == "ok", r
+    assert r.alarms[0][1] == "loss_shift" and r.onset_z < 6, r
