@@ -54,11 +54,16 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "bench" / "results"
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))  # recovery_hf, beside this file, however this file is loaded
+
+import recovery_hf  # noqa: E402  (this folder is on sys.path)
 
 import fasthealth as fh  # noqa: E402
 
 TUNING = ("digits_mlp_adamw", "digits_mlp_sgd")
 HELD_OUT = ("digits_cnn_adamw", "chars_lm_adamw")
+TRAINERS = recovery_hf.FAMILIES
+"""The plain loops' MLP through the Hugging Face Trainer: held out (nothing was chosen on it)."""
 FAULTS = ("recurring", "shard", "stream", "lr_bug", "weight")
 EXPECTED_STOP = {"stream": "batch", "lr_bug": "learning_rate"}
 """Faults a rollback cannot undo (they come back with the next batch): a clean stop naming
@@ -156,25 +161,36 @@ class Run:
     planted: int = 0
     quarantined: int = 0
     quarantined_bad: int = 0
+    quarantine_skips: int = 0  # steps skipped for a quarantined sample in their batch
     seconds: float = 0.0
 
 
+def bad_samples(fault: str, n_train: int, g: torch.Generator) -> set[int]:
+    """The training samples ``fault`` turns to garbage (none for the other faults)."""
+    if fault == "recurring":
+        return set(torch.randperm(n_train, generator=g)[:n_train // 25].tolist())
+    if fault == "shard":
+        start = int(torch.randint(0, n_train - n_train // 10, (1,), generator=g))
+        return set(range(start, start + n_train // 10))
+    return set()
+
+
 def run(name: str, fault: str, seed: int, rollback: bool = True) -> Run:
-    model, opt, sched, steps, (x, y), n_train = family(name, seed)
+    model, opt, sched, steps, (x, y), n_train = family(
+        "digits_mlp_adamw" if name in TRAINERS else name, seed)
     classes = VOCAB if name.startswith("chars") else 10
     onset = int(steps * ONSET_SHARE)
     g = torch.Generator().manual_seed(1000 + seed)
     xt, yt, xe, ye = x[:n_train].clone(), y[:n_train].clone(), x[n_train:], y[n_train:]
-    bad: set[int] = set()
-    if fault == "recurring":
-        bad = set(torch.randperm(n_train, generator=g)[:n_train // 25].tolist())
-    elif fault == "shard":
-        start = int(torch.randint(0, n_train - n_train // 10, (1,), generator=g))
-        bad = set(range(start, start + n_train // 10))
+    bad = bad_samples(fault, n_train, g)
     if bad:
         idx = torch.tensor(sorted(bad))
         gx, gy = garbage(xt[idx], yt[idx], seed, classes)
     out = Run(name, fault, seed, rollback, onset=onset, planted=len(bad))
+    if name in TRAINERS:
+        recovery_hf.run_hf(name, fault, seed, rollback, out, bad,
+                           (xt, yt, xe, ye, (gx, gy) if bad else None), garbage, steps, BATCH)
+        return out
     mon = fh.Monitor(model, opt, scheduler=sched,
                      rollback=fh.RollbackConfig(replay=per_sample_loss) if rollback else None)
     t0, t, epoch = time.perf_counter(), 0, 0
@@ -272,6 +288,8 @@ def table(rows: list[dict]) -> str:
         if not r["rollback"]:
             continue
         q = "" if not r["planted"] else f"{r['quarantined']} ({r['precision']}, {r['recall']})"
+        if r.get("quarantine_skips"):
+            q += f"; {r['quarantine_skips']} steps skipped for them"
         alone = "" if r["left_alone_in_gaps"] is None else r["left_alone_in_gaps"]
         lines.append(f"| {r['family']} | {r['fault']} | {r['seed']} | {r['end_in_gaps']} | "
                      f"{alone} | {r['verdict']} | {len(r['rollbacks'])} | {q} |")
@@ -288,7 +306,8 @@ def summary(rows: list[dict]) -> str:
     """Totals per split: false alarms, faulted runs within the gap or stopped with the right
     cause, and the quarantine's precision and recall over all planted samples."""
     out = []
-    for split, fams in (("tuning", TUNING), ("held out", HELD_OUT)):
+    for split, fams in (("tuning", TUNING), ("held out", HELD_OUT),
+                        ("held out, through the Trainer", TRAINERS)):
         mine = [r for r in rows if r["family"] in fams and r["rollback"]]
         if not mine:
             continue
@@ -334,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(rows))
         return 0
     only = set(args.only.split(",")) if args.only else None
-    fams = [f for f in TUNING + (HELD_OUT if args.final else ())
-            if only is None or f in only or not only & set(TUNING + HELD_OUT)]
+    every = TUNING + HELD_OUT + TRAINERS
+    fams = [f for f in TUNING + (HELD_OUT + TRAINERS if args.final else ())
+            if only is None or f in only or not only & set(every)]
     faults = [f for f in FAULTS if only is None or f in only or not only & set(FAULTS)]
     jobs = [(f, "healthy", s, True) for f in fams for s in range(max(args.seeds, 3))]
     jobs += [(f, fault, s, rb) for f in fams for fault in faults for s in range(args.seeds)

@@ -50,7 +50,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..monitor import Monitor, gate
-from .capture import Capture
+from .capture import UNREAD, Capture, without_quarantined
 from .checkpoints import Patch, SaveGuard
 
 STACK_DEPTH = 12
@@ -102,18 +102,25 @@ def _loss_tensor(loss: Any) -> torch.Tensor | None:
 def wrap_training_step(trainer: Trainer, monitor: Monitor, step: Callable[[], int],
                        sample_ids: Callable[[Any], Any] | None,
                        on_loss: Callable[[torch.Tensor | None, int], None]) -> Patch:
-    """``trainer.training_step`` wrapped (item 3): each micro-batch's returned loss and a
-    shallow copy of its inputs are kept; after the last micro-batch of the accumulation,
-    ``monitor.check`` with their sum (the loss the Trainer logs for the step). ``on_loss(loss,
-    step)`` sees it first (the warning when it is None)."""
+    """``trainer.training_step`` wrapped (item 3): a micro-batch's rows whose samples a
+    rollback quarantined are left out of it (``capture.without_quarantined``: the Trainer's
+    sampler still serves them); each micro-batch's returned loss and a shallow copy of its
+    inputs are kept; after the last micro-batch of the accumulation, ``monitor.check`` with
+    their sum (the loss the Trainer logs for the step). ``on_loss(loss, step)`` sees it first
+    (the warning when it is None)."""
     original = trainer.training_step
     capture, sync = Capture(sample_ids), sync_step()
 
     @functools.wraps(original)
     def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        ids: Any = UNREAD
+        if monitor.rollback is not None and monitor.rollback.quarantine:
+            # the Trainer's sampler still serves them: their rows leave the batch
+            inputs, ids = without_quarantined(inputs, capture.sample_ids(inputs),
+                                              monitor.rollback.quarantine)
         batch = dict(inputs) if isinstance(inputs, Mapping) else inputs  # before labels go
         loss = original(model, inputs, *args, **kwargs)
-        capture.add(_loss_tensor(loss), batch, partial=True)
+        capture.add(_loss_tensor(loss), batch, partial=True, ids=ids)
         if sync():
             total, batches, ids = capture.take()
             t = step()

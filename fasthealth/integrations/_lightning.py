@@ -22,12 +22,12 @@ tests/integrations/test_trainer_adapters.py (tested with lightning 2.6.6, the Ma
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any, Literal
 
 from ..monitor import Monitor
 from ..monitor.option_groups import with_default
-from .capture import Capture
+from .capture import UNREAD, Capture, without_quarantined
 from .checkpoints import Patch, SaveGuard
 from .log import log_dir_option, logger
 from .replay import lightning_replay, with_replay
@@ -82,6 +82,7 @@ class HealthCallbackMixin:
         self.monitor: Monitor | None = None
         self._warned = False
         self._batch: Any = None
+        self._ids: Any = UNREAD  # the batch's sample ids, where read at its start
         self.guard: SaveGuard | None = None
         self._patches: list[Patch] = []
         self._pending: dict[str, Any] | None = None  # state loaded before the Monitor existed
@@ -157,11 +158,21 @@ class HealthCallbackMixin:
         self._pending, self._loaded = None, True
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        mon, self._ids = self.monitor, UNREAD
+        if mon is not None and mon.rollback is not None and mon.rollback.quarantine \
+                and isinstance(batch, MutableMapping):
+            # the loader still serves quarantined samples: their rows leave the batch object
+            # that training_step is given next (capture.without_quarantined)
+            cut, self._ids = without_quarantined(batch, self.capture.sample_ids(batch),
+                                                 mon.rollback.quarantine)
+            if cut is not batch:
+                batch.clear()
+                batch.update(cut)
         self._batch = batch
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         divided = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        self.capture.add(loss.detach() * divided, self._batch)
+        self.capture.add(loss.detach() * divided, self._batch, ids=self._ids)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         loss, batch, ids = self.capture.take()

@@ -3,12 +3,13 @@ kept until the optimizer step takes them (``take``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 SAMPLE_ID_KEYS = ("sample_ids", "sample_id", "idx", "index")
+UNREAD = object()  # a micro-batch's sample ids not read yet (``Capture.add``)
 
 
 def sample_ids_of(batch: Any, keys: tuple[str, ...] = SAMPLE_ID_KEYS) -> Any:
@@ -27,6 +28,32 @@ def loss_of(output: Any) -> torch.Tensor | None:
     return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
+def without_quarantined(batch: Any, ids: Any, quarantine: Sequence[int]) -> tuple[Any, Any]:
+    """(``batch``, ``ids``) less the rows whose sample id a rollback quarantined, for a batch
+    that is a mapping: every tensor whose first dimension is the batch's, and the ids, cut
+    alike, so that a trainer whose loader still serves a quarantined sample trains on the rest
+    of its batch instead of losing the step. Both as given where nothing is quarantined, where
+    the batch cannot be cut (not a mapping, ids that are not integers) and where every row is
+    (the step is then skipped on the device: a batch of nothing trains nothing). The ids are
+    read on the host: a sync for ids on a GPU, only while the quarantine holds a sample. A loss
+    normalised by a count of items taken over the whole batch before (``num_items_in_batch``)
+    is then a little smaller."""
+    if not quarantine or ids is None or not isinstance(batch, Mapping):
+        return batch, ids
+    t = torch.as_tensor(ids).reshape(-1)
+    if t.dtype == torch.bool or t.is_complex() or t.is_floating_point():
+        return batch, ids
+    keep = ~torch.isin(t.cpu().to(torch.int64), torch.as_tensor(list(quarantine),
+                                                                dtype=torch.int64))
+    if bool(keep.all()) or not bool(keep.any()):
+        return batch, ids
+    rows, n = keep.nonzero().flatten(), len(t)
+    cut = {k: v.index_select(0, rows.to(v.device))
+           if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n else v
+           for k, v in batch.items()}
+    return cut, t.index_select(0, rows.to(t.device))
+
+
 class Capture:
     """Losses, batches and sample ids of the micro-batches since the last ``take``.
 
@@ -42,22 +69,27 @@ class Capture:
         self.sample_ids = sample_ids or sample_ids_of
         self.losses: list[torch.Tensor | None] = []
         self.batches: list[Any] = []
+        self.ids: list[Any] = []
         self.partial = False
 
-    def add(self, loss: torch.Tensor | None, batch: Any, partial: bool = False) -> None:
+    def add(self, loss: torch.Tensor | None, batch: Any, partial: bool = False,
+            ids: Any = UNREAD) -> None:
+        """One micro-batch; ``ids``: its sample ids where already read (else read at
+        ``take``)."""
         self.losses.append(None if loss is None else loss.detach().float().reshape(()))
         self.batches.append(batch)
+        self.ids.append(ids)
         self.partial |= partial
 
     def take(self) -> tuple[torch.Tensor | None, Any, Any]:
-        losses, batches, partial = self.losses, self.batches, self.partial
-        self.losses, self.batches, self.partial = [], [], False
+        losses, batches, partial, read = self.losses, self.batches, self.partial, self.ids
+        self.losses, self.batches, self.partial, self.ids = [], [], False, []
         loss = None
         present = [x for x in losses if x is not None]
         if losses and len(present) == len(losses):
             stacked = torch.stack(present)
             loss = stacked.sum() if partial else stacked.mean()
-        each = [self.sample_ids(b) for b in batches]
+        each = [self.sample_ids(b) if i is UNREAD else i for b, i in zip(batches, read)]
         ids: Any
         if not each or any(i is None for i in each):
             ids = None

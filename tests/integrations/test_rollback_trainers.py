@@ -203,6 +203,32 @@ def test_hf_a_run_of_bad_batches_is_rolled_back_quarantined_and_skipped_after_a_
     assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
 
 
+
+def test_hf_a_quarantined_sample_leaves_its_batch_not_the_step(tmp_path):
+    """The Trainer's sampler serves a quarantined sample again (a resumed run, a sampler that
+    is the Trainer's own): its row is left out of the batch and the step trains on the rest;
+    only a batch whose every row is quarantined is skipped, on the device, as before."""
+    quarantined = [3, 17, 18, *range(40, 48)]  # one row of step 0, two of step 2, all of 5
+
+    class Quarantine(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            health.monitor.rollback.quarantine = quarantined
+
+    rows: dict[int, int] = {}
+    health = HealthCallback(rollback=True, flush_every=5)
+    trainer = Trainer(tiny_gpt2(), hf_args(tmp_path, max_steps=10, remove_unused_columns=False,
+                                           save_strategy="no"),
+                      train_dataset=Stream(n=80), callbacks=[health, Quarantine()])
+    trainer.model.register_forward_pre_hook(
+        lambda m, a, kw: rows.__setitem__(trainer.state.global_step, len(kw["input_ids"]))
+        if m.training else None, with_kwargs=True)
+    trainer.train()
+    assert rows == {0: 7, 1: 8, 2: 6, 3: 8, 4: 8, 5: 8, 6: 8, 7: 8, 8: 8, 9: 8}, rows
+    steps = [json.loads(line) for line in (health.monitor.run_dir / "steps.jsonl").open()]
+    assert [r["step"] for r in steps if r["quarantine_skip"]] == [5]
+    assert [r["step"] for r in steps if r["skipped"]] == [5]
+
+
 def _end(losses: list[float]) -> float:
     """The mean of the last four logged losses (every 5 steps)."""
     return sum(losses[-4:]) / 4
@@ -411,30 +437,41 @@ class Moved(TrainerCallback):
                                                             next(model.parameters()))
 
 
-def _skipped_where_held(mon, given: list[list[int]], moved: dict[int, bool]) -> None:
-    """Steps 10-29 of a run resumed at 10: the quarantine came back with the Monitor's state,
-    and exactly the steps whose batch (``given``, each step's ids) held a quarantined sample
-    were skipped, marked so in steps.jsonl, the weights standing still there and moving at
-    every other step."""
+def _cut_where_held(mon, given: list[list[int]], moved: dict[int, bool],
+                    seen: list[int]) -> None:
+    """Steps 10-29 of a run resumed at 10: the quarantine came back with the Monitor's state;
+    the steps whose batch (``given``, each step's ids as served) held a quarantined sample
+    trained on the rest of it: no quarantined sample reached the model (``seen``, the ids
+    its training forwards were given), no step was skipped, the weights moved at every step."""
     assert mon.rollback.quarantine == QUARANTINED
     steps = {r["step"]: r for r in map(json.loads, (mon.run_dir / "steps.jsonl").open())
              if r["step"] >= 10}
     assert len(given) == 20 == len(steps)
     held = {10 + k for k, batch in enumerate(given) if set(batch) & set(QUARANTINED)}
     assert held and len(held) < 20
-    assert {t for t, r in steps.items() if r["quarantine_skip"]} == held
-    assert {t for t, r in steps.items() if r["skipped"]} == held
-    assert {t for t in range(10, 30) if not moved[t]} == held
+    served = [i for batch in given for i in batch]
+    assert sorted(seen) == sorted(i for i in served if i not in QUARANTINED)
+    assert not [t for t, r in steps.items() if r["quarantine_skip"] or r["skipped"]]
+    assert all(moved[t] for t in range(10, 30))
+
+
+def _seen(model) -> list[int]:
+    """The sample ids ``model``'s training forwards are given (a ``sample_ids`` keyword)."""
+    seen: list[int] = []
+    model.register_forward_pre_hook(
+        lambda m, a, kw: seen.extend(kw["sample_ids"].tolist())
+        if m.training and torch.is_grad_enabled() and "sample_ids" in kw else None,
+        with_kwargs=True)
+    return seen
 
 
 @pytest.mark.parametrize("accumulate, smoothing", [(1, 0.0), (2, 0.0), (1, 0.1)])
-def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path, accumulate,
-                                                                         smoothing):
+def test_hf_a_resumed_run_leaves_the_quarantined_samples_out_of_its_batches(
+        tmp_path, accumulate, smoothing):
     """The quarantine a checkpoint's Monitor state holds is applied through the Trainer's own
-    data loading: after resume_from_checkpoint, each step whose batch (any of its
-    micro-batches, with gradient accumulation) holds a quarantined sample is skipped (the
-    weights unchanged), the others train, and steps.jsonl says which; also with the
-    Trainer's label smoothing, which computes the loss outside the model."""
+    data loading: after resume_from_checkpoint, each batch (each micro-batch, with gradient
+    accumulation) that holds a quarantined sample trains without it, and no step is skipped;
+    also with the Trainer's label smoothing, which computes the loss outside the model."""
     out = tmp_path / "out"
     args = dict(save_steps=10, save_total_limit=None, remove_unused_columns=False,
                 gradient_accumulation_steps=accumulate, label_smoothing_factor=smoothing)
@@ -449,10 +486,12 @@ def test_hf_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path
         return batch["sample_ids"]
 
     health, moved = HealthCallback(rollback=True, flush_every=5, sample_ids=ids), Moved()
-    Trainer(tiny_gpt2(), hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
+    model = tiny_gpt2()
+    seen = _seen(model)
+    Trainer(model, hf_args(out, max_steps=30, **args), train_dataset=CountingWithIds(),
             callbacks=[health, moved]).train(resume_from_checkpoint=str(out / "checkpoint-10"))
     steps = [sum(given[k:k + accumulate], []) for k in range(0, len(given), accumulate)]
-    _skipped_where_held(health.monitor, steps, moved.moved)
+    _cut_where_held(health.monitor, steps, moved.moved, seen)
 
 
 class QuarantinePL(pl.Callback):
@@ -476,7 +515,7 @@ class MovedPL(pl.Callback):
                                                               next(module.parameters()))
 
 
-def test_lightning_a_resumed_run_skips_the_batches_holding_quarantined_samples(tmp_path):
+def test_lightning_a_resumed_run_leaves_the_quarantined_samples_out_of_its_batches(tmp_path):
     """As for Hugging Face: the quarantine in the Lightning checkpoint's callback state is
     applied after fit(ckpt_path=...), through Lightning's own data loading."""
     from fasthealth.integrations.lightning import HealthCallback as PLHealth
@@ -501,8 +540,16 @@ def test_lightning_a_resumed_run_skips_the_batches_holding_quarantined_samples(t
         return batch["sample_ids"]
 
     health, moved = PLHealth(rollback=True, flush_every=5, sample_ids=ids), MovedPL()
-    fit(30, [health, moved], ckpt_path=str(tmp_path / "ckpt" / "step=10.ckpt"))
-    _skipped_where_held(health.monitor, given, moved.moved)
+
+    class Seen(pl.Callback):  # the module is made in fit: its model watched from the start
+        held: list[int] = []
+
+        def on_train_start(self, trainer, module):
+            self.held = _seen(module.model)
+
+    watch = Seen()
+    fit(30, [health, moved, watch], ckpt_path=str(tmp_path / "ckpt" / "step=10.ckpt"))
+    _cut_where_held(health.monitor, given, moved.moved, watch.held)
 
 
 def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own(tmp_path):
@@ -548,3 +595,36 @@ def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own(tmp_p
             self.automatic_optimization = False
 
     assert lightning_replay(Manual(), 1) is None and lightning_replay(Counter(), 1) is not None
+
+
+def test_lightning_a_quarantined_sample_leaves_its_batch_not_the_step(tmp_path):
+    """Lightning's loader serves a quarantined sample again: its row leaves the batch (a
+    mapping) before ``training_step`` and the step trains on the rest; a batch whose every row
+    is quarantined is skipped on the device."""
+    from fasthealth.integrations.lightning import HealthCallback as PLHealth
+
+    quarantined = [3, 17, 18, *range(40, 48)]
+
+    class Quarantine(pl.Callback):
+        def on_train_start(self, trainer, module):
+            health.monitor.rollback.quarantine = quarantined
+
+    class Rows(LoggingCounter):
+        def __init__(self):
+            super().__init__()
+            self.rows: dict[int, int] = {}
+
+        def training_step(self, batch, batch_idx):
+            self.rows[self.trainer.global_step] = len(batch["input_ids"])
+            return super().training_step(batch, batch_idx)
+
+    health = PLHealth(rollback=True, flush_every=5)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path),
+                         callbacks=[health, Quarantine()])
+    module = Rows()
+    trainer.fit(module, torch.utils.data.DataLoader(Stream(n=80), batch_size=8))
+    assert module.rows == {0: 7, 1: 8, 2: 6, 3: 8, 4: 8, 5: 8, 6: 8, 7: 8, 8: 8, 9: 8}
+    steps = [json.loads(line) for line in (health.monitor.run_dir / "steps.jsonl").open()]
+    assert [r["step"] for r in steps if r["quarantine_skip"]] == [5]
