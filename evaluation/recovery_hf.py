@@ -141,5 +141,5 @@ def quarantine_skips(mon: Any) -> int:
     path = Path(mon.run_dir) / "steps.jsonl"
     if not path.is_file():
         return 0
-    return sum(json.loads(line).get("quarantine_skip", 0) > 0
+    return sum((json.loads(line).get("quarantine_skip") or 0) > 0
                for line in path.read_text().splitlines() if line.strip())

@@ -22,3 +22,13 @@ def test_recurring_samples_are_planted_and_scored():
     r = E.run("digits_mlp_sgd", "recurring", 1)
     assert r.planted == 60 and r.quarantined_bad <= r.quarantined
     assert r.rollbacks and r.quarantined_bad >= 30
+
+
+def test_through_the_trainer_recurring_samples_leave_their_batches_not_the_steps():
+    """The Hugging Face family: the Trainer's sampler serves the quarantined samples again
+    every epoch; the callback trains on the rest of their batches (a handful of steps skipped,
+    where the watch found a culprit in the step's own batch), not a step lost per batch."""
+    r = E.run("hf_digits_mlp_adamw", "recurring", 0)
+    assert r.planted == 60 and r.rollbacks and r.rollbacks[0][2] == "batch", r
+    assert r.quarantined_bad == r.quarantined >= 30, r
+    assert r.quarantine_skips <= 10, r
