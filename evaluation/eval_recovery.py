@@ -27,7 +27,8 @@ against the samples planted. Each fault also runs without rollback: the harm a r
 Healthy runs: rollbacks and alarms (none is right).
 
 The split: ``TUNING`` families are what the ladder and the culprit search were chosen on; the
-``HELD_OUT`` ones (a CNN, a character LM) are scored with ``--final`` only.
+``HELD_OUT`` ones (a CNN, a character LM) and ``TRAINERS`` (the tuning MLP through the Hugging
+Face Trainer and Lightning, ``recovery_trainers.py``) are scored with ``--final`` only.
 
 Writes bench/results/recovery.json (or --out) under --label, and prints the table.
 """
@@ -54,16 +55,17 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "bench" / "results"
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))  # recovery_hf, beside this file, however this file is loaded
+sys.path.insert(0, str(HERE))  # recovery_trainers, beside this file, however it is loaded
 
-import recovery_hf  # noqa: E402  (this folder is on sys.path)
+import recovery_trainers  # noqa: E402  (this folder is on sys.path)
 
 import fasthealth as fh  # noqa: E402
 
 TUNING = ("digits_mlp_adamw", "digits_mlp_sgd")
 HELD_OUT = ("digits_cnn_adamw", "chars_lm_adamw")
-TRAINERS = recovery_hf.FAMILIES
-"""The plain loops' MLP through the Hugging Face Trainer: held out (nothing was chosen on it)."""
+TRAINERS = recovery_trainers.FAMILIES
+"""The plain loops' MLP through the Hugging Face Trainer and Lightning: held out (nothing was
+chosen on them)."""
 FAULTS = ("recurring", "shard", "stream", "lr_bug", "weight")
 EXPECTED_STOP = {"stream": "batch", "lr_bug": "learning_rate"}
 """Faults a rollback cannot undo (they come back with the next batch): a clean stop naming
@@ -188,8 +190,9 @@ def run(name: str, fault: str, seed: int, rollback: bool = True) -> Run:
         gx, gy = garbage(xt[idx], yt[idx], seed, classes)
     out = Run(name, fault, seed, rollback, onset=onset, planted=len(bad))
     if name in TRAINERS:
-        recovery_hf.run_hf(name, fault, seed, rollback, out, bad,
-                           (xt, yt, xe, ye, (gx, gy) if bad else None), garbage, steps, BATCH)
+        recovery_trainers.run_trainer(name, fault, seed, rollback, out, bad,
+                                      (xt, yt, xe, ye, (gx, gy) if bad else None), garbage,
+                                      steps, BATCH)
         return out
     mon = fh.Monitor(model, opt, scheduler=sched,
                      rollback=fh.RollbackConfig(replay=per_sample_loss) if rollback else None)
@@ -307,7 +310,7 @@ def summary(rows: list[dict]) -> str:
     cause, and the quarantine's precision and recall over all planted samples."""
     out = []
     for split, fams in (("tuning", TUNING), ("held out", HELD_OUT),
-                        ("held out, through the Trainer", TRAINERS)):
+                        ("held out, through the trainers", TRAINERS)):
         mine = [r for r in rows if r["family"] in fams and r["rollback"]]
         if not mine:
             continue
