@@ -226,14 +226,19 @@ def test_a_ladder_of_the_user_s_own_allows_more():
     assert len(mon.rollbacks) == 2
 
 
-def test_without_a_replay_the_data_is_not_told_from_the_rate_and_the_run_stops():
+def test_without_a_replay_the_quarantine_takes_whole_steps_and_the_run_stops():
     """No replay: nothing runs the incident's batch again, so the cause is the detectors' own
-    (divergence's default, the learning rate) and no sample is set aside; the fault coming back
-    after the rollback is a new incident (the detectors rewound), and the ladder stops the run
-    rather than train on. What ``replay=`` buys: the first test."""
-    mon, _, stop, _ = _train("recurring", replay=None)
-    assert mon.rollbacks[0].quarantined == [] and mon.rollback.quarantine == []
-    assert stop is not None and stop.cause == "learning_rate"
+    (the level shift's: the data) and the quarantine takes every sample of the incident's
+    steps, bystanders with the culprits; the fault coming back after the rollback is a new
+    incident (the detectors rewound), and the ladder stops the run naming the data rather than
+    train on. What ``replay=`` buys: the first test (the culprits alone, the run back)."""
+    mon, bad, stop, _ = _train("recurring", replay=None)
+    first = next(i for i in mon.incidents if i.severity == "alarm")
+    assert first.trigger == "loss_shift" and first.cause == "batch", first
+    rb = mon.rollbacks[0]
+    assert len(rb.quarantined) % BATCH == 0 and rb.quarantined, rb  # whole steps
+    assert len(set(rb.quarantined) & set(bad)) < len(rb.quarantined) / 2  # bystanders
+    assert stop is not None and stop.cause == "batch"
     assert len([i for i in mon.incidents if i.severity == "alarm"]) >= 2
 
 
