@@ -20,12 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kinds import NOTICE
-from ..record import StepRecord
 from ..robust import FLOOR_RISE, WARMUP_STEPS
 from .base import Finding
-from .phase import RestartPhase
 from .spike import EARLY_VALUES
-from .trend import Rising
+from .trend import PhasedTrend, Rising
 
 FIRST_VALUES = EARLY_VALUES
 """Losses whose median is the loss the run started from, as for the spike rule."""
@@ -57,7 +55,7 @@ class DivergenceConfig:
     """Losses seen before the rule judges (``warmup_steps``)."""
 
 
-class Divergence(Rising[DivergenceConfig], RestartPhase):
+class Divergence(Rising[DivergenceConfig], PhasedTrend[DivergenceConfig]):
     name = "divergence"
     kinds = ("divergence",)
     Config = DivergenceConfig
@@ -76,29 +74,8 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
 
     def __init__(self, config: DivergenceConfig | None = None, ctx: Any = None) -> None:
         super().__init__(config, ctx)
-        self.first: list[float] = []  # the run's first losses, kept through restarts
         self.noticed = False  # this episode was reported as a notice (a rise small at a floor)
         self.pending: float | None = None  # a climb in a restart's phase awaiting its verdict
-        self.lr: float | None = None
-        self.restart_lr: float | None = None
-        self.lr_peak = 0.0
-
-    def observe(self, s: StepRecord) -> list[Finding]:
-        self.track(s.host.lr)
-        return super().observe(s)
-
-    def rearm(self) -> None:
-        """Starts again as made (``REARM``), keeping the run's first losses, and marks the
-        restart's high-rate phase."""
-        first, lr, peak = self.first, self.lr, self.lr_peak
-        super().rearm()
-        self.first, self.lr, self.lr_peak = first, lr, peak
-        self.restarted()
-
-    def update(self, value: float) -> list[Finding]:
-        if math.isfinite(value) and len(self.first) < FIRST_VALUES:
-            self.first.append(value)
-        return super().update(value)
 
     def judge(self, ys: list[float], value: float) -> list[Finding]:
         trend = self.rising(ys)
@@ -112,7 +89,7 @@ class Divergence(Rising[DivergenceConfig], RestartPhase):
             if back:
                 self.noticed = False  # the episode is over, as for ``active``
             return found
-        start = statistics.median(self.first) if self.first else math.nan
+        start = self.start
         recent = math.exp(statistics.median(ys[-c.short:]))
         share = (recent - trend["best"]) / max(start, trend["best"]) if start > 0 else math.nan
         if not (self.in_restart and share < RESTART_LIMIT):

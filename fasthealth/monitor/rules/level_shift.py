@@ -23,15 +23,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
 
 from ..kinds import NOTICE
-from ..record import StepRecord
 from ..robust import MIN_LOG_NOISE, WARMUP_STEPS, noise_unit
 from .base import Finding
-from .phase import RestartPhase
-from .spike import EARLY_VALUES
-from .trend import LossTrend
+from .trend import PhasedTrend
 
 MEDIAN_SPREAD: float = math.sqrt(math.pi / 2)
 """The spread of the median of ``n`` values drawn from a normal of unit sigma, times
@@ -58,36 +54,12 @@ class LevelShiftConfig:
     """Losses seen before the rule judges (``warmup_steps``); it also needs a full ``window``."""
 
 
-class LevelShift(LossTrend[LevelShiftConfig], RestartPhase):
+class LevelShift(PhasedTrend[LevelShiftConfig]):
     name = "level_shift"
     kinds = ("loss_shift",)
     Config = LevelShiftConfig
     REARM = True
-    STATE = (*LossTrend.STATE, "first", "lr", "lr_peak", "restart_lr")
-
-    def __init__(self, config: LevelShiftConfig | None = None, ctx: Any = None) -> None:
-        super().__init__(config, ctx)
-        self.first: list[float] = []  # the run's first losses, kept through restarts
-        self.lr: float | None = None
-        self.restart_lr: float | None = None
-        self.lr_peak = 0.0
-
-    def observe(self, s: StepRecord) -> list[Finding]:
-        self.track(s.host.lr)
-        return super().observe(s)
-
-    def rearm(self) -> None:
-        """Starts again as made (``REARM``), keeping the run's first losses, and marks the
-        restart's high-rate phase."""
-        first, lr, peak = self.first, self.lr, self.lr_peak
-        super().rearm()
-        self.first, self.lr, self.lr_peak = first, lr, peak
-        self.restarted()
-
-    def update(self, value: float) -> list[Finding]:
-        if math.isfinite(value) and len(self.first) < EARLY_VALUES:
-            self.first.append(value)
-        return super().update(value)
+    STATE = PhasedTrend.STATE
 
     def shift(self, ys: list[float]) -> tuple[float, float, float]:
         """(the score, the median before, the recent median) of the log-losses ``ys``."""
@@ -101,7 +73,7 @@ class LevelShift(LossTrend[LevelShiftConfig], RestartPhase):
     def judge(self, ys: list[float], value: float) -> list[Finding]:
         c = self.config
         z, was, now = self.shift(ys)
-        start = statistics.median(self.first) if self.first else math.nan
+        start = self.start
         share = (math.exp(now) - math.exp(was)) / start if start > 0 else math.nan
         if not (z > c.zscore and share >= c.rise):
             if z < c.zscore / 2 or share < c.rise / 2:

@@ -11,6 +11,8 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from ..record import StepRecord
 from ..robust import slope_t
 from .base import Finding, Rule
+from .phase import RestartPhase
+from .spike import EARLY_VALUES
 
 
 class TrendConfig(Protocol):
@@ -72,6 +74,45 @@ class LossTrend(Rule[C]):
         self.active = True
         return [found]
 
+
+
+class PhasedTrend(LossTrend[C], RestartPhase):
+    """A trend rule that judges a rise against the loss the run started from (``start``: the
+    median of its first ``EARLY_VALUES`` finite losses, as for the spike rule) and knows a warm
+    restart's high-rate phase (``phase.py``). At a restart it starts again as made, keeping
+    the run's first losses and the rates seen (``divergence``, ``level_shift``)."""
+
+    STATE: ClassVar[tuple[str, ...]] = (*LossTrend.STATE, "first", "lr", "lr_peak",
+                                        "restart_lr")
+
+    def __init__(self, config: C | None = None, ctx: Any = None) -> None:
+        super().__init__(config, ctx)
+        self.first: list[float] = []  # the run's first losses, kept through restarts
+        self.lr: float | None = None
+        self.restart_lr: float | None = None
+        self.lr_peak = 0.0
+
+    def observe(self, s: StepRecord) -> list[Finding]:
+        self.track(s.host.lr)
+        return super().observe(s)
+
+    def rearm(self) -> None:
+        """Starts again as made (``REARM``), keeping the run's first losses, and marks the
+        restart's high-rate phase."""
+        first, lr, peak = self.first, self.lr, self.lr_peak
+        super().rearm()
+        self.first, self.lr, self.lr_peak = first, lr, peak
+        self.restarted()
+
+    def update(self, value: float) -> list[Finding]:
+        if math.isfinite(value) and len(self.first) < EARLY_VALUES:
+            self.first.append(value)
+        return super().update(value)
+
+    @property
+    def start(self) -> float:
+        """The loss the run started from (NaN before its first finite loss)."""
+        return statistics.median(self.first) if self.first else math.nan
 
 class Rising(LossTrend[T]):
     """A steady rise of the log of a series: a line through the window climbs with a
