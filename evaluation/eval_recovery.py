@@ -240,12 +240,7 @@ def run(name: str, fault: str, seed: int, rollback: bool = True) -> Run:
     with torch.no_grad():
         model.eval()
         out.eval_loss = float(F.cross_entropy(model(xe), ye))
-    out.alarms = sum(i.severity == "alarm" for i in mon.incidents)
-    out.rollbacks = [(r.step, r.to_step, next((i.cause for i in mon.incidents
-                                               if i.id == r.incident), None), len(r.quarantined))
-                     for r in mon.rollbacks]
-    q = set(mon.rollback.quarantine) if mon.rollback is not None else set()
-    out.quarantined, out.quarantined_bad = len(q), len(q & bad)
+    recovery_trainers.outcome(out, mon, bad)
     return out
 
 

@@ -147,6 +147,13 @@ def finish(out: Any, model: nn.Module, mon: Any, bad: set[int], xe: torch.Tensor
     if mon is None:
         out.eval_loss = math.nan
         return
+    outcome(out, mon, bad)
+
+
+def outcome(out: Any, mon: Any, bad: set[int]) -> None:
+    """What the Monitor ``mon`` did in ``out``'s run: its alarm incidents, its rollbacks (step,
+    the step restored, the incident's cause, the samples quarantined) and its quarantine
+    against the ``bad`` samples planted (the plain loops' runs too)."""
     out.alarms = sum(i.severity == "alarm" for i in mon.incidents)
     out.rollbacks = [(r.step, r.to_step, next((i.cause for i in mon.incidents
                                                if i.id == r.incident), None), len(r.quarantined))
