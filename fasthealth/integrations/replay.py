@@ -61,7 +61,9 @@ def _loss_of(out: Any, where: str) -> torch.Tensor:
         out if torch.is_tensor(out) else getattr(out, "loss", None))
     if not torch.is_tensor(loss):
         raise ValueError(f"fasthealth: {where} returned no loss to replay the batch with")
-    return loss.detach().float().reshape(-1).mean()
+    # not detached: the culprit search takes each sample's gradient through it (its pull),
+    # and fh.replay a backward; the callers that only read it run it under no_grad
+    return loss.float().reshape(-1).mean()
 
 
 def hf_replay(accumulation: int, trainer: Any = None) -> Replay:

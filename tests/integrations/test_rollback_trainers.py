@@ -597,6 +597,22 @@ def test_the_callbacks_replay_is_the_trainers_loss_and_never_the_users_own(tmp_p
     assert lightning_replay(Manual(), 1) is None and lightning_replay(Counter(), 1) is not None
 
 
+def test_the_callbacks_replays_give_each_samples_pull():
+    """The trainers' replays keep the loss's graph: the culprit search's pulls (each sample's
+    gradient norm, ``culprits.sample_pulls``) need it, and without them the search runs on the
+    losses alone (through the trainers it found a third fewer of the planted bad samples)."""
+    from fasthealth.integrations.replay import hf_replay, lightning_replay
+    from fasthealth.monitor.culprits import sample_pulls
+
+    model, data = tiny_gpt2(), CountingWithIds()
+    batch = {k: torch.stack([data[i][k] for i in range(3)]) for k in data[0]}
+    pulls = sample_pulls(model, hf_replay(1), batch, 3)
+    assert pulls is not None and len(pulls) == 3 and all(p > 0 for p in pulls)
+    module = Counter()
+    pulls = sample_pulls(module, lightning_replay(module, 1), batch, 3)
+    assert pulls is not None and all(p > 0 for p in pulls)
+
+
 def test_lightning_a_quarantined_sample_leaves_its_batch_not_the_step(tmp_path):
     """Lightning's loader serves a quarantined sample again: its row leaves the batch (a
     mapping) before ``training_step`` and the step trains on the rest; a batch whose every row
