@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..monitor import Monitor
-from ..monitor.guard import Verdict, verdict
+from ..monitor.guard import Verdict
 from .log import logger
 
 STATE_FILE = "fasthealth_monitor.pt"
@@ -64,7 +64,7 @@ class SaveGuard:
             return self.final
         if self._last is not None and self._last[0] == step:
             return self._last[1]
-        v = verdict(self.monitor)
+        v = self.monitor.save_verdict()
         self._last = (step, v.safe)
         if v.safe:
             if self.holding:

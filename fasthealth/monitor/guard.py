@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,10 @@ from .causes import back
 from .events import ALARM, Incident
 from .record import StepRecord
 
-# ``mon`` below is a ``Monitor`` (typed Any: monitor.py imports this module, not the reverse)
+if TYPE_CHECKING:
+    from .view import RunView
+
+# ``run`` below is the Monitor's ``RunView`` (view.py): what of the run a verdict reads
 DAMAGED_CAUSES = frozenset({"weights", "optimizer_state"})
 """Incident causes that say the model state itself may be damaged."""
 DAMAGE_KINDS = frozenset({"weight_corruption", "optimizer_state_nonfinite"})
@@ -84,12 +87,12 @@ def _damaged_tensors(inc: Incident) -> str:
     return f"; NaN/Inf in {', '.join(names[:5])}" if names else ""
 
 
-def incident_reason(mon: Any, *, pending: bool = False) -> tuple[Incident, str] | None:
+def incident_reason(run: RunView, *, pending: bool = False) -> tuple[Incident, str] | None:
     """The open alarm incident that says the model state may be damaged, and why (the module
     docstring, case 1); None when there is none."""
-    tracker = mon.analyser.tracker
+    tracker = run.tracker
     cur = tracker.current
-    if cur is None and mon._closed:  # the incident open when the run ended still judges
+    if cur is None and run.closed():  # the incident open when the run ended still judges
         cur = tracker.ended
     elif cur is not None and not cur.open:
         cur = None
@@ -119,13 +122,13 @@ with a ``learning_rate`` alarm open, is still in force (``rate_not_scheduled``);
 ``lr_jump`` calls a rise no scheduler made (``LRJumpConfig.unexplained``)."""
 
 
-def rate_not_scheduled(mon: Any, last: StepRecord) -> tuple[Incident, str] | None:
+def rate_not_scheduled(run: RunView, last: StepRecord) -> tuple[Incident, str] | None:
     """The open ``learning_rate`` alarm incident (``lr_jump`` in it), and why, while the rate at
     ``last`` (a flush's last step) is still more than ``RATE_OFF`` times the one the known
     scheduler set; None otherwise. A reason to roll back (``rollback.py``: the restore puts the
     optimizer's rate back; the code that set it, if it sets it again, stops the run), not to
     refuse a save: a loss that is fine says the weights are."""
-    cur = mon.analyser.tracker.current
+    cur = run.tracker.current
     h = last.host
     if cur is None or not cur.open or cur.severity != ALARM or cur.cause != "learning_rate" \
             or "lr_jump" not in cur.kinds or not h.unexplained or h.lr is None \
@@ -148,51 +151,52 @@ def _not_back(tracker: Any, cur: Incident) -> tuple[Incident, str] | None:
     return None
 
 
-def _state_tensors(mon: Any) -> tuple[list[str], list[torch.Tensor], int]:
+def _state_tensors(run: RunView) -> tuple[list[str], list[torch.Tensor], int]:
     """(names, tensors, how many of them are the model's): the parameters, the buffers a
     forward writes (``buffers.py``), those of the averaged models (``averaged=``), then the
     optimizer's state."""
-    model = [*mon.params, *mon.buffers, *mon.averaged_state]
+    s = run.state
+    model = [*s.params, *s.buffers, *s.averaged]
     names = [n for n, _ in model]
     tensors = [t.detach() for _, t in model]
-    if mon.optimizer is not None:
-        state_names, state = optimizer_state_tensors(mon.optimizer, mon.names_by_id)
+    if s.optimizer is not None:
+        state_names, state = optimizer_state_tensors(s.optimizer, s.names_by_id)
         names, tensors = names + list(state_names), tensors + list(state)
     return names, tensors, len(model)
 
 
-def _bad_rows(mon: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
-    table = multi_tensor_stats(tensors, backend=mon.backend).raw.to(mon.device)
+def _bad_rows(run: RunView, tensors: list[torch.Tensor]) -> torch.Tensor:
+    table = multi_tensor_stats(tensors, backend=run.state.backend).raw.to(run.device)
     return (table[:-1, COL["nan_count"]] + table[:-1, COL["inf_count"]]).to(torch.float64)
 
 
-def nonfinite_state(mon: Any) -> torch.Tensor:
+def nonfinite_state(run: RunView) -> torch.Tensor:
     """(non-finite values in the model's parameters and buffers, in the optimizer's state),
     float64 on the device: one fused pass over both, no sync."""
-    _, tensors, n = _state_tensors(mon)
-    bad = _bad_rows(mon, tensors)
+    _, tensors, n = _state_tensors(run)
+    bad = _bad_rows(run, tensors)
     return torch.stack([bad[:n].sum(), bad[n:].sum()])
 
 
-def nonfinite_names(mon: Any) -> list[str]:
+def nonfinite_names(run: RunView) -> list[str]:
     """The tensors (parameters, buffers, optimizer state) holding NaN/Inf: a second pass and
     a sync, only once a verdict has found some."""
-    names, tensors, _ = _state_tensors(mon)
-    return [n for n, b in zip(names, _bad_rows(mon, tensors).cpu().tolist()) if b]
+    names, tensors, _ = _state_tensors(run)
+    return [n for n, b in zip(names, _bad_rows(run, tensors).cpu().tolist()) if b]
 
 
-def verdict(mon: Any) -> Verdict:
+def verdict(run: RunView) -> Verdict:
     """Flushes, then judges (the module docstring). With the Monitor's ``process_group`` the
     answer is every rank's (one all-reduce): a checkpoint is saved by all ranks or none, and
     a rank left out of a collective save would hang the others."""
-    if not mon._closed:  # closed: its last flush was done, and flush() refuses
-        mon.flush()
-    found = incident_reason(mon, pending=True)
-    flags = torch.cat([nonfinite_state(mon),
+    if not run.closed():  # closed: its last flush was done, and flush() refuses
+        run.flush()
+    found = incident_reason(run, pending=True)
+    flags = torch.cat([nonfinite_state(run),
                        torch.tensor([float(found is not None)], dtype=torch.float64,
-                                    device=mon.device)])
-    if mon.process_group is not None:
-        dist.all_reduce(flags, group=mon.process_group)
+                                    device=run.device)])
+    if run.process_group is not None:
+        dist.all_reduce(flags, group=run.process_group)
     params, state, incidents = (int(x) for x in flags.cpu().tolist())  # the one sync
     if found is not None:
         inc, why = found
@@ -207,7 +211,7 @@ def verdict(mon: Any) -> Verdict:
     if params or state:
         where = " and ".join(w for w, n in (("the model's parameters and buffers", params),
                                             ("the optimizer's state", state)) if n)
-        named = nonfinite_names(mon)
+        named = nonfinite_names(run)
         shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
         return Verdict(False, f"{params + state} NaN/Inf values in {where}"
                        + (f" ({shown})" if named else ""))

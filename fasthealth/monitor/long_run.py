@@ -10,6 +10,7 @@ from typing import Any, cast
 
 from . import guard, state
 from .rollback import RollbackRecord
+from .view import RunView
 
 
 class LongRun:
@@ -18,6 +19,7 @@ class LongRun:
 
     journal: Any
     rollback: Any
+    _view: RunView
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the rules and incidents need to go on as if the run had never stopped
@@ -64,11 +66,11 @@ class LongRun:
         which incidents forbid it): flushes, then one fused pass over the parameters and the
         optimizer's state for NaN/Inf. Its sync happens only here, when it is called. With
         ``on_nonfinite="raise"`` its flush raises NonFiniteError as any flush would."""
-        return guard.verdict(self).safe
+        return guard.verdict(self._view).safe
 
     def save_verdict(self) -> guard.Verdict:
         """``safe_to_save()`` with its reasons: ``safe``, and when not, ``reason`` (why, and
         what to do: for a run damaged but finite, resume from a checkpoint before the incident
         or wait for the loss to come back) and ``incident`` (the open incident that forbids
         it, None when only the pass over the values found NaN/Inf). The same flush and sync."""
-        return guard.verdict(self)
+        return guard.verdict(self._view)

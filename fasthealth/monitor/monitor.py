@@ -69,6 +69,7 @@ from .runs import writer_root
 from .scans import AlikeRanks, Scans
 from .schedule import ScheduleSource, ScheduleView
 from .skip_rule import SkipConfig, SkipRule
+from .view import RunView
 
 
 def _grad_pass(backend: str | None, device: torch.device) -> GradPass:
@@ -83,8 +84,8 @@ def _grad_pass(backend: str | None, device: torch.device) -> GradPass:
 
 def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_bytes: int,
                   **options: Any) -> None:
-    """A Monitor's host side (events, incidents, logs) and, with a log_dir, the parameter
-    snapshots that dumps need (``Monitor.__init__``'s last step)."""
+    """A Monitor's host side (events, incidents, logs), its parts' view of the run and, with
+    a log_dir, the parameter snapshots that dumps need (``Monitor.__init__``'s last step)."""
     param_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
     meta = {"names": self.names, "flush_every": self.flush_every,
             "on_nonfinite": self.on_nonfinite, **options,
@@ -97,6 +98,7 @@ def _open_journal(self: Monitor, tensorboard: bool, dumps: str, snapshot_max_byt
                            tensorboard=tensorboard, dumps=dumps,
                            per_tensor_every=self.per_tensor_every,
                            on_nonfinite=self.on_nonfinite)
+    self._view = RunView.of(self)  # what its parts read of the run (view.py)
     jsonl = self.journal.jsonl
     if jsonl is None:
         return
@@ -215,6 +217,7 @@ class Monitor(LongRun):
     _origin: NonFiniteOrigin | None
     _alike: AlikeRanks
     journal: Journal  # the flushes' analysis and writing (journal.py)
+    _view: RunView  # what its parts read of the run (view.py)
     _snapshots: list[list[torch.Tensor]] | None  # the parameters before each step, for dumps
     buffer_guard: BufferGuard | None  # _step_inputs: puts a skipped step's buffers back
     names_by_id: dict[int, str]  # _step_inputs: each watched parameter's name by its id
@@ -419,7 +422,7 @@ class Monitor(LongRun):
         if self.skip_rule is not None:  # the floor's rule on the device (skip_rule.py)
             self.skip_rule.set_start(self.analyser.loss_start())
         if self.rollback is not None and not self._closing:
-            self.rollback.after_flush(self, steps, found)
+            self.rollback.after_flush(self._view, steps, found)
         return found
 
     @property

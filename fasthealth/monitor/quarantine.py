@@ -16,7 +16,7 @@ import json
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from .culprits import PullLine, search, threshold
 from .events import Event, Incident
 from .record import StepRecord
 from .robust import SPIKE_ZSCORE
+
+if TYPE_CHECKING:
+    from .view import RunView
 
 SEARCH_BATCHES = 64
 """Batches of an open incident kept (by reference, with ``replay=``) for the culprit search,
@@ -122,19 +125,19 @@ class Quarantine:
         """Drops the sample ids of the steps up to ``step`` (a snapshot's)."""
         self.steps = {k: v for k, v in self.steps.items() if k > step}
 
-    def keep_batches(self, mon: Any, batches: dict[int, Any]) -> None:
+    def keep_batches(self, run: RunView, batches: dict[int, Any]) -> None:
         """Keeps (references to) the open incident's batches of these steps, and lets go of
         those of incidents closed since."""
-        cur = mon.analyser.tracker.current
+        cur = run.tracker.current
         if cur is not None and cur.open:
             mine = self._batches.setdefault(cur.id, [])
             mine += [(t, b) for t, b in batches.items() if t >= cur.start][
                 :max(SEARCH_BATCHES - len(mine), 0)]
-        open_ids = {i.id for i in mon.incidents if i.open}
+        open_ids = {i.id for i in run.incidents if i.open}
         for key in [k for k in self._batches if k not in open_ids]:
             del self._batches[key]
 
-    def culprits(self, mon: Any, incident: Incident, found: list[Event], level: float | None,
+    def culprits(self, run: RunView, incident: Incident, found: list[Event], level: float | None,
                  noise: float) -> tuple[list[int], bool]:
         """(the sample ids a data incident quarantines, found on the state just restored,
         whether its batches were mostly bad as a whole: the data's source; the module
@@ -142,26 +145,26 @@ class Quarantine:
         kept = self._batches.pop(incident.id, [])
         self._batches.clear()
         if self.replay is not None and kept and level is not None:
-            limit = threshold(level, noise, mon.analyser.tracker.recover, SPIKE_ZSCORE)
+            limit = threshold(level, noise, run.tracker.recover, SPIKE_ZSCORE)
             got = search(self.model, self.replay, [(self.steps.get(t, []), b) for t, b in kept],
                          limit)
-            self._watch = (mon._next_step + self.every, limit, got.bar, got.line)
+            self._watch = (run.next_step() + self.every, limit, got.bar, got.line)
             if got.ran:
                 return got.ids, got.source
         # no replay (or no batch it could split): the incident's steps, from its first to its
         # last event (a run of bad batches does not show an event at each of its steps)
-        seen = [e.step for e in [*mon.events, *found] if e.incident == incident.id]
+        seen = [e.step for e in [*run.events, *found] if e.incident == incident.id]
         end = max(seen, default=incident.start)
         return sorted({i for t, ids in self.steps.items() if incident.start <= t <= end
                        for i in ids}), True
 
-    def take_swept(self, mon: Any, last: int, since: int | None) -> list[int]:
+    def take_swept(self, run: RunView, last: int, since: int | None) -> list[int]:
         """The samples the watch set aside since the last flush, written to
         ``rollbacks.jsonl`` and logged."""
         ids, self._swept = self._swept, []
         if not ids:
             return ids
-        jsonl = mon.journal.jsonl
+        jsonl = run.journal.jsonl
         if jsonl is not None:
             jsonl.queue_record("rollbacks.jsonl", {"record": "quarantine", "step": last,
                                                    "quarantined": ids})

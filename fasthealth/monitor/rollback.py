@@ -65,7 +65,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,9 @@ from .quarantine import Quarantine
 from .record import StepRecord
 from .robust import noise_unit
 from .snapshots import Snapshot, detector_state, nbytes, rewind, settle, to_host
+
+if TYPE_CHECKING:
+    from .view import RunView
 
 LADDER: dict[str, int] = {"batch": 1, "weights": 1, "learning_rate": 1,
                           "optimizer_state": 1, "numeric_range": 1, "outside": 1}
@@ -242,7 +245,7 @@ class Rollback:
 
     # ---- at each flush -----------------------------------------------------------------------
 
-    def after_flush(self, mon: Any, steps: list[StepRecord], found: list[Event]) -> None:
+    def after_flush(self, run: RunView, steps: list[StepRecord], found: list[Event]) -> None:
         """Takes a snapshot, rolls back, or stops the run (the module docstring)."""
         if not steps:
             return
@@ -251,48 +254,48 @@ class Rollback:
             self.skips += s.values["skipped"] > 0 and not s.values["quarantine_skip"] > 0
         self.samples.note(steps, (c.keep + 2) * c.every + len(steps))
         if c.replay is not None:
-            self._keep_alarm_batches(mon, steps, found)
+            self._keep_alarm_batches(run, steps, found)
         last = steps[-1].step
-        swept = self.samples.take_swept(mon, last, self.rolled_at)
+        swept = self.samples.take_swept(run, last, self.rolled_at)
         if swept and self.history:
             self.history[-1].quarantined += swept
         if c.max_skips is not None and self.skips > c.max_skips:
-            raise self._stop(mon, f"{self.skips} steps skipped, more than max_skips="
+            raise self._stop(run, f"{self.skips} steps skipped, more than max_skips="
                              f"{c.max_skips}")
-        self._returned(mon)
-        damaged = incident_reason(mon) or rate_not_scheduled(mon, steps[-1])
+        self._returned(run)
+        damaged = incident_reason(run) or rate_not_scheduled(run, steps[-1])
         mine = damaged is not None and damaged[0].id not in self.done
         newest = self.snapshots[-1].step if self.snapshots else None
         due = self.off_reason is None and (newest is None or last - newest >= c.every) \
             and (self.rolled_at is None or last - self.rolled_at >= c.every)  # safe that long
         # a sync, every `every` steps: a snapshot only of a state without NaN/Inf
-        bad_state = due and damaged is None and not bool(nonfinite_state(mon).sum().cpu() == 0)
+        bad_state = due and damaged is None and not bool(nonfinite_state(run).sum().cpu() == 0)
         # under a process group every rank decides alike: back when any rank's incident says
         # so (to before the earliest), a snapshot only when no rank objects
         (back, held, unsafe), (start,) = _agree(
-            mon, [float(mine), float(damaged is not None), float(bad_state)],
+            run, [float(mine), float(damaged is not None), float(bad_state)],
             [float(damaged[0].start) if mine and damaged is not None else math.inf])
         if back:
             incident, why = (damaged[0], damaged[1]) if mine and damaged is not None else \
                 (None, "an incident on another rank")
-            self._roll_back(mon, incident, why, last, found, int(start))
+            self._roll_back(run, incident, why, last, found, int(start))
         elif not held and due and not unsafe:
-            self._take(last, mon)
+            self._take(last, run)
 
-    def _returned(self, mon: Any) -> None:
+    def _returned(self, run: RunView) -> None:
         """Stops the run when an alarm of a cause in ``STOP_ON_RETURN`` opens again while its
         rollback is still in the row, damage or not: the restore did not remove its cause."""
-        cur = mon.analyser.tracker.current
+        cur = run.tracker.current
         if cur is None or cur.severity != "alarm" or cur.id in self.done \
                 or cur.cause not in STOP_ON_RETURN or cur.cause not in self.row:
             return
         allowed = (self.config.ladder or LADDER).get(cur.cause, self.config.max_in_row)
         if self.row.count(cur.cause) >= allowed:
-            raise self._stop(mon, f"incident #{cur.id} (cause {cur.cause}) opened after "
+            raise self._stop(run, f"incident #{cur.id} (cause {cur.cause}) opened after "
                              f"{self.row.count(cur.cause)} rollback(s) for {cur.cause} in a row: "
                              f"{STOP_ADVICE[cur.cause]}", cur.cause)
 
-    def _take(self, step: int, mon: Any = None) -> None:
+    def _take(self, step: int, run: RunView | None = None) -> None:
         c = self.config
         # the oldest snapshot's buffers are used again when it is the one to go
         old = self.snapshots[0] if len(self.snapshots) >= c.keep else None
@@ -310,12 +313,12 @@ class Rollback:
             say.warn(f"fasthealth: rollback is off: {self.off_reason}; raise "
                      "RollbackConfig.max_bytes or lower keep")
             return
-        snap.detect = detector_state(mon) if mon is not None else {}
+        snap.detect = detector_state(run) if run is not None else {}
         self.snapshots = [*self.snapshots, snap][-c.keep:]
         self.in_row, self.row = 0, []
         self.samples.forget_before(self.snapshots[0].step)
 
-    def _roll_back(self, mon: Any, incident: Incident | None, why: str, last: int,
+    def _roll_back(self, run: RunView, incident: Incident | None, why: str, last: int,
                    found: list[Event], start: int) -> None:
         """Back to the newest snapshot from before ``start``: this rank's ``incident``'s, or
         under a process group the earliest of the ranks' (None: another rank's)."""
@@ -333,35 +336,35 @@ class Rollback:
                           "steps)") + ": not rolled back")
             return
         if self.in_row + 1 > c.max_in_row:
-            raise self._stop(mon, f"{self.in_row + 1} rollbacks in a row, more than "
+            raise self._stop(run, f"{self.in_row + 1} rollbacks in a row, more than "
                              f"max_in_row={c.max_in_row}: the fault comes back after each")
         if len(self.history) + 1 > c.max_total:
-            raise self._stop(mon, f"{len(self.history) + 1} rollbacks, more than max_total="
+            raise self._stop(run, f"{len(self.history) + 1} rollbacks, more than max_total="
                              f"{c.max_total}")
-        tracker = mon.analyser.tracker
+        tracker = run.tracker
         level = tracker.baseline[0]
         noise = noise_unit(list(target.detect.get("tracker", {}).get("losses", [])))
         rate_kept = self._restore(target)
-        mon.gate.skip_pending()  # a trainer's step still to come holds the old gradients
-        verdict = self._replay(mon, incident) if incident is not None else (None, None, None)
+        run.gate.skip_pending()  # a trainer's step still to come holds the old gradients
+        verdict = self._replay(run, incident) if incident is not None else (None, None, None)
         if incident is not None and verdict[0] == "batch" and incident.basis != DIRECT:
             incident.cause, incident.basis = "batch", "replay"  # the replay re-ran it
             incident.why = "its first alarm's batch is bad on the restored state too"
         cause = incident.cause if incident is not None else "outside"
         allowed = (c.ladder if c.ladder is not None else LADDER).get(cause, c.max_in_row)
         if self.row.count(cause) + 1 > allowed:  # stopped on the restored, known-good state
-            raise self._stop(mon, f"{name} (cause {cause}) came after {self.row.count(cause)} "
+            raise self._stop(run, f"{name} (cause {cause}) came after {self.row.count(cause)} "
                              f"rollback(s) for {cause} in a row, the most the ladder allows "
                              f"({allowed}): {STOP_ADVICE.get(cause, CHECK_FIRST[cause])}. The "
                              f"state is restored to the end of step {target.step}", cause)
         if target.detect:
-            rewind(mon, target.detect)  # the detectors as they were: a fault coming back shows
+            rewind(run, target.detect)  # the detectors as they were: a fault coming back shows
         ids: list[int] = []
         source = True
         if incident is not None:
             tracker.rolled_back(incident)
             if cause == "batch":
-                ids, source = self.samples.culprits(mon, incident, found, level, noise)
+                ids, source = self.samples.culprits(run, incident, found, level, noise)
         new = self.samples.add(ids) and not source  # culprits among good samples: progress
         record = RollbackRecord(last, target.step, incident.id if incident is not None else -1,
                                 why, ids, *verdict)
@@ -372,7 +375,7 @@ class Rollback:
             self.row.append(cause)
         # the snapshots after the target hold the fault's start: never restored again
         self.snapshots = [s for s in self.snapshots if s.step <= target.step]
-        jsonl = mon.journal.jsonl
+        jsonl = run.journal.jsonl
         if jsonl is not None:
             jsonl.queue_record("rollbacks.jsonl", record.to_json())
             jsonl.drain()
@@ -396,27 +399,28 @@ class Rollback:
         say.log.warning(message)
         say.warn(message)
 
-    def _keep_alarm_batches(self, mon: Any, steps: list[StepRecord], found: list[Event]) -> None:
+    def _keep_alarm_batches(self, run: RunView, steps: list[StepRecord],
+                            found: list[Event]) -> None:
         """Keeps (a reference to) the batch of each new incident's first alarm, and the open
         incident's batches for the culprit search (``Quarantine.keep_batches``), and lets go
         of those of incidents closed since."""
         batches = {s.step: s.host.batch for s in steps if s.host.batch is not None}
-        self.samples.keep_batches(mon, batches)
+        self.samples.keep_batches(run, batches)
         for e in sorted(found, key=lambda e: e.step):
             if e.severity == "alarm" and e.incident is not None and e.step in batches \
                     and e.incident not in self._alarm_batches and e.incident not in self.done:
                 self._alarm_batches[e.incident] = batches[e.step]
-        open_ids = {i.id for i in mon.incidents if i.open}
+        open_ids = {i.id for i in run.incidents if i.open}
         for key in [k for k in self._alarm_batches if k not in open_ids]:
             del self._alarm_batches[key]
 
-    def _replay(self, mon: Any, incident: Incident) -> tuple[str | None, float | None,
+    def _replay(self, run: RunView, incident: Incident) -> tuple[str | None, float | None,
                                                            float | None]:
         """(verdict, loss, level): the incident's first alarm batch run again, without
         gradients and with the RNG put back after, on the state just restored
         (``RollbackConfig.replay``); (None, None, None) without it."""
         batch = self._alarm_batches.pop(incident.id, None)
-        tracker = mon.analyser.tracker
+        tracker = run.tracker
         level = tracker.baseline[0]
         if self.config.replay is None or batch is None or level is None:
             return None, None, None
@@ -465,8 +469,8 @@ class Rollback:
         keys = {"lr", getattr(sched, "param_group_field", "lr")}
         return [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
 
-    def _stop(self, mon: Any, why: str, cause: str | None = None) -> RollbackBudgetError:
-        alarms = [i for i in mon.incidents if i.severity == "alarm"]
+    def _stop(self, run: RunView, why: str, cause: str | None = None) -> RollbackBudgetError:
+        alarms = [i for i in run.incidents if i.severity == "alarm"]
         listed = "; ".join(f"#{i.id} steps {i.start}-{i.end} {i.trigger} (cause {i.cause})"
                            for i in alarms[-5:])
         return RollbackBudgetError(
@@ -475,15 +479,15 @@ class Rollback:
             "coming back is a bug or bad data, which skipping hides", alarms, cause)
 
 
-def _agree(mon: Any, most: list[float], least: list[float]) -> tuple[list[float], list[float]]:
+def _agree(run: RunView, most: list[float], least: list[float]) -> tuple[list[float], list[float]]:
     """The largest of each of ``most`` and the smallest of each of ``least`` over the Monitor's
     process group, so that every rank takes the same decision: one all-reduce of a few
     numbers, at a flush; as they are without a process group."""
-    pg = getattr(mon, "process_group", None)
+    pg = run.process_group
     if pg is None:
         return most, least
     t = torch.tensor([*most, *(-v for v in least)], dtype=torch.float64)
-    t = t.to(comm_device(pg, mon.device))
+    t = t.to(comm_device(pg, run.device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
     out = t.cpu().tolist()
     return out[:len(most)], [-v for v in out[len(most):]]

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .record import map_tensors
 from .state import _fields, _ours
+
+if TYPE_CHECKING:
+    from .view import RunView
 
 TRACKER_WINDOWS = ("losses", "scales", "first_loss", "scale", "last")
 """The incident tracker's fields a rollback rewinds: the losses and loss scales its levels are
@@ -82,25 +85,25 @@ def nbytes(x: Any) -> int:
     return 0
 
 
-def _parts(mon: Any) -> dict[str, Any]:
+def _parts(run: RunView) -> dict[str, Any]:
     """The objects whose state is rewound, by name: the rules, the device skip rule, the
     schedule view (None where the Monitor has none)."""
-    parts = {f"rule{i}": r for i, r in enumerate(mon.detectors)}
-    parts.update(skip_rule=mon.skip_rule, restarts=mon._restarts)
+    parts = {f"rule{i}": r for i, r in enumerate(run.detectors)}
+    parts.update(skip_rule=run.skip_rule, restarts=run.restarts)
     return parts
 
 
-def detector_state(mon: Any) -> dict[str, Any]:
+def detector_state(run: RunView) -> dict[str, Any]:
     """The detectors' state now, a copy (``rewind`` puts it back, as often as needed)."""
     out: dict[str, Any] = {}
-    for key, obj in _parts(mon).items():
+    for key, obj in _parts(run).items():
         if obj is None:
             continue
         if _ours(type(obj)):
             out[key] = _fields(obj)
         elif callable(getattr(obj, "state_dict", None)):
             out[key] = {"own": obj.state_dict()}
-    out["tracker"] = {k: getattr(mon.analyser.tracker, k) for k in TRACKER_WINDOWS}
+    out["tracker"] = {k: getattr(run.tracker, k) for k in TRACKER_WINDOWS}
     return copy.deepcopy(out)
 
 
@@ -113,13 +116,13 @@ def _put(obj: Any, name: str, value: Any) -> None:
         setattr(obj, name, value)
 
 
-def rewind(mon: Any, state: dict[str, Any]) -> None:
+def rewind(run: RunView, state: dict[str, Any]) -> None:
     """Puts ``state`` (``detector_state``'s) back into the Monitor's detectors; a copy, so
     the same snapshot can be restored again."""
     state = copy.deepcopy(state)
-    parts = _parts(mon)
+    parts = _parts(run)
     for key, fields in state.items():
-        obj = mon.analyser.tracker if key == "tracker" else parts.get(key)
+        obj: Any = run.tracker if key == "tracker" else parts.get(key)
         if obj is None:
             continue
         if "own" in fields and not _ours(type(obj)):
@@ -127,8 +130,8 @@ def rewind(mon: Any, state: dict[str, Any]) -> None:
             continue
         for name, value in fields.items():
             _put(obj, name, value)
-    mon.analyser.tracker.state_bad = False  # a snapshot is only taken of a finite state
-    for rule in mon.detectors:
+    run.tracker.state_bad = False  # a snapshot is only taken of a finite state
+    for rule in run.detectors:
         told = getattr(rule, "rewound", None)
         if callable(told):
             told()

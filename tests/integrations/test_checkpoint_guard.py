@@ -195,9 +195,7 @@ def _regression():
 
 def _guarded_steps(model, opt, batch, steps, before_step):
     """Trains ``steps``; ``before_step(t)`` may harm the run; yields (step, the verdict after
-    it) where the verdict is ``guard.verdict`` (what ``safe_to_save`` returns, and why)."""
-    from fasthealth.monitor import guard
-
+    it) where the verdict is ``save_verdict()`` (what ``safe_to_save`` returns, and why)."""
     mon = fh.Monitor(model, opt, flush_every=5)
     for t in steps:
         before_step(t)
@@ -208,7 +206,7 @@ def _guarded_steps(model, opt, batch, steps, before_step):
         mon.step(loss, batch=(x, y))
         opt.step()
         if t >= 95:
-            yield t, mon, guard.verdict(mon)
+            yield t, mon, mon.save_verdict()
     mon.close()
 
 
@@ -243,7 +241,7 @@ def test_safe_to_save_is_false_for_a_finite_corrupted_weight(monkeypatch):
         assert not tracker.broken() and not (tracker.harmed and tracker._unrecovered())
         with monkeypatch.context() as mp:  # were the weights not its cause: its kind alone
             mp.setattr(guard, "DAMAGED_CAUSES", frozenset())
-            alone = guard.verdict(mon)
+            alone = mon.save_verdict()
             assert not alone.safe and alone.incident is inc, (t, alone)
             assert alone.reason == "it holds weight_corruption", alone.reason
     assert seen is not None
