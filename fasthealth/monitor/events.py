@@ -138,6 +138,32 @@ class Incident:
 
 
 @dataclass
+class RollbackRecord:
+    """One rollback: at the flush after ``step``, the state of the end of ``to_step`` was
+    restored for ``incident`` (its id); ``quarantined``: the sample ids put in quarantine."""
+
+    step: int
+    to_step: int
+    incident: int
+    reason: str
+    quarantined: list[int] = field(default_factory=list)
+    replay: str | None = None
+    """With ``RollbackConfig.replay``: "batch" (the incident's first alarm batch is bad on the
+    restored state too) or "state" (it is not: the batch and the state the run had reached,
+    together); None: not replayed (no replay function, or that batch was not kept)."""
+    replay_loss: float | None = None
+    """That batch's loss on the restored state."""
+    level: float | None = None
+    """The loss level before the incident, which ``replay_loss`` was judged against."""
+
+    def to_json(self) -> dict:
+        return {"record": "rollback", "step": self.step, "to_step": self.to_step,
+                "incident": self.incident, "reason": self.reason,
+                "quarantined": list(self.quarantined), "replay": self.replay,
+                "replay_loss": self.replay_loss, "level": self.level}
+
+
+@dataclass
 class Observation:
     """What ``Monitor.step`` saw: ``skip`` is a 0-dim bool tensor on the device (no sync);
     ``stats`` the gradients' statistics, None on a micro-batch that an engine's optimizer does

@@ -63,7 +63,7 @@ import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -73,7 +73,7 @@ import torch.distributed as dist
 from ..distributed import comm_device
 from . import say
 from .causes import CHECK_FIRST, DIRECT
-from .events import Event, Incident
+from .events import Event, Incident, RollbackRecord
 from .guard import incident_reason, nonfinite_state, rate_not_scheduled
 from .quarantine import Quarantine
 from .record import StepRecord
@@ -157,32 +157,6 @@ class RollbackBudgetError(RuntimeError):
         super().__init__(message)
         self.incidents = incidents
         self.cause = cause  # the cause the ladder stopped on; None: the budget's counts
-
-
-@dataclass
-class RollbackRecord:
-    """One rollback: at the flush after ``step``, the state of the end of ``to_step`` was
-    restored for ``incident`` (its id); ``quarantined``: the sample ids put in quarantine."""
-
-    step: int
-    to_step: int
-    incident: int
-    reason: str
-    quarantined: list[int] = field(default_factory=list)
-    replay: str | None = None
-    """With ``RollbackConfig.replay``: "batch" (the incident's first alarm batch is bad on the
-    restored state too) or "state" (it is not: the batch and the state the run had reached,
-    together); None: not replayed (no replay function, or that batch was not kept)."""
-    replay_loss: float | None = None
-    """That batch's loss on the restored state."""
-    level: float | None = None
-    """The loss level before the incident, which ``replay_loss`` was judged against."""
-
-    def to_json(self) -> dict:
-        return {"record": "rollback", "step": self.step, "to_step": self.to_step,
-                "incident": self.incident, "reason": self.reason,
-                "quarantined": list(self.quarantined), "replay": self.replay,
-                "replay_loss": self.replay_loss, "level": self.level}
 
 
 class Rollback:

@@ -25,19 +25,22 @@ State by name: each stateful class lists its state fields in ``STATE`` (``Rule.S
 belongs there), and only those are saved and restored, into the objects the resumed Monitor made
 from its own options. What a class makes from its state to be fast (a window's values kept
 sorted, a cached check) it lists in ``DERIVED``: never saved, rebuilt when the state is set (a
-property's setter; ``__setstate__`` for a part a migrated state makes whole). With ``rollback=``
+property's setter). With ``rollback=``
 the rollbacks' history, the quarantine and the budget's counts are state; the snapshots (copies
 of the model) are not. A record (``Event``, ``Incident``) is saved by its dataclass fields. An
-object becomes ``{"__t": "obj", "cls": "module:qualname", "id": n, "state": {...}}`` (the same
-object twice becomes a reference to its ``id``: an incident's events are the Monitor's events),
-a deque, tuple, set or dict a tagged list. Decoding makes records only of classes defined in
-fasthealth's own modules, and restores a part of a rule (a spike rule's series) into the part
-the resumed rule has; anything else in a state is refused with the path to it. A user's rule
+object becomes ``{"__t": "obj", "cls": name, "id": n, "state": {...}}`` (the same object twice
+becomes a reference to its ``id``: an incident's events are the Monitor's events), a deque,
+tuple, set or dict a tagged list. ``name`` is the type's name, never the module that defines
+it: a release that moves a class reads the states saved before, and decoding imports nothing.
+It makes records only of the few types ``_records`` lists, and restores a part of a rule (a
+spike rule's series) into the part of that name the resumed rule has; anything else in a
+state is refused with the path to it. A user's rule
 (``DetectOptions(detectors=...)``) of its own class keeps its state through its own
 ``state_dict()`` / ``load_state_dict()`` if it has them, and starts cold (with a warning)
 otherwise.
 
-Versions: a state says its ``format`` (``FORMAT``). Fields added to a list since a state was
+Versions: a state says its ``format`` (``FORMAT``). Format 2 was this layout with each type
+spelled "module:qualname"; it is read by the qualname. Fields added to a list since a state was
 saved are made from the saved ones (``STATE_ADDED``), in any format. Format 1 (fasthealth 0.1.0
 before state by name) saved every attribute of these objects; it is migrated: the listed fields
 are taken, the rest (settings the resumed Monitor makes from its options) dropped, and a component
@@ -52,15 +55,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
-import importlib
 import math
 import warnings
 from typing import Any, Protocol
 
 import torch
 
-from .events import Incident
+from .events import Event, Incident, RollbackRecord
 from .retired import ADDED, RETIRED, saved_key
 
 
@@ -85,8 +86,9 @@ class Monitor(Protocol):
 
     def _continue_run(self, run_id: str | None, step: int) -> None: ...
 
-FORMAT = 2  # the layout of the state: 2 saves listed fields (STATE); 1 saved every attribute
-MIGRATED = (1,)  # older formats this fasthealth reads
+FORMAT = 3  # the layout of the state: 2 and 3 save listed fields (STATE), 1 every attribute
+MIGRATED = (1, 2)  # older formats this fasthealth reads
+BY_NAME = (2, 3)  # the formats of listed fields: 2 named a record's type "module:qualname"
 
 
 class StateError(ValueError):
@@ -114,8 +116,9 @@ class _Part:
     """A decoded part of a component (``cls``'s listed fields), restored into the part the
     resumed component has made."""
 
-    cls: type
+    name: str  # the qualname of the part's class
     fields: dict[str, Any]
+    fmt: int  # the state's format
 
 
 class _Encoder:
@@ -144,8 +147,6 @@ class _Encoder:
         if isinstance(v, dict):
             return {"__t": "dict", "k": [self(k, f"{path}.keys") for k in v],
                     "v": [self(x, f"{path}[{k!r}]") for k, x in v.items()]}
-        if isinstance(v, enum.Enum) and _ours(type(v)):
-            return {"__t": "enum", "cls": _name(type(v)), "v": v.name}
         if hasattr(v, "__dict__") and _ours(type(v)) and not isinstance(
                 v, (torch.nn.Module, torch.optim.Optimizer)):
             if id(v) in self.memo:
@@ -161,20 +162,22 @@ class _Encoder:
 
 
 def _name(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
+    return cls.__qualname__
 
 
-def _class(name: str, path: str) -> Any:
-    module, _, qual = name.partition(":")
-    if module.split(".")[0] != "fasthealth":
-        raise StateError(f"fasthealth: the state names a class outside fasthealth ({name}, at "
-                         f"{path}): refused")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise StateError(f"fasthealth: {name} (at {path}) is not a class")
-    return obj
+def _records() -> dict[str, type]:
+    """The records a state makes, by name: nothing else is made from a state."""
+    return {c.__qualname__: c for c in (Event, Incident, Forgotten, RollbackRecord)}
+
+
+def _spelled(name: str, fmt: int) -> str:
+    """A saved type's name: format 2 spelled it "module:qualname", later ones the qualname."""
+    if fmt <= 2:
+        module, _, qual = name.partition(":")
+        if module.split(".")[0] != "fasthealth":
+            return name  # refused by the caller: not a name of ours
+        return qual
+    return name
 
 
 class _Decoder:
@@ -200,33 +203,29 @@ class _Decoder:
             return torch.device(v["v"])
         if tag == "dtype":
             return getattr(torch, v["v"].removeprefix("torch."))
-        if tag == "enum":
-            return _class(v["cls"], path)[v["v"]]
         if tag == "ref":
             return self.memo[v["id"]]
         if tag == "obj":
-            cls = _class(v["cls"], path)
-            if self.fmt == FORMAT and not dataclasses.is_dataclass(cls):
-                part = _Part(cls, {})
+            name = _spelled(v["cls"], self.fmt)
+            cls = _records().get(name)
+            if cls is None:
+                if not name.isidentifier():
+                    raise StateError(f"fasthealth: the state names {v['cls']!r} at {path}, "
+                                     "not a type of fasthealth's: refused")
+                part = _Part(name, {}, self.fmt)  # a component's part: into the resumed one's
                 self.memo[v["id"]] = part
                 part.fields.update({k: self(x, f"{path}.{k}") for k, x in v["state"].items()})
                 return part
-            obj = cls.__new__(cls)
+            obj: Any = object.__new__(cls)
             self.memo[v["id"]] = obj
             state = {k: self(x, f"{path}.{k}") for k, x in v["state"].items()}
-            if dataclasses.is_dataclass(cls):
-                fields = {f.name: f for f in dataclasses.fields(cls)}
-                added = {n: f.default for n, f in fields.items()  # added since, with a default
-                         if n not in state and f.default is not dataclasses.MISSING}
-                if self.fmt == FORMAT and set(state) | set(added) != set(fields):
-                    raise StateError(f"fasthealth: the {v['cls']} at {path} has fields "
-                                     f"{sorted(state)}, this fasthealth's has {sorted(fields)}")
-                state = {**added, **{k: x for k, x in state.items() if k in fields}}
-            setstate = getattr(obj, "__setstate__", None)  # pickle's hook: derived fields
-            if callable(setstate) and not dataclasses.is_dataclass(cls):
-                setstate(state)
-            else:
-                obj.__dict__.update(state)
+            fields = {f.name: f for f in dataclasses.fields(cls)}  # a record: a dataclass
+            added = {n: f.default for n, f in fields.items()  # added since, with a default
+                     if n not in state and f.default is not dataclasses.MISSING}
+            if self.fmt in BY_NAME and set(state) | set(added) != set(fields):
+                raise StateError(f"fasthealth: the {v['cls']} at {path} has fields "
+                                 f"{sorted(state)}, this fasthealth's has {sorted(fields)}")
+            obj.__dict__.update({**added, **{k: x for k, x in state.items() if k in fields}})
             return obj
         raise StateError(f"fasthealth: unreadable entry at {path} of the Monitor's state")
 
@@ -236,10 +235,10 @@ def _into(old: Any, new: Any, path: str, apply: bool) -> Any:
     component's), a dict of parts key by key, a tensor on ``old``'s device (the skip rule's
     rings). ``apply=False`` only checks that it fits, and raises StateError where it does not."""
     if isinstance(new, _Part):
-        if not isinstance(old, new.cls):
-            raise StateError(f"fasthealth: the state has a {new.cls.__qualname__} at {path} "
+        if type(old).__qualname__ != new.name:
+            raise StateError(f"fasthealth: the state has a {new.name} at {path} "
                              f"where this Monitor has {type(old).__qualname__}")
-        _restore(old, _check(old, new.fields, FORMAT, path) or {}, path, apply)
+        _restore(old, _check(old, new.fields, new.fmt, path) or {}, path, apply)
         return old
     if isinstance(new, dict) and isinstance(old, dict) and any(
             isinstance(x, _Part) for x in new.values()):
@@ -267,9 +266,10 @@ def _check(target: Any, fields: dict[str, Any], fmt: int, path: str) -> dict[str
     listed fields are taken, the rest dropped, and another missing one makes it start cold."""
     names, added = list(_fields(target)), getattr(type(target), "STATE_ADDED", {})
     missing = [k for k in names if k not in fields]
-    if missing and set(missing) <= set(added) and (fmt != FORMAT or set(fields) <= set(names)):
+    if missing and set(missing) <= set(added) and (fmt not in BY_NAME
+                                                   or set(fields) <= set(names)):
         fields = {**fields, **{k: added[k](fields) for k in missing}}
-    if fmt == FORMAT:
+    if fmt in BY_NAME:
         if set(fields) != set(names):
             raise StateError(
                 f"fasthealth: the state's {path} has the fields {sorted(fields)}, this "

@@ -337,7 +337,7 @@ def test_a_refused_state_leaves_the_run_and_the_monitor_as_they_were(tmp_path):
     bad = copy.deepcopy(sd)
     assert _tamper(bad["objects"])
     refused = fh.Monitor(m, opt, log_dir=tmp_path, **OPTIONS)
-    with pytest.raises(ValueError, match="outside fasthealth"):
+    with pytest.raises(ValueError, match="not a type of fasthealth.s: refused"):
         refused.load_state_dict(bad)
     assert (tmp_path / "run-000" / "meta.json").read_bytes() == meta
     assert refused.run_id is None and refused.events == [] and refused.incidents == []

@@ -28,6 +28,9 @@ from fasthealth.monitor.state import FORMAT, StateError
 # test_resume's run (``R._train`` with ``R.FAULTS`` and ``R.OPTIONS``) at step 61, inside the
 # incident of the NaN losses at 60 and 61.
 FORMAT_1 = Path(__file__).parent / "data" / "monitor_state_format1.pt"
+# Saved by this fasthealth in format 2 (listed fields; a record's type spelled
+# "module:qualname") from the same run at the same step.
+FORMAT_2 = Path(__file__).parent / "data" / "monitor_state_format2.pt"
 
 
 def _same(a, b) -> bool:
@@ -129,7 +132,7 @@ def test_the_state_holds_the_listed_fields_and_says_its_format():
     mon = fh.Monitor(m, opt, **R.OPTIONS)
     R._train(mon, m, opt, range(40), R.FAULTS)
     sd = mon.state_dict()
-    assert sd["format"] == FORMAT == 2
+    assert sd["format"] == FORMAT == 3
     for key, saved in sd["rules"].items():
         rule = mon.detectors[int(key.split(":")[0])]
         assert saved["fields"]["k"] == list(type(rule).STATE), key
@@ -139,16 +142,20 @@ def test_the_state_holds_the_listed_fields_and_says_its_format():
     mon.close()
 
 
-def test_a_state_of_the_format_before_is_migrated_and_the_run_goes_on_the_same():
-    """The format-1 file was saved at step 61 of test_resume's run; loaded into a Monitor of
-    this release, the run after 61 raises what the run uninterrupted raises."""
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_state_of_a_format_before_is_migrated_and_the_run_goes_on_the_same(fmt):
+    """The format-1 and format-2 files were saved at step 61 of test_resume's run; loaded
+    into a Monitor of this release, the run after 61 raises what the run uninterrupted
+    raises."""
     whole = R._continuous(R.FAULTS)
     m, opt = R._model()
     first = fh.Monitor(m, opt, **R.OPTIONS)  # the model and optimizer as they were at 61
     R._train(first, m, opt, range(62), R.FAULTS)
     first.close()
-    old = torch.load(FORMAT_1, weights_only=True)
-    assert old["format"] == 1
+    old = torch.load(FORMAT_1 if fmt == 1 else FORMAT_2, weights_only=True)
+    assert old["format"] == fmt
+    if fmt == 2:  # its records' types by module path, as that format spelled them
+        assert "fasthealth.monitor.events:Event" in _types(old)
     mon = fh.Monitor(m, opt, **R.OPTIONS)
     mon.load_state_dict(old)
     R._train(mon, m, opt, range(62, R.STEPS), R.FAULTS)
@@ -156,6 +163,67 @@ def test_a_state_of_the_format_before_is_migrated_and_the_run_goes_on_the_same()
     assert R._key(mon.events, 61) == R._key(whole.events, 61)
     assert [(i.id, i.start, i.end, i.kinds) for i in mon.incidents] == \
         [(i.id, i.start, i.end, i.kinds) for i in whole.incidents]
+
+
+def _types(sd) -> set[str]:
+    """The type names a state spells (its records' and its parts')."""
+    out: set[str] = set()
+
+    def walk(v):
+        if isinstance(v, dict):
+            if v.get("__t") == "obj":
+                out.add(v["cls"])
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+    walk(sd)
+    return out
+
+
+def _first_obj(v, cls: str):
+    """The first encoded object of type ``cls`` in a state, depth first."""
+    if isinstance(v, dict):
+        if v.get("__t") == "obj" and v["cls"] == cls:
+            return v
+        v = list(v.values())
+    if isinstance(v, list):
+        for x in v:
+            if (found := _first_obj(x, cls)) is not None:
+                return found
+    return None
+
+
+def test_a_state_names_types_not_where_they_live():
+    """A state spells a record's or a part's type by its name, never by the module that
+    defines it (a release that moves a class still reads the states saved before); a name
+    that is not one of fasthealth's records or a part of the resumed Monitor is refused."""
+    m, opt = R._model()
+    mon = fh.Monitor(m, opt, **R.OPTIONS)
+    R._train(mon, m, opt, range(62), R.FAULTS)  # inside the incident of the NaN losses
+    sd = mon.state_dict()
+    mon.close()
+    names = _types(sd)
+    assert {"Event", "Incident", "_Series"} <= names, names
+    assert not any(":" in n or "." in n for n in names), names
+    assert "fasthealth.monitor" not in repr(sd)
+    bad = copy.deepcopy(sd)
+    _first_obj(bad, "Event")["cls"] = "os:system"
+    mon = _fresh()
+    with pytest.raises(StateError, match=r"names 'os:system' at .*refused"):
+        mon.load_state_dict(bad)
+    assert not mon.events
+    mon.close()
+    bad = copy.deepcopy(sd)
+    series = bad["rules"][_spike_key(bad)]["fields"]
+    part = series["v"][series["k"].index("series")]["v"][0]
+    part["cls"] = "Elsewhere"
+    mon = _fresh()
+    with pytest.raises(StateError, match=r"has a Elsewhere at rules.*where this Monitor has "
+                                         r"_Series"):
+        mon.load_state_dict(bad)
+    mon.close()
 
 
 def _fresh() -> fh.Monitor:
@@ -178,10 +246,10 @@ def _spike_key(sd: dict) -> str:
 
 def test_an_unknown_format_is_refused_naming_the_formats_read():
     sd = _state()
-    sd["format"] = 3
+    sd["format"] = 4
     mon = _fresh()
-    with pytest.raises(StateError, match=r"format 3: this fasthealth reads format 2 and "
-                                         r"migrates 1; refused"):
+    with pytest.raises(StateError, match=r"format 4: this fasthealth reads format 3 and "
+                                         r"migrates 1, 2; refused"):
         mon.load_state_dict(sd)
     mon.close()
 

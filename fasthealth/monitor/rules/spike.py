@@ -167,24 +167,6 @@ class _Series:
 
     values = WindowValues("window")  # the window's values, oldest first
 
-    def __setstate__(self, state: dict) -> None:
-        """A series made from a state of the format before (its attributes, the window's
-        values among them): the window rebuilt from them; a copy's (``copy.deepcopy``: a
-        rollback's snapshot of the detectors) has its window already."""
-        state = dict(state)
-        if "window" in state:
-            self.__dict__.update(state)
-            return
-        values = state.pop("values")
-        state.setdefault("scored", 0)  # a state saved before the run's tail was kept
-        state.setdefault("top", [])
-        if "start" not in state:  # a state saved before the start was kept
-            first = state.get("first") or []
-            state["start"] = (statistics.median(first) if first and not state.get("restarted")
-                              else math.nan)
-        self.__dict__.update(state)
-        self.window = SpikeWindow(values.maxlen or len(values), values)
-
     def armed(self, value: float, warmup: int) -> bool:
         """Whether the window judges ``value`` (finite, and the window holds ``warmup``
         values); notes it among the first values."""
