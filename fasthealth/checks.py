@@ -148,7 +148,9 @@ def grads_stats(
     """check_grads on collected gradients; with a process group, the total is the whole
     model's (two all-reduces), ``extra_bad`` joins the cross-rank non-finite flag, the mean
     of every rank's ``extra_loss`` comes back as ``loss_mean``, and the ranks whose ``origin``
-    flag is set (``NonFiniteOrigin``) as ``origin_rank`` and ``origin_count``, and whether any
+    flag is set (``NonFiniteOrigin``) as ``origin_rank`` and ``origin_count``, the rank whose own
+    gradients stood largest before the reduction and by how many times the others' mean as
+    ``own_rank`` and ``own_ratio``, and whether any
     rank's ``extra_skip`` is set as ``skip_any``, in the same collectives."""
     rng = range_thresholds(range_dtype)
     check = None
@@ -174,6 +176,7 @@ def grads_stats(
         s.replica_odd = check["replica_odd"]
         s.loss_mean = check["loss_mean"]
         s.origin_rank, s.origin_count = check["origin_rank"], check["origin_count"]
+        s.own_ratio, s.own_rank = check["own_ratio"], check["own_rank"]
         s.skip_any = check["skip_any"]
     return s
 

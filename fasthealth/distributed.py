@@ -47,6 +47,7 @@ Per-tensor statistics stay those of the local shards (with the global parameter 
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -64,14 +65,18 @@ MASK_RANKS = 52  # ranks a float64 bit mask holds exactly
 # the MAX vector's head: finite max, -finite min, largest finite norm, non-finite, refused
 # and the lowest (as -rank) and highest rank whose own gradients held NaN/Inf before DDP's
 # all-reduce (``replicas.NonFiniteOrigin``)
-# and whether any rank's ``extra_skip`` is set (a batch a rollback quarantined)
-M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_ORIGIN_LOW, M_ORIGIN_HIGH, M_SKIP, M_HEAD = range(9)
+# and whether any rank's ``extra_skip`` is set (a batch a rollback quarantined), and the
+# largest norm of a rank's own gradients before that reduction
+(M_FMAX, M_FMIN, M_SCALE, M_BAD, M_ERROR, M_ORIGIN_LOW, M_ORIGIN_HIGH, M_SKIP, M_OWN,
+ M_HEAD) = range(10)
 # the SUM vector's head: the counts, then the moments and the loss
 SUM_COUNTS = ("numel", "nan_count", "posinf_count", "neginf_count", "zero_count",
               "overflow_count", "underflow_count")
-S_NF, S_MEAN, S_M2, S_NORM, S_LOSS, S_LOSSES, S_ORIGINS = range(len(SUM_COUNTS),
-                                                               len(SUM_COUNTS) + 7)
-S_HEAD = S_ORIGINS + 1
+# ... and of the ranks' own gradient norms: the sum of those below the largest, how many
+# ranks measured one, how many stand at the largest and the sum of those ranks
+(S_NF, S_MEAN, S_M2, S_NORM, S_LOSS, S_LOSSES, S_ORIGINS, S_OWN, S_OWNS, S_TOP,
+ S_TOP_RANK) = range(len(SUM_COUNTS), len(SUM_COUNTS) + 11)
+S_HEAD = S_TOP_RANK + 1
 _LOW, _MID = 2**26 - 1, 2**26  # the fingerprint's pieces of a float64's bits
 _NEG = float("-inf")
 RANKS = 2.0**20  # the representative's key: NaN/Inf count * RANKS + (RANKS - 1 - rank)
@@ -201,8 +206,13 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     ``loss_mean``, the mean of every rank's ``extra_loss``, and ``origin_rank`` and
     ``origin_count``: the lowest rank whose ``origin`` flag was set (its own gradients held
     NaN/Inf before the data-parallel reduction; NaN for none) and how many were,
-    ``skip_any``: whether any rank's ``extra_skip`` is set, and ``replica_odd``: whether this
-    rank is one that ``replica_mismatch`` counts, for ``flagged_ranks``)."""
+    ``own_ratio`` and ``own_rank``: the largest norm of a rank's own gradients before that
+    reduction over the mean of the other ranks', and that rank (NaN where fewer than two
+    ranks measured one, or several share the largest), ``skip_any``: whether any rank's
+    ``extra_skip`` is set, and ``replica_odd``: whether this rank is one that
+    ``replica_mismatch`` counts, for ``flagged_ranks``). ``origin``: what
+    ``replicas.NonFiniteOrigin.take`` gives (its NaN/Inf flag, its sum of squares), or a
+    0-dim flag alone."""
     check_group(process_group)
     views = [local_view(g) for g in grads]
     local = [v for v, _ in views]
@@ -241,9 +251,22 @@ def global_table(grads: list[torch.Tensor], names: list[str], backend: str | Non
     check["origin_rank"] = torch.where(torch.isinf(top[M_ORIGIN_LOW]), float("nan"),
                                        -top[M_ORIGIN_LOW])
     check["origin_count"] = add[S_ORIGINS]
+    check["own_ratio"], check["own_rank"] = _own(top, add)
     check["skip_any"] = top[M_SKIP] > 0
     check["replica_odd"] = part.odd(top, add)
     return torch.cat([table[:-1], total[None]]), check
+
+
+def _own(top: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the largest of the ranks' own gradient norms over the mean of the others', the rank
+    that holds it), from the reductions; NaN where fewer than two ranks measured a finite
+    norm, the others' mean is 0, or several ranks share the largest (no rank named)."""
+    below, largest = add[S_OWNS] - add[S_TOP], top[M_OWN]
+    others = add[S_OWN] / below.clamp(min=1)
+    ratio = torch.where((below >= 1) & (others > 0) & torch.isfinite(largest),
+                        largest / others.clamp(min=torch.finfo(torch.float64).tiny), math.nan)
+    rank = torch.where(add[S_TOP] == 1, add[S_TOP_RANK], math.nan)
+    return ratio, torch.where(torch.isnan(ratio), math.nan, rank)
 
 
 class _Part:
@@ -255,7 +278,10 @@ class _Part:
                  origin: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> None:
         self.table, self.slot, self.own, self.sets, self.rank, self.dev = (
             table, slot, own, sets, rank, dev)
-        self.origin = None if origin is None else origin.to(dev).reshape(())
+        seen = None if origin is None else origin.to(dev, torch.float64).reshape(-1)
+        self.origin = None if seen is None else seen[0] > 0
+        # this rank's own gradient norm before the reduction (NaN/Inf: not compared)
+        self.own_norm = None if seen is None or seen.numel() < 2 else seen[1].sqrt()
         self.skip = None if skip is None else skip.to(dev).reshape(())
         if table is None:
             return
@@ -285,6 +311,8 @@ class _Part:
                 torch.where(self.origin, self.rank, _NEG)]).double()
         if self.skip is not None:
             top[M_SKIP] = self.skip.double()
+        if self.own_norm is not None:
+            top[M_OWN] = torch.where(torch.isfinite(self.own_norm), self.own_norm, _NEG)
         if self.table is None:
             top[M_BAD] = top[M_ERROR] = 1.0
             return top
@@ -309,6 +337,13 @@ class _Part:
                 torch.ones((), dtype=torch.float64, device=self.dev)])
         if self.origin is not None:
             add[S_ORIGINS] = self.origin.double()
+        if self.own_norm is not None:
+            mine = self.own_norm
+            fine = torch.isfinite(mine)
+            top_here = (fine & (mine == top[M_OWN])).double()
+            add[S_OWN:S_TOP_RANK + 1] = torch.stack([
+                torch.where(fine & (top_here == 0), mine, 0.0), fine.double(), top_here,
+                top_here * self.rank])  # the others' sum without the largest: no cancellation
         if self.table is None:
             return add
         weight = torch.ones(2, dtype=torch.float64, device=self.dev)  # the plain row's: 1, 0

@@ -106,28 +106,40 @@ def compare_replicas(checksums: torch.Tensor, process_group: Any, replica_group:
 
 
 class NonFiniteOrigin:
-    """Notes whether this rank's own gradients held NaN/Inf before the data-parallel reduction
-    spreads them to every rank: under DDP a communication hook (then each bucket all-reduced as
-    DDP's default hook does), under FSDP2/HSDP a reduce-scatter that looks at its input (then
-    reduce-scatters as FSDP2's default does). ``take()`` gives the flag of the reductions since
-    the last take (a 0-dim bool tensor on the device, no sync; None when none ran) and resets
-    it; the Monitor passes it to the step's collectives, which name the lowest such rank."""
+    """Notes what this rank's own gradients were before the data-parallel reduction averages
+    them into every rank's: whether they held NaN/Inf, and their norm. Under DDP a
+    communication hook (then each bucket all-reduced as DDP's default hook does), under
+    FSDP2/HSDP a reduce-scatter that looks at its input (then reduce-scatters as FSDP2's
+    default does). ``take()`` gives what the reductions since the last take saw, as a float64
+    tensor on the device (no sync; None when none ran): [NaN/Inf seen (0 or 1), the sum of
+    the squares of the gradients], and starts again. The Monitor passes it to the step's
+    collectives, which name the lowest rank that saw NaN/Inf and the rank whose own gradients
+    stand far above the others' (``distributed.global_table``: silent data corruption in that
+    rank's arithmetic, averaged into every replica by the reduction)."""
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
         self.flag: torch.Tensor | None = None
+        self.squares: torch.Tensor | None = None
 
     def note(self, buffer: torch.Tensor) -> None:
-        """One bucket's flat gradients, before the reduction: NaN/Inf in any of them."""
+        """One bucket's flat gradients, before the reduction: NaN/Inf in any of them, and the
+        sum of their squares (in float64: a value that overflows its dtype's square is still
+        measured)."""
         bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))  # no copy
+        sq = torch.linalg.vector_norm(buffer, 2, dtype=torch.float64).square()
         self.flag = bad if self.flag is None else self.flag | bad
+        self.squares = sq if self.squares is None else self.squares + sq
 
     def take(self) -> torch.Tensor | None:
-        flag, self.flag = self.flag, None
-        if flag is not None and flag.is_cuda:
-            # FSDP2 notes on its reduce-scatter stream; the flag is read on this one
-            flag.record_stream(torch.cuda.current_stream(flag.device))
-        return flag
+        flag, squares, self.flag, self.squares = self.flag, self.squares, None, None
+        if flag is None or squares is None:
+            return None
+        if flag.is_cuda:
+            # FSDP2 notes on its reduce-scatter stream; what it saw is read on this one
+            for t in (flag, squares):
+                t.record_stream(torch.cuda.current_stream(t.device))
+        return torch.stack([flag.double(), squares])
 
     @classmethod
     def attach(cls, model: Any, process_group: Any) -> NonFiniteOrigin | None:

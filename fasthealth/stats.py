@@ -234,6 +234,10 @@ class MultiTensorStats:
         # held NaN/Inf before the all-reduce (NaN: none), and how many did
         self.origin_rank: torch.Tensor | None = None
         self.origin_count: torch.Tensor | None = None
+        # ... and the largest norm of a rank's own gradients before it over the others' mean,
+        # and that rank (NaN: not measured, or no rank alone at the largest)
+        self.own_ratio: torch.Tensor | None = None
+        self.own_rank: torch.Tensor | None = None
         self.skip_any: torch.Tensor | None = None  # any rank's batch quarantined (rollback)
 
     @property

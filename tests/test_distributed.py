@@ -7,6 +7,8 @@ hand-written tensor parallelism with `replica_group=False`; replicas that disagr
 and named (a `replica_divergence` event); a bad input on one rank raises there and leaves no rank
 waiting."""
 
+import math
+
 import pytest
 import ranks
 import torch
@@ -314,6 +316,46 @@ def _nan_origin(rank, world):
     _origin_named(mon, 2, world - 1)
 
 
+def _sdc(rank, world):
+    """Silent data corruption on one rank: the top exponent bit of one element of the
+    gradient its second linear layer hands back (the backward's matmul output, below 1: 2^128
+    times it stays finite) flipped at steps 10, 20 and 30 (``fasthealth.faults.BitFlip``, as a
+    GPU's faulty multiply would). The loss does not see it; the first layer's gradients are
+    finite and wrong, averaged into every replica by
+    DDP. Every rank's Monitor names that rank at each of those steps (its own gradients before
+    the reduction, against the others'), a notice twice and then an alarm; no other step
+    names a rank (the ranks' batches differ)."""
+    from fasthealth.faults import BitFlip
+
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(ddp, opt, process_group=dist.group.WORLD, flush_every=10,
+                     max_grad_norm=1.0)
+    bad = world - 1
+    flips = [BitFlip(model[2], at=t, bit=30, where="grad_input", seed=t)
+             for t in (10, 20, 30)] if rank == bad \
+        else []
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(40):
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), x[:, :3] * 2)
+        loss.backward()
+        mon.step(loss)
+    mon.close()
+    assert all(f.flipped is not None and 1e30 < abs(f.flipped[3]) < math.inf for f in flips), \
+        [f.flipped for f in flips]
+    ev = [e for e in mon.events if e.kind == "sdc_suspect"]
+    # the second naming, in the incident the first opened, is counted on the first's event
+    assert [(e.step, e.severity, e.details["rank"], e.details["times"], e.repeats, e.last_step)
+            for e in ev] == [(10, "notice", bad, 1, 1, 20), (30, "alarm", bad, 3, 0, None)], \
+        [(e.step, e.severity, e.details["rank"], e.details["times"], e.repeats, e.last_step)
+         for e in ev]
+    assert all(e.details["ratio"] > 1e20 for e in ev), [e.details for e in ev]
+    assert "take its GPU out of the job" in ev[-1].message
+
+
 def _origin_named(mon, step, rank):
     """The Monitor's one ``nonfinite_grad`` event is at ``step`` and names ``rank``."""
     ev = [e for e in mon.events if e.kind == "nonfinite_grad"]
@@ -426,7 +468,7 @@ def _hsdp_weights(rank, world):
 def _scenario(rank, world, scenario):
     {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
      "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
-     "nan_origin": _nan_origin, "rollback": _rollback,
+     "nan_origin": _nan_origin, "rollback": _rollback, "sdc": _sdc,
      "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin, "alike": _alike,
      "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
 
@@ -452,6 +494,35 @@ def test_fsdp2(world):
 @pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
 def test_hsdp_weights_compared_across_the_replicate_dimension():
     run(4, "hsdp_weights")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_whose_own_gradients_a_flipped_bit_corrupted_is_named(world):
+    run(world, "sdc")
+
+
+def test_the_largest_rank_over_the_others_mean_from_the_two_reductions():
+    """``own_ratio``, ``own_rank`` from the MAX and SUM vectors: the others' mean is summed
+    without the largest (no cancellation at 1e38), no rank is named on a tie or with fewer
+    than two ranks measured, and a zero mean of the others names none."""
+    from fasthealth import distributed as D
+
+    def reduced(norms):
+        top = torch.full((D.M_HEAD,), float("-inf"), dtype=torch.float64)
+        add = torch.zeros(D.S_HEAD, dtype=torch.float64)
+        top[D.M_OWN] = max(norms)
+        at_top = [r for r, v in enumerate(norms) if v == max(norms)]
+        add[D.S_OWN] = sum(v for v in norms if v != max(norms))
+        add[D.S_OWNS], add[D.S_TOP], add[D.S_TOP_RANK] = len(norms), len(at_top), sum(at_top)
+        return [float(v) for v in D._own(top, add)]
+
+    assert reduced([1.0, 2.0, 1.5e38, 3.0]) == [1.5e38 / 2.0, 2.0]
+    assert reduced([1.0, 4.0]) == [4.0, 1.0]
+    ratio, rank = reduced([4.0, 1.0, 4.0])
+    assert ratio == 4.0 and math.isnan(rank)  # a tie: measured, no rank named
+    assert all(math.isnan(v) for v in reduced([5.0]))
+    assert all(math.isnan(v) for v in reduced([0.0, 0.0, 7.0]))
 
 
 @pytest.mark.slow

@@ -180,6 +180,10 @@ register(
          "became NaN, or dropped 8x in 10 steps", "activations beyond float16's range "
          "(`fh.ActivationMonitor(model, range_dtype=torch.float16)`), or train in bfloat16",
          "#1f77b4", explained_by=NONFINITE | GRADIENT, cause="numeric_range"),
+    Kind("sdc_suspect", "a rank's own gradients far above the other ranks' before they were "
+         "averaged (named; an alarm once the same rank is named again and again)",
+         "that rank's GPU (silent data corruption: ECC and error logs), then its batch",
+         "#9c9ede", severity=NOTICE, cause="outside"),
     Kind("replica_divergence", "ranks that should hold the same gradients do not (named)",
          "those ranks' hardware (ECC errors, a failing GPU), then whether every rank runs the "
          "same code and data order", "#e7ba52", cause="outside"),

@@ -173,6 +173,8 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
     if stats.origin_count is not None and stats.origin_rank is not None:  # under DDP
         scalars["nonfinite_origin_rank"] = stats.origin_rank.to(mon.device, torch.float64)
         scalars["nonfinite_origins"] = stats.origin_count.to(mon.device, torch.float64)
+        if stats.own_ratio is not None and stats.own_rank is not None:
+            scalars["own_grad_ratio"], scalars["own_grad_rank"] = stats.own_ratio, stats.own_rank
     if spike is not None:
         scalars["spike_skip"], z = spike
         scalars["skip_z_loss"], scalars["skip_z_grad_norm"] = z[0], z[1]

@@ -54,6 +54,11 @@ FIELDS: tuple[Field, ...] = (
           "model"),
     Field("nonfinite_origins", COUNT, "how many ranks' own gradients did",
           "with a process_group and a DDP or FSDP2 model"),
+    Field("own_grad_ratio", FLOAT, "the largest norm of a rank's own gradients before they "
+          "were reduced over the mean of the other ranks' (NaN: not measured)",
+          "with a process_group and a DDP or FSDP2 model"),
+    Field("own_grad_rank", FLOAT, "the rank whose own gradients had that norm (NaN: none "
+          "alone)", "with a process_group and a DDP or FSDP2 model"),
     Field("weight_replica_mismatch", COUNT, "ranks whose parameters differ from their "
           "replicas' after the step", "with a process_group, once per flush"),
     Field("weight_replica_rank", FLOAT, "the lowest rank named among them (NaN: none named)",

@@ -23,6 +23,7 @@ from .nonfinite import NonFiniteGrad, NonFiniteLoss
 from .optimizer_state import OptimizerState
 from .oscillation import Oscillation
 from .overflow_streak import OverflowStreak
+from .own_grads import OwnGrads
 from .repeated_batch import RepeatedBatch
 from .replica import ReplicaDivergence
 from .spike import Spike
@@ -34,7 +35,7 @@ from .weight_corruption import WeightCorruption
 
 RULES: list[type[Rule]] = [
     NonFiniteLoss, NonFiniteGrad, Spike, Divergence, LevelShift, GradNormTrend, LRJump, Oscillation,
-    Vanishing, TensorNorm, Stall, OptimizerState, ReplicaDivergence, LossScale,
+    Vanishing, TensorNorm, Stall, OptimizerState, ReplicaDivergence, OwnGrads, LossScale,
     AdamEps, UpdateRatio, LogitGrowth, NoGrad, WeightCorruption, RepeatedBatch, OverflowStreak,
 ]
 
