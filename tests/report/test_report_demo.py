@@ -43,8 +43,8 @@ def test_report_from_a_monitor_log(tmp_path):
     assert bad.returncode == 2 and "not found" in bad.stdout
 
 
-NOT_PLANTED = {"replica_divergence", "stall", "precursor_adam_eps", "precursor_logit_growth",
-               "precursor_attention_logits"}
+NOT_PLANTED = {"replica_divergence", "sdc_suspect", "stall", "precursor_adam_eps",
+               "precursor_logit_growth", "precursor_attention_logits"}
 
 
 @pytest.mark.slow
@@ -63,8 +63,9 @@ def test_demo_catches_every_planted_fault(tmp_path):
     assert len(dumps) == 12
     fired = {json.loads(s)["kind"]
              for s in (run_of(tmp_path) / "events.jsonl").read_text().splitlines()}
-    # every detector fired but those the demo does not plant: replicas need a process group
-    # (tests/test_distributed.py), the stall and three precursors models of their own
+    # every detector fired but those the demo does not plant: replicas and a rank's own
+    # gradients need a process group (tests/test_distributed.py), the stall and three
+    # precursors models of their own
     # (evaluation/tests/test_eval_detectors.py, tests/monitor/test_act.py)
     assert set(kinds.KINDS) - NOT_PLANTED <= fired
 
