@@ -316,7 +316,7 @@ def _nan_origin(rank, world):
     _origin_named(mon, 2, world - 1)
 
 
-def _sdc(rank, world):
+def _sdc(rank, world, skip=False):
     """Silent data corruption on one rank: the top exponent bit of one element of the
     gradient its second linear layer hands back (the backward's matmul output, below 1: 2^128
     times it stays finite) flipped at steps 10, 20 and 30 (``fasthealth.faults.BitFlip``, as a
@@ -324,26 +324,36 @@ def _sdc(rank, world):
     finite and wrong, averaged into every replica by
     DDP. Every rank's Monitor names that rank at each of those steps (its own gradients before
     the reduction, against the others'), a notice twice and then an alarm; no other step
-    names a rank (the ranks' batches differ)."""
+    names a rank (the ranks' batches differ). With ``on_spike="skip"`` those steps are
+    skipped on every rank (at step 10 the device spike rule's window is not armed yet: the
+    skip is the own-gradient test's), and the replicas stay equal."""
     from fasthealth.faults import BitFlip
 
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     mon = fh.Monitor(ddp, opt, process_group=dist.group.WORLD, flush_every=10,
-                     max_grad_norm=1.0)
+                     max_grad_norm=1.0, on_spike="skip" if skip else "warn")
     bad = world - 1
     flips = [BitFlip(model[2], at=t, bit=30, where="grad_input", seed=t)
              for t in (10, 20, 30)] if rank == bad \
         else []
     g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(40):
+    skipped = []
+    for t in range(40):
         x = torch.randn(8, 16, generator=g)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), x[:, :3] * 2)
         loss.backward()
-        mon.step(loss)
+        if mon.step(loss).skip.item():
+            skipped.append(t)
     mon.close()
+    assert skipped == ([10, 20, 30] if skip else []), (rank, skipped)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], t) for t in gathered), "replicas diverged"
+    assert bool(torch.isfinite(flat).all()) and float(flat.abs().max()) < (10 if skip else 1e30)
     assert all(f.flipped is not None and 1e30 < abs(f.flipped[3]) < math.inf for f in flips), \
         [f.flipped for f in flips]
     ev = [e for e in mon.events if e.kind == "sdc_suspect"]
@@ -354,6 +364,7 @@ def _sdc(rank, world):
          for e in ev]
     assert all(e.details["ratio"] > 1e20 for e in ev), [e.details for e in ev]
     assert "take its GPU out of the job" in ev[-1].message
+    assert ("skipped on every rank" in ev[0].message) == skip
 
 
 def _origin_named(mon, step, rank):
@@ -469,6 +480,7 @@ def _scenario(rank, world, scenario):
     {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
      "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
      "nan_origin": _nan_origin, "rollback": _rollback, "sdc": _sdc,
+     "sdc_skip": lambda r, w: _sdc(r, w, skip=True),
      "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin, "alike": _alike,
      "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
 
@@ -500,6 +512,11 @@ def test_hsdp_weights_compared_across_the_replicate_dimension():
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_whose_own_gradients_a_flipped_bit_corrupted_is_named(world):
     run(world, "sdc")
+
+
+@pytest.mark.slow
+def test_the_step_a_flipped_bit_corrupted_is_skipped_on_every_rank():
+    run(4, "sdc_skip")
 
 
 def test_the_largest_rank_over_the_others_mean_from_the_two_reductions():

@@ -19,7 +19,6 @@ the JSONL logs, TensorBoard and a dump per incident.
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import time
 import warnings
@@ -56,15 +55,16 @@ from .options import check_options, loss_value, refuse_misuse
 from .precursors import PrecursorProbe
 from .record import (
     DeviceRecord,
+    across_ranks,
     loss_scale,
     optimizer_nonfinite,
-    or_nan,
     rng_state,
     step_host,
 )
 from .rollback import Rollback
 from .rules import Context, Rule
 from .rules import build as build_rules
+from .rules.own_grads import OwnGrads
 from .runs import writer_root
 from .scans import AlikeRanks, Scans
 from .schedule import ScheduleSource, ScheduleView
@@ -132,6 +132,10 @@ def _step_inputs(mon: Monitor, model: torch.nn.Module, process_group: Any) -> No
     mon._origin = None if process_group is None else NonFiniteOrigin.attach(model,
                                                                             process_group)
     mon._alike = AlikeRanks(process_group)
+    # on_spike="skip": a step whose average holds a rank's far outlying gradients is skipped
+    # on every rank too, at the ratio that names the rank (rules/own_grads.py)
+    mon._own_skip = next((r.config.ratio for r in mon.detectors if isinstance(r, OwnGrads)),
+                         None) if mon.on_spike == "skip" and mon._origin is not None else None
 
 
 def _gradients(mon: Monitor) -> tuple[list[torch.Tensor], list[int], list[str]]:
@@ -162,19 +166,7 @@ def _measured(mon: Monitor, t: int, loss_d: torch.Tensor, loss_ok: torch.Tensor,
         scalars["loss_scale"] = loss_scale(mon.scaler, mon.device)
     if (count := mon._scan_optimizer(t)) is not None:
         scalars["optimizer_nonfinite"] = count
-    if stats.replica_mismatch is not None:
-        scalars["replica_mismatch"] = stats.replica_mismatch.to(mon.device, torch.float64)
-        scalars["replica_mismatch_mask"] = or_nan(stats.replica_mismatch_mask, mon.device)
-        if stats.replica_named is not None and stats.replica_named.numel():
-            named = stats.replica_named.to(mon.device).nan_to_num(math.inf).min()
-            scalars["replica_mismatch_rank"] = torch.where(named.isinf(), math.nan, named)
-        if stats.replica_odd is not None:
-            scalars["replica_odd"] = stats.replica_odd.to(mon.device, torch.float64)
-    if stats.origin_count is not None and stats.origin_rank is not None:  # under DDP
-        scalars["nonfinite_origin_rank"] = stats.origin_rank.to(mon.device, torch.float64)
-        scalars["nonfinite_origins"] = stats.origin_count.to(mon.device, torch.float64)
-        if stats.own_ratio is not None and stats.own_rank is not None:
-            scalars["own_grad_ratio"], scalars["own_grad_rank"] = stats.own_ratio, stats.own_rank
+    scalars.update(across_ranks(stats, mon.device))
     if spike is not None:
         scalars["spike_skip"], z = spike
         scalars["skip_z_loss"], scalars["skip_z_grad_norm"] = z[0], z[1]
@@ -226,6 +218,7 @@ class Monitor(LongRun):
     averaged_state: list[tuple[str, torch.Tensor]]  # _step_inputs: the averaged models'
     schedule: ScheduleSource  # _step_inputs: the step's rate and the scheduler's
     _restarts: ScheduleView  # _step_inputs: the skip rule re-arms at a restart
+    _own_skip: float | None  # _step_inputs: the own-gradient ratio that skips a step
 
     def __init__(
         self,
@@ -371,6 +364,9 @@ class Monitor(LongRun):
         skip = spike[0] if spike is not None else None  # what skips beside non-finite values
         if held is not None:
             skip = held if skip is None else skip | held
+        if self._own_skip is not None and stats.own_ratio is not None:  # a rank's GPU's fault
+            own = (stats.own_ratio >= self._own_skip).to(self.device)  # NaN: not measured
+            skip = own if skip is None else skip | own
         decided = nonfinite_gate if skip is None else nonfinite_gate | skip
         skipped = self._act(t, grads, table, decided, take_step)
         if self.buffer_guard is not None:

@@ -222,6 +222,28 @@ def optimizer_nonfinite(optimizer: Any, names_by_id: dict[int, str], grad_pass: 
     return total[COL["nan_count"]] + total[COL["inf_count"]], stats
 
 
+def across_ranks(stats: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The record's fields that the step's collectives gave (``MultiTensorStats`` of a process
+    group): the replicas that disagree, the rank where a NaN was made, the rank whose own
+    gradients stood largest; {} without a process group."""
+    out: dict[str, torch.Tensor] = {}
+    if stats.replica_mismatch is not None:
+        out["replica_mismatch"] = stats.replica_mismatch.to(device, torch.float64)
+        out["replica_mismatch_mask"] = or_nan(stats.replica_mismatch_mask, device)
+        if stats.replica_named is not None and stats.replica_named.numel():
+            named = stats.replica_named.to(device).nan_to_num(math.inf).min()
+            out["replica_mismatch_rank"] = torch.where(named.isinf(), math.nan, named)
+        if stats.replica_odd is not None:
+            out["replica_odd"] = stats.replica_odd.to(device, torch.float64)
+    if stats.origin_count is not None and stats.origin_rank is not None:  # under DDP, FSDP2
+        out["nonfinite_origin_rank"] = stats.origin_rank.to(device, torch.float64)
+        out["nonfinite_origins"] = stats.origin_count.to(device, torch.float64)
+        if stats.own_ratio is not None and stats.own_rank is not None:
+            out["own_grad_ratio"] = stats.own_ratio.to(device, torch.float64)
+            out["own_grad_rank"] = stats.own_rank.to(device, torch.float64)
+    return out
+
+
 def or_nan(x: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """``x`` as a float64 0-dim tensor on ``device``; NaN (not measured) when None."""
     if x is None:

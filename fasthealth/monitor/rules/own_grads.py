@@ -12,7 +12,9 @@ harm a run are those a flipped top exponent bit makes 2^128 times larger (of a f
 bfloat16 value below 2: most activations and gradients), whose rank then stands 1e20 and more
 above the others. ``OwnGradsConfig.ratio`` sits far above the first and far below the second.
 
-The first time a rank is named, a notice (the step it made may have been clipped away); the
+With ``on_spike="skip"`` the step the rank corrupted is skipped on every rank, on the device
+(``Monitor``: the average never reaches the weights or the optimizer's moments). The first time
+a rank is named, a notice (the step it made may have been clipped away or skipped); the
 ``repeat``-th time the same rank is named in a run, an alarm that says to take that GPU out
 of the job. ``named`` counts each rank's namings (the state)."""
 
@@ -22,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ..record import StepRecord
-from .base import Finding, Rule
+from .base import Finding, Rule, skipped
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class OwnGrads(Rule[OwnGradsConfig]):
         else:
             advice = (". Check first: that rank's hardware (silent data corruption: a flipped "
                       "bit in a matmul; the GPU's ECC and error logs), then that rank's batch")
+        if skipped(s):
+            what += " (the step was skipped on every rank)"
         return [Finding("sdc_suspect", what + advice,
                         {"rank": r, "ratio": ratio, "times": n},
                         severity="alarm" if again else None)]
