@@ -4,6 +4,7 @@ the alarms, and the judge counts a flip harmful against its healthy twin's seed 
 import math
 
 import eval_sdc as E
+import pytest
 
 
 def test_a_flip_is_planted_at_its_step_and_a_harmful_one_judged_so():
@@ -33,3 +34,23 @@ def test_the_judge_on_made_up_runs():
     res = E.judge(runs)
     assert res["totals"] == {"flips": 4, "harmful": 2, "harmful_caught": 1, "benign_alarmed": 1,
                              "healthy_runs": 2, "healthy_alarms": 0}
+
+
+def test_the_ranks_judge_on_made_up_runs():
+    """eval_sdc_ranks: a flip is named by an sdc_suspect at its step naming the bad rank, or by
+    the non-finite gradients' origin there; a naming of another rank or step is misnamed."""
+    import eval_sdc_ranks as R
+
+    def r(seed, site, bit, z, end, sdc=(), origin=()):
+        return {"seed": seed, "site": site, "bit": bit, "effect_z": z, "end": end,
+                "sdc": list(sdc), "origin": list(origin)}
+    at, bad = R.AT, R.BAD
+    runs = [r(0, None, None, 0.1, 1.0), r(1, None, None, 0.1, 1.1),
+            r(0, "grad_input", 30, 0.3, 1.5, sdc=[(at, "notice", bad, 1e35)]),  # harmful, named
+            r(0, "forward", 30, 1e9, 1.0, origin=[(at, bad)]),  # non-finite: named by its origin
+            r(0, "forward", 22, 0.2, 1.05, sdc=[(at + 3, "notice", 0, 2e4)]),  # benign, misnamed
+            r(0, "grad_input", 29, 0.2, 1.0, sdc=[(at, "notice", bad, 5e4)])]  # benign, named
+    res = R.judge(runs)
+    assert res["seed_gap"] == pytest.approx(0.1)
+    assert res["totals"] == {"flips": 4, "harmful": 2, "harmful_named": 2, "benign_named": 1,
+                             "misnamed": 1, "healthy_runs": 2, "healthy_sdc_events": 0}
