@@ -30,5 +30,7 @@ def test_through_the_trainer_recurring_samples_leave_their_batches_not_the_steps
     where the watch found a culprit in the step's own batch), not a step lost per batch."""
     r = E.run("hf_digits_mlp_adamw", "recurring", 0)
     assert r.planted == 60 and r.rollbacks and r.rollbacks[0][2] == "batch", r
-    assert r.quarantined_bad == r.quarantined >= 30, r
-    assert r.quarantine_skips <= 10, r
+    assert r.quarantined_bad == r.quarantined >= 50, r  # the pulls find the culprits
+    # a step skipped where the watch finds a culprit in its own batch (11 here: the watch
+    # finds more with the pulls), not one per batch that holds a quarantined sample (330)
+    assert r.quarantine_skips <= 20, r
