@@ -124,11 +124,15 @@ class NonFiniteOrigin:
 
     def note(self, buffer: torch.Tensor) -> None:
         """One bucket's flat gradients, before the reduction: NaN/Inf in any of them, and the
-        sum of their squares (in float64: a value that overflows its dtype's square is still
-        measured)."""
-        bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))  # no copy
-        sq = torch.linalg.vector_norm(buffer, 2, dtype=torch.float64).square()
+        square of their norm, added up in float64. Two reductions in the bucket's own dtype,
+        no copy; where the sum of squares overflows that dtype (a corrupted element of 1e36),
+        the largest element stands for the norm: a lower bound, far above any healthy rank's."""
+        amax = torch.linalg.vector_norm(buffer, float("inf"))
+        bad = ~torch.isfinite(amax)
+        norm = torch.linalg.vector_norm(buffer, 2)
+        norm = torch.where(torch.isinf(norm) & ~bad, amax, norm).double()
         self.flag = bad if self.flag is None else self.flag | bad
+        sq = norm.square()
         self.squares = sq if self.squares is None else self.squares + sq
 
     def take(self) -> torch.Tensor | None:

@@ -542,6 +542,26 @@ def test_the_largest_rank_over_the_others_mean_from_the_two_reductions():
     assert all(math.isnan(v) for v in reduced([0.0, 0.0, 7.0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_ranks_own_norm_is_measured_where_its_square_overflows(dtype):
+    """``NonFiniteOrigin.note``: the buckets' squared norms add up in float64; a bucket whose
+    sum of squares overflows its dtype (an element of 1.5e36) counts its largest element as its
+    norm (a lower bound), and a bucket with NaN is flagged and leaves the norm NaN."""
+    from fasthealth.replicas import NonFiniteOrigin
+
+    o = NonFiniteOrigin()
+    big = torch.ones(1000, dtype=dtype)
+    big[3] = 1.5e36
+    o.note(big)
+    o.note(torch.full((4,), 2.0, dtype=dtype))
+    flag, squares = o.take().tolist()
+    assert flag == 0 and squares == pytest.approx(float(big[3]) ** 2 + 16, rel=1e-6)
+    assert o.take() is None  # taken: starts again
+    o.note(torch.tensor([float("nan"), 1.0], dtype=dtype))
+    flag, squares = o.take().tolist()
+    assert flag == 1 and math.isnan(squares)
+
+
 @pytest.mark.slow
 def test_several_ranks_differing_alike_are_named():
     run(5, "alike")
