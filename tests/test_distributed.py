@@ -448,6 +448,38 @@ def _fsdp_nan_origin(rank, world, hsdp=False):
     _origin_named(mon, 2, bad)
 
 
+def _fsdp_sdc(rank, world, hsdp=False):
+    """FSDP2, or HSDP (2 replicas x 2 shards): the top exponent bit of one element of the
+    gradient the second linear layer hands back flipped on one rank at step 6; the watching
+    reduce-scatter measured that rank's own unsharded gradients, and every rank names it."""
+    from fasthealth.faults import BitFlip
+
+    model = make_model()
+    mesh = None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    flip = BitFlip(model[2], at=6, bit=30, where="grad_input", seed=6) if rank == 1 else None
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = fh.Monitor(model, opt, process_group=dist.group.WORLD, flush_every=4,
+                     max_grad_norm=1.0)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(12):
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), x[:, :3] * 2)
+        loss.backward()
+        mon.step(loss)
+    mon.close()
+    assert flip is None or (flip.flipped is not None and abs(flip.flipped[3]) > 1e30), flip
+    ev = [(e.step, e.details["rank"]) for e in mon.events if e.kind == "sdc_suspect"]
+    assert ev == [(6, 1)], [(e.step, e.kind, e.details) for e in mon.events]
+
+
 def _hsdp_weights(rank, world):
     """HSDP (2 replicas x 2 shards): a bit flipped in one rank's shard of a weight leaves the
     reduced gradients alike, and the comparison of the parameters across the replicate
@@ -480,7 +512,8 @@ def _scenario(rank, world, scenario):
     {"ddp": _ddp, "fsdp": _fsdp, "stages": _stages, "bad_input": _bad_input,
      "monitor_divergence": _monitor_divergence, "spike_skip": _spike_skip,
      "nan_origin": _nan_origin, "rollback": _rollback, "sdc": _sdc,
-     "sdc_skip": lambda r, w: _sdc(r, w, skip=True),
+     "sdc_skip": lambda r, w: _sdc(r, w, skip=True), "fsdp_sdc": _fsdp_sdc,
+     "hsdp_sdc": lambda r, w: _fsdp_sdc(r, w, hsdp=True),
      "hsdp_weights": _hsdp_weights, "fsdp_nan_origin": _fsdp_nan_origin, "alike": _alike,
      "hsdp_nan_origin": lambda r, w: _fsdp_nan_origin(r, w, hsdp=True)}[scenario](rank, world)
 
@@ -517,6 +550,13 @@ def test_a_rank_whose_own_gradients_a_flipped_bit_corrupted_is_named(world):
 @pytest.mark.slow
 def test_the_step_a_flipped_bit_corrupted_is_skipped_on_every_rank():
     run(4, "sdc_skip")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fully_shard is None, reason="this torch has no FSDP2 (fully_shard)")
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_a_flipped_bits_rank_is_named_under_fsdp2(layout):
+    run(4, f"{layout}_sdc")
 
 
 def test_the_largest_rank_over_the_others_mean_from_the_two_reductions():
