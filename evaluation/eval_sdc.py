@@ -147,20 +147,29 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[-1]
         print(f"[{k + 1}/{len(plan)}] {r['model']} seed {r['seed']} {r['site']} bit {r['bit']}:"
               f" z {r['effect_z']:.3g} end {r['end']:.4g} alarms {r['alarms']}", flush=True)
-    res = judge(runs)
+    report(judge(runs), runs, RESULTS / "sdc.json" if a.record else None, __doc__, t0,
+           steps=STEPS, at=AT, after=AFTER, seeds=a.seeds)
+    return 0
+
+
+def report(res: dict, runs: list[dict], out: Path | None, doc: str | None, t0: float,
+           **settings: object) -> None:
+    """Prints ``res``'s totals and each bit's row; with ``out``, writes the entry there: what
+    (``doc``'s first paragraph), the machine, the date, the commit, ``settings``, the seconds
+    since ``t0``, the verdicts and the runs."""
     print(json.dumps(res["totals"]))
     for k, v in res["by_bit"].items():
         print(f"{k:20s} {v}")
-    if a.record:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE).stdout.strip() or None
-        entry = {"what": __doc__.split("\n\n")[0].replace("\n", " "),
-                 "machine": f"{platform.machine()}, torch {torch.__version__}",
-                 "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 "commit": commit, "steps": STEPS, "at": AT, "after": AFTER,
-                 "seeds": a.seeds, "seconds": round(time.time() - t0), **res, "runs": runs}
-        (RESULTS / "sdc.json").write_text(json.dumps(entry, indent=1) + "\n")
-    return 0
+    if out is None:
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=HERE).stdout.strip() or None
+    entry = {"what": (doc or "").split("\n\n")[0].replace("\n", " "),
+             "machine": f"{platform.machine()}, torch {torch.__version__}",
+             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+             "commit": commit, **settings, "seconds": round(time.time() - t0), **res,
+             "runs": runs}
+    out.write_text(json.dumps(entry, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,13 +30,11 @@ import argparse
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -171,20 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[-1]
         print(f"[{k + 1}/{len(plan)}] seed {r['seed']} {r['site']} bit {r['bit']}: "
               f"z {r['effect_z']:.3g} end {r['end']:.4g} sdc {r['sdc']}", flush=True)
-    res = judge(runs)
-    print(json.dumps(res["totals"]))
-    for k, v in res["by_bit"].items():
-        print(f"{k:20s} {v}")
-    if a.record:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE).stdout.strip() or None
-        entry = {"what": __doc__.split("\n\n")[0].replace("\n", " "),
-                 "machine": f"{platform.machine()}, torch {torch.__version__}",
-                 "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 "commit": commit, "world": WORLD, "bad_rank": BAD, "steps": STEPS, "at": AT,
-                 "after": AFTER, "batch_per_rank": BATCH, "seconds": round(time.time() - t0),
-                 **res, "runs": runs}
-        (RESULTS / "sdc_ranks.json").write_text(json.dumps(entry, indent=1) + "\n")
+    eval_sdc.report(judge(runs), runs, RESULTS / "sdc_ranks.json" if a.record else None,
+                    __doc__, t0, world=WORLD, bad_rank=BAD, steps=STEPS, at=AT, after=AFTER,
+                    batch_per_rank=BATCH)
     return 0
 
 
