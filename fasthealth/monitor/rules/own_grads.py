@@ -31,10 +31,10 @@ from .base import Finding, Rule, skipped
 class OwnGradsConfig:
     ratio: float = 1e4
     """A rank's own gradient norm over the mean of the other ranks': at or above this, the
-    rank is named. On 4 Gloo ranks training a 64-128-10 MLP (DDP, 16 samples a rank): healthy
-    steps 1.0-1.23; one rank's batch with random labels and its inputs scaled 10x, 100x and
-    1000x (a shard of unnormalised pixels is about 255x) 15, 164 and 1,648; the top exponent bit
-    of one element of its first layer's output flipped 1.6e37."""
+    rank is named. Far above what data can do (a rank whose inputs are a thousand times too
+    large stands about 1,600x out, so unnormalised pixels on one rank are not named) and far
+    below what a flipped top exponent bit does (1e20 and more); the figures behind it are in
+    docs/spec.md, next to the record's ``own_grad_ratio``."""
     repeat: int = 3
     """Namings of the same rank in a run that make the alarm: one flip is a cosmic ray, a GPU
     that keeps making them is failing."""
